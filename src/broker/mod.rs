@@ -1,0 +1,598 @@
+//! The routing core: subscriptions, their queues, publishing and eviction.
+//!
+//! Knows nothing of gRPC or HTTP: the `grpc` module adapts it to tonic and the
+//! `metrics` module reads its live state at scrape time.
+
+mod queue;
+mod subscription;
+
+pub use queue::CloseReason;
+pub use subscription::{Subscription, SubscriptionInfo, SubscriptionStream};
+
+use crate::config::Limits;
+use crate::sublist::Sublist;
+use crate::topic::{self, TopicPattern};
+use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
+use queue::{Push, Queue};
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Instant, SystemTime};
+use tokio_util::sync::CancellationToken;
+
+/// Most patterns one subscription may hold.
+pub const MAX_PATTERNS_PER_SUBSCRIPTION: usize = 64;
+/// Most headers one message may carry.
+pub const MAX_HEADERS: usize = 64;
+/// Longest header name or value.
+pub const MAX_HEADER_BYTES: usize = 8192;
+/// Longest subscription id or consumer group name.
+pub const MAX_NAME_BYTES: usize = 256;
+/// Evictions remembered for the Admin API.
+pub const EVICTION_HISTORY: usize = 1024;
+
+/// A message as published: shared by every subscription it fans out to.
+#[derive(Debug)]
+pub struct Published {
+    pub topic: String,
+    pub payload: Bytes,
+    pub headers: HashMap<String, String>,
+    pub sequence: u64,
+    pub publish_time: SystemTime,
+}
+
+impl Published {
+    #[cfg(test)]
+    pub(crate) fn for_test(topic: &str, sequence: u64) -> Self {
+        Self {
+            topic: topic.into(),
+            payload: Bytes::new(),
+            headers: HashMap::new(),
+            sequence,
+            publish_time: SystemTime::now(),
+        }
+    }
+}
+
+/// One message on its way to one subscriber.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub message: Arc<Published>,
+    /// 1 on first delivery, +1 on each redelivery.
+    pub attempt: u32,
+}
+
+/// What a publisher sends.
+#[derive(Debug, Default, Clone)]
+pub struct NewMessage {
+    pub topic: String,
+    pub payload: Bytes,
+    pub headers: HashMap<String, String>,
+}
+
+/// Where a published message went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishOutcome {
+    pub sequence: u64,
+    pub matched_subscriptions: u32,
+    pub matched_groups: u32,
+}
+
+/// What a subscriber asks for (mode-independent part of the request).
+#[derive(Debug, Default, Clone)]
+pub struct SubscribeRequest {
+    pub topic_patterns: Vec<String>,
+    pub subscription_id: String,
+    pub mode: DeliveryMode,
+    pub consumer_group: String,
+    pub peer: Option<SocketAddr>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryMode {
+    #[default]
+    Broadcast,
+    Group,
+}
+
+/// A refused request. The grpc layer maps each kind to its status code; the
+/// text names the bad value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BrokerError {
+    InvalidArgument(String),
+    FailedPrecondition(String),
+    AlreadyExists(String),
+    NotFound(String),
+    ResourceExhausted(String),
+    Unavailable(String),
+    Unimplemented(String),
+}
+
+impl fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (Self::InvalidArgument(m)
+        | Self::FailedPrecondition(m)
+        | Self::AlreadyExists(m)
+        | Self::NotFound(m)
+        | Self::ResourceExhausted(m)
+        | Self::Unavailable(m)
+        | Self::Unimplemented(m)) = self;
+        f.write_str(m)
+    }
+}
+
+impl std::error::Error for BrokerError {}
+
+/// One slow-consumer eviction, kept for the Admin API.
+#[derive(Debug, Clone)]
+pub struct EvictionRecord {
+    pub subscription_id: String,
+    pub evicted_at: SystemTime,
+    pub topic_patterns: Vec<String>,
+    pub queue_depth: usize,
+    pub last_delivered_sequence: u64,
+    pub peer: Option<SocketAddr>,
+}
+
+/// Lifetime counters, all plain atomics so the publish path never locks for
+/// them. Counts of live subscriptions are read from the subscriptions.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub published: AtomicU64,
+    pub unrouted: AtomicU64,
+    pub evictions: AtomicU64,
+    /// Messages handed to broadcast subscribers' streams (flushed by each
+    /// stream in batches, so it may trail the live streams by a little).
+    pub delivered_broadcast: AtomicU64,
+    pub dropped_evicted: AtomicU64,
+    pub dropped_closed: AtomicU64,
+    pub discarded_on_shutdown: AtomicU64,
+}
+
+/// Handle to the broker; cheap to clone.
+#[derive(Clone)]
+pub struct Broker {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    limits: Limits,
+    /// Last sequence handed out.
+    sequence: AtomicU64,
+    /// Pattern trie of live subscriptions. Read-locked by publishers that miss
+    /// their own route cache, write-locked by subscribe/unsubscribe.
+    routes: RwLock<Sublist<Route>>,
+    /// Bumped after every change of `routes`; publishers compare it to decide
+    /// whether their cached routes are still good.
+    routes_generation: AtomicU64,
+    /// Open subscriptions by id. Never touched on the publish path.
+    subscriptions: Mutex<HashMap<Arc<str>, Arc<Subscription>>>,
+    next_key: AtomicU64,
+    /// Most recent evictions, newest last, at most [`EVICTION_HISTORY`].
+    evictions: Mutex<VecDeque<EvictionRecord>>,
+    stats: Stats,
+    /// Set when shutdown begins: new work is refused from then on.
+    draining: AtomicBool,
+    /// Cancelled when shutdown begins, so that idle publish streams end.
+    drain_signal: CancellationToken,
+    started_at: SystemTime,
+    started: Instant,
+}
+
+/// A routing target of the trie.
+#[derive(Clone)]
+pub(crate) enum Route {
+    Subscription(Arc<Subscription>),
+}
+
+/// A publisher's own memo of topic → routes, valid while the broker's route
+/// generation is unchanged. Lets a long `PublishStream` skip the shared trie
+/// (and its locks) for topics it has seen.
+#[derive(Default)]
+pub struct RouteCache {
+    generation: u64,
+    routes: HashMap<String, Arc<[Route]>>,
+}
+
+impl RouteCache {
+    const CAPACITY: usize = 256;
+}
+
+impl Broker {
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                limits,
+                sequence: AtomicU64::new(0),
+                routes: RwLock::new(Sublist::default()),
+                routes_generation: AtomicU64::new(0),
+                subscriptions: Mutex::new(HashMap::new()),
+                next_key: AtomicU64::new(1),
+                evictions: Mutex::new(VecDeque::new()),
+                stats: Stats::default(),
+                draining: AtomicBool::new(false),
+                drain_signal: CancellationToken::new(),
+                started_at: SystemTime::now(),
+                started: Instant::now(),
+            }),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.shared.limits
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.shared.stats
+    }
+
+    pub fn started_at(&self) -> SystemTime {
+        self.shared.started_at
+    }
+
+    pub fn uptime(&self) -> std::time::Duration {
+        self.shared.started.elapsed()
+    }
+
+    /// The last sequence handed out (0 before the first publish).
+    pub fn last_sequence(&self) -> u64 {
+        self.shared.sequence.load(Ordering::Relaxed)
+    }
+
+    // === publishing ===
+
+    /// Validates and routes one message to every matching subscription.
+    pub fn publish(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> Result<PublishOutcome, BrokerError> {
+        self.check_open()?;
+        self.validate_message(&message)?;
+        let routes = match cache {
+            Some(cache) => self.routes_cached(&message.topic, cache),
+            None => self.shared.routes.read().matches(&message.topic),
+        };
+        let sequence = self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        let published = Arc::new(Published {
+            topic: message.topic,
+            payload: message.payload,
+            headers: message.headers,
+            sequence,
+            publish_time: SystemTime::now(),
+        });
+        let stats = &self.shared.stats;
+        stats.published.fetch_add(1, Ordering::Relaxed);
+        if routes.is_empty() {
+            stats.unrouted.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut outcome = PublishOutcome {
+            sequence,
+            matched_subscriptions: 0,
+            matched_groups: 0,
+        };
+        for route in routes.iter() {
+            match route {
+                Route::Subscription(sub) => {
+                    let delivery = Delivery {
+                        message: published.clone(),
+                        attempt: 1,
+                    };
+                    match sub.queue.push(delivery) {
+                        Push::Queued => outcome.matched_subscriptions += 1,
+                        Push::Full { depth } => self.evict(sub, depth),
+                        Push::Closed => {}
+                    }
+                }
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn routes_cached(&self, topic: &str, cache: &mut RouteCache) -> Arc<[Route]> {
+        let generation = self.shared.routes_generation.load(Ordering::Acquire);
+        if cache.generation != generation {
+            cache.routes.clear();
+            cache.generation = generation;
+        }
+        if let Some(routes) = cache.routes.get(topic) {
+            return routes.clone();
+        }
+        let routes = self.shared.routes.read().matches(topic);
+        if cache.routes.len() >= RouteCache::CAPACITY {
+            cache.routes.clear();
+        }
+        cache.routes.insert(topic.to_owned(), routes.clone());
+        routes
+    }
+
+    fn validate_message(&self, message: &NewMessage) -> Result<(), BrokerError> {
+        topic::validate_topic(&message.topic).map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
+        if message.headers.len() > MAX_HEADERS {
+            return Err(BrokerError::InvalidArgument(format!(
+                "message to {:?} has {} headers, the limit is {MAX_HEADERS}",
+                message.topic,
+                message.headers.len()
+            )));
+        }
+        let mut size = message.payload.len();
+        for (name, value) in &message.headers {
+            if name.is_empty() {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "message to {:?} has a header with an empty name",
+                    message.topic
+                )));
+            }
+            if name.len() > MAX_HEADER_BYTES || value.len() > MAX_HEADER_BYTES {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "header {:?} of a message to {:?} is longer than {MAX_HEADER_BYTES} bytes",
+                    truncate(name),
+                    message.topic
+                )));
+            }
+            size += name.len() + value.len();
+        }
+        let max = self.shared.limits.max_message_bytes;
+        if size > max {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "message to {:?} is {size} bytes (payload plus headers), larger than max_message_bytes {max} (TINYBROKER_MAX_MESSAGE_BYTES)",
+                message.topic
+            )));
+        }
+        Ok(())
+    }
+
+    // === subscribing ===
+
+    /// Opens a subscription. Registration is complete when this returns: every
+    /// message published afterwards that matches reaches the stream.
+    pub fn subscribe(&self, request: SubscribeRequest) -> Result<SubscriptionStream, BrokerError> {
+        self.check_open()?;
+        let patterns = parse_patterns(&request.topic_patterns)?;
+        match request.mode {
+            DeliveryMode::Broadcast if !request.consumer_group.is_empty() => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "consumer_group {:?} was given with DELIVERY_MODE_MULTI (broadcast); consumer groups need DELIVERY_MODE_SINGLE",
+                    truncate(&request.consumer_group)
+                )));
+            }
+            DeliveryMode::Broadcast => {}
+            DeliveryMode::Group if request.consumer_group.is_empty() => {
+                return Err(BrokerError::InvalidArgument(
+                    "DELIVERY_MODE_SINGLE needs a consumer_group; it was empty".into(),
+                ));
+            }
+            DeliveryMode::Group => {
+                return Err(BrokerError::Unimplemented(
+                    "DELIVERY_MODE_SINGLE (consumer groups) is not implemented yet".into(),
+                ));
+            }
+        }
+        let id: Arc<str> = if request.subscription_id.is_empty() {
+            uuid::Uuid::new_v4().to_string().into()
+        } else {
+            check_name("subscription_id", &request.subscription_id)?;
+            request.subscription_id.as_str().into()
+        };
+        let subscription = Arc::new(Subscription::new(
+            self.shared.next_key.fetch_add(1, Ordering::Relaxed),
+            id.clone(),
+            patterns,
+            request.peer,
+            Queue::new(self.shared.limits.consumer_capacity),
+        ));
+        {
+            let mut subs = self.shared.subscriptions.lock();
+            // Checked under the registry lock, so a subscription can never
+            // slip in after shutdown began closing them all.
+            self.check_open()?;
+            if subs.contains_key(&id) {
+                return Err(BrokerError::AlreadyExists(format!(
+                    "subscription id {:?} is already open",
+                    &*id
+                )));
+            }
+            let max = self.shared.limits.max_subscriptions;
+            if subs.len() >= max {
+                return Err(BrokerError::ResourceExhausted(format!(
+                    "{} subscriptions are open, the limit is max_subscriptions {max} (TINYBROKER_MAX_SUBSCRIPTIONS)",
+                    subs.len()
+                )));
+            }
+            subs.insert(id, subscription.clone());
+        }
+        {
+            let mut routes = self.shared.routes.write();
+            for pattern in subscription.patterns() {
+                routes.insert(pattern, subscription.key, Route::Subscription(subscription.clone()));
+            }
+            self.shared.routes_generation.fetch_add(1, Ordering::Release);
+        }
+        Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+
+    /// Closes one subscription by id (Admin API); its stream ends cleanly.
+    pub fn close_subscription(&self, id: &str) -> Result<(), BrokerError> {
+        let subscription = self.shared.subscriptions.lock().get(id).cloned();
+        let Some(subscription) = subscription else {
+            return Err(BrokerError::NotFound(format!(
+                "no open subscription with id {:?}",
+                truncate(id)
+            )));
+        };
+        self.close(&subscription, CloseReason::ClosedByAdmin);
+        Ok(())
+    }
+
+    /// Every open subscription.
+    pub fn subscriptions(&self) -> Vec<Arc<Subscription>> {
+        let mut subs: Vec<_> = self.shared.subscriptions.lock().values().cloned().collect();
+        subs.sort_by(|a, b| a.opened_at().cmp(&b.opened_at()).then_with(|| a.id().cmp(b.id())));
+        subs
+    }
+
+    pub fn subscription_count(&self) -> usize {
+        self.shared.subscriptions.lock().len()
+    }
+
+    /// The most recent evictions, newest first.
+    pub fn evictions(&self) -> Vec<EvictionRecord> {
+        self.shared.evictions.lock().iter().rev().cloned().collect()
+    }
+
+    /// Closes a subscription's queue and removes it from routing. Idempotent.
+    fn close(&self, subscription: &Arc<Subscription>, reason: CloseReason) -> Option<usize> {
+        let discarded = subscription.queue.close(reason);
+        if let Some(n) = discarded {
+            let stats = &self.shared.stats;
+            match reason {
+                CloseReason::Evicted => &stats.dropped_evicted,
+                CloseReason::Shutdown => &stats.discarded_on_shutdown,
+                CloseReason::Cancelled | CloseReason::ClosedByAdmin => &stats.dropped_closed,
+            }
+            .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        self.detach(subscription);
+        discarded
+    }
+
+    /// Removes a subscription from routing and the registry. Idempotent.
+    pub(crate) fn detach(&self, subscription: &Arc<Subscription>) {
+        if subscription.detached.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        {
+            let mut routes = self.shared.routes.write();
+            for pattern in subscription.patterns() {
+                routes.remove(pattern, subscription.key);
+            }
+            self.shared.routes_generation.fetch_add(1, Ordering::Release);
+        }
+        self.shared.subscriptions.lock().remove(subscription.id());
+    }
+
+    /// The client went away: close what is left of its subscription.
+    pub(crate) fn close_on_drop(&self, subscription: &Arc<Subscription>) {
+        self.close(subscription, CloseReason::Cancelled);
+    }
+
+    fn evict(&self, subscription: &Arc<Subscription>, depth: usize) {
+        // The message that did not fit is lost to this subscriber as well.
+        let Some(_) = self.close(subscription, CloseReason::Evicted) else {
+            return;
+        };
+        self.shared.stats.dropped_evicted.fetch_add(1, Ordering::Relaxed);
+        self.shared.stats.evictions.fetch_add(1, Ordering::Relaxed);
+        let record = EvictionRecord {
+            subscription_id: subscription.id().to_owned(),
+            evicted_at: SystemTime::now(),
+            topic_patterns: subscription.patterns().iter().map(|p| p.to_string()).collect(),
+            queue_depth: depth,
+            last_delivered_sequence: subscription.last_delivered_sequence(),
+            peer: subscription.peer(),
+        };
+        tracing::warn!(
+            subscription_id = %record.subscription_id,
+            peer = %display_peer(record.peer),
+            patterns = ?record.topic_patterns,
+            queue_depth = depth,
+            capacity = subscription.queue.capacity(),
+            last_delivered_sequence = record.last_delivered_sequence,
+            "slow consumer evicted: its queue was full"
+        );
+        let mut evictions = self.shared.evictions.lock();
+        if evictions.len() >= EVICTION_HISTORY {
+            evictions.pop_front();
+        }
+        evictions.push_back(record);
+    }
+
+    // === lifecycle ===
+
+    fn check_open(&self) -> Result<(), BrokerError> {
+        if self.shared.draining.load(Ordering::Acquire) {
+            return Err(BrokerError::Unavailable("the broker is shutting down".into()));
+        }
+        Ok(())
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Acquire)
+    }
+
+    /// Refuses new work from now on; queued messages keep draining.
+    pub fn begin_shutdown(&self) {
+        let _guard = self.shared.subscriptions.lock();
+        self.shared.draining.store(true, Ordering::Release);
+        self.shared.drain_signal.cancel();
+    }
+
+    /// Resolves when shutdown begins.
+    pub fn draining(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.shared.drain_signal.clone().cancelled_owned()
+    }
+
+    /// Messages waiting in all queues.
+    pub fn queued(&self) -> usize {
+        self.subscriptions().iter().map(|s| s.queue_depth()).sum()
+    }
+
+    /// Ends every subscription stream. Returns the messages still queued,
+    /// which are counted as discarded on shutdown.
+    pub fn close_all(&self) -> usize {
+        self.subscriptions()
+            .iter()
+            .filter_map(|s| self.close(s, CloseReason::Shutdown))
+            .sum()
+    }
+}
+
+fn parse_patterns(raw: &[String]) -> Result<Vec<TopicPattern>, BrokerError> {
+    if raw.is_empty() {
+        return Err(BrokerError::InvalidArgument(
+            "topic_patterns is empty; give at least one pattern such as \"deploy.>\"".into(),
+        ));
+    }
+    if raw.len() > MAX_PATTERNS_PER_SUBSCRIPTION {
+        return Err(BrokerError::InvalidArgument(format!(
+            "{} topic_patterns given, the limit is {MAX_PATTERNS_PER_SUBSCRIPTION} per subscription",
+            raw.len()
+        )));
+    }
+    let mut patterns = raw
+        .iter()
+        .map(|p| TopicPattern::parse(p).map_err(|e| BrokerError::InvalidArgument(e.to_string())))
+        .collect::<Result<Vec<_>, _>>()?;
+    patterns.sort();
+    patterns.dedup();
+    Ok(patterns)
+}
+
+fn check_name(field: &str, value: &str) -> Result<(), BrokerError> {
+    if value.len() > MAX_NAME_BYTES {
+        return Err(BrokerError::InvalidArgument(format!(
+            "{field} {:?} is {} bytes long, the limit is {MAX_NAME_BYTES}",
+            truncate(value),
+            value.len()
+        )));
+    }
+    if let Some(bad) = value.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(BrokerError::InvalidArgument(format!(
+            "{field} {:?} contains {bad:?}; only printable ASCII without spaces is allowed",
+            truncate(value)
+        )));
+    }
+    Ok(())
+}
+
+/// Bounds client-supplied values quoted in error messages.
+fn truncate(value: &str) -> &str {
+    let mut end = value.len().min(128);
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    &value[..end]
+}
+
+pub(crate) fn display_peer(peer: Option<SocketAddr>) -> String {
+    peer.map_or_else(|| "unknown".to_owned(), |p| p.to_string())
+}

@@ -1,0 +1,247 @@
+//! The `tinybroker` command line: `serve` (the default), `publish` and
+//! `subscribe`.
+
+use crate::client::{Client, DEFAULT_ADDR};
+use crate::config::Config;
+use crate::pb;
+use crate::server::{self, Listeners};
+use base64::Engine as _;
+use clap::{Args, Parser, Subcommand};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tinybroker",
+    version,
+    about = "A single-node, in-memory publish/subscribe broker served over gRPC"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the broker (the default), configured from TINYBROKER_* environment variables.
+    Serve,
+    /// Publish one message.
+    Publish(PublishArgs),
+    /// Subscribe and print each message's payload on its own line.
+    Subscribe(SubscribeArgs),
+}
+
+#[derive(Args, Debug)]
+struct Connection {
+    /// Broker address.
+    #[arg(long, default_value = DEFAULT_ADDR)]
+    addr: String,
+}
+
+#[derive(Args, Debug)]
+struct PublishArgs {
+    /// Topic, e.g. deploy.rollout.
+    topic: String,
+    /// Payload; read from stdin when absent.
+    payload: Option<String>,
+    /// A header as key=value; repeatable.
+    #[arg(long = "header", value_name = "KEY=VALUE", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
+    #[command(flatten)]
+    connection: Connection,
+}
+
+#[derive(Args, Debug)]
+struct SubscribeArgs {
+    /// Topic patterns: `*` matches one token, a final `>` one or more.
+    #[arg(required = true)]
+    patterns: Vec<String>,
+    /// Join this consumer group (each message goes to one member).
+    #[arg(long)]
+    group: Option<String>,
+    /// Ack each message after printing it (consumer groups only); unprinted
+    /// messages are redelivered to another member.
+    #[arg(long, requires = "group")]
+    manual_ack: bool,
+    /// Print one JSON object per message (topic, sequence, headers, payload).
+    #[arg(long)]
+    json: bool,
+    /// Subscription id (generated when absent).
+    #[arg(long)]
+    id: Option<String>,
+    /// Exit after this many messages.
+    #[arg(long)]
+    count: Option<u64>,
+    #[command(flatten)]
+    connection: Connection,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tinybroker: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command.unwrap_or(Command::Serve) {
+            Command::Serve => serve().await,
+            Command::Publish(args) => publish(args).await,
+            Command::Subscribe(args) => subscribe(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tinybroker: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn serve() -> anyhow::Result<()> {
+    let config = Config::from_env()?;
+    crate::telemetry::init_logging(config.log_format);
+    let listeners = Listeners::bind(&config).await?;
+    server::run(config, listeners, shutdown_signal()).await
+}
+
+/// Resolves on SIGTERM or SIGINT: the one place signals become shutdown.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the broker");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+async fn publish(args: PublishArgs) -> anyhow::Result<()> {
+    let payload = match args.payload {
+        Some(p) => p.into_bytes(),
+        None => {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf)?;
+            buf
+        }
+    };
+    let mut client = Client::connect(&args.connection.addr).await?;
+    let headers: HashMap<String, String> = args.headers.into_iter().collect();
+    let response = client
+        .publish(args.topic, payload, headers)
+        .await
+        .map_err(|s| failed("publish", s))?;
+    println!(
+        "sequence={} matched_subscriptions={} matched_groups={}",
+        response.sequence, response.matched_subscriptions, response.matched_groups
+    );
+    Ok(())
+}
+
+async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
+    let client = Client::connect(&args.connection.addr).await?;
+    let request = pb::OpenSubscriptionRequest {
+        topic_patterns: args.patterns,
+        mode: if args.group.is_some() {
+            pb::DeliveryMode::Single
+        } else {
+            pb::DeliveryMode::Multi
+        } as i32,
+        subscription_id: args.id.unwrap_or_default(),
+        consumer_group: args.group.unwrap_or_default(),
+        ack_mode: if args.manual_ack {
+            pb::AckMode::Manual
+        } else {
+            pb::AckMode::Auto
+        } as i32,
+        max_in_flight: 0,
+        ack_deadline_ms: 0,
+    };
+    let mut subscriber = client.subscriber(request, true);
+    subscriber.open().await.map_err(|s| failed("subscribe", s))?;
+    let mut received = 0u64;
+    let stdout = std::io::stdout();
+    loop {
+        if args.count.is_some_and(|n| received >= n) {
+            return Ok(());
+        }
+        let message = tokio::select! {
+            m = subscriber.next() => m.map_err(|s| failed("subscribe", s))?,
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        };
+        let Some(message) = message else {
+            return Ok(());
+        };
+        {
+            let mut out = stdout.lock();
+            if args.json {
+                serde_json::to_writer(&mut out, &json_message(&message))?;
+            } else {
+                out.write_all(&message.payload)?;
+            }
+            out.write_all(b"\n")?;
+            out.flush()?;
+        }
+        received += 1;
+        if args.manual_ack {
+            let id = message.subscription_id.clone();
+            subscriber
+                .client()
+                .ack(&id, vec![message.sequence])
+                .await
+                .map_err(|s| failed("ack", s))?;
+        }
+    }
+}
+
+/// One line naming the call, the status code (as grpcurl prints it) and the
+/// broker's message.
+fn failed(call: &str, status: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{call} failed: {:?}: {}", status.code(), status.message())
+}
+
+fn json_message(m: &pb::Message) -> serde_json::Value {
+    let mut value = serde_json::json!({
+        "topic": m.topic,
+        "sequence": m.sequence,
+        "headers": m.headers.iter().collect::<BTreeMap<_, _>>(),
+        "subscription_id": m.subscription_id,
+        "delivery_attempt": m.delivery_attempt,
+    });
+    if !m.consumer_group.is_empty() {
+        value["consumer_group"] = m.consumer_group.clone().into();
+    }
+    if let Some(t) = &m.publish_time {
+        value["publish_time"] = t.to_string().into();
+    }
+    match std::str::from_utf8(&m.payload) {
+        Ok(text) => value["payload"] = text.into(),
+        Err(_) => value["payload_base64"] = base64::engine::general_purpose::STANDARD.encode(&m.payload).into(),
+    }
+    value
+}

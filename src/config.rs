@@ -1,0 +1,387 @@
+//! Configuration from `TINYBROKER_*` environment variables, read with envy and
+//! validated once, before any port is bound. Every error names the variable,
+//! the value and what is expected, in one line.
+
+use serde::Deserialize;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Effective settings of one broker process.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Config {
+    pub grpc_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub limits: Limits,
+    pub shutdown_grace: Duration,
+    pub auth_token: Option<String>,
+    pub tls: Option<TlsFiles>,
+    pub metrics_per_subscription: bool,
+    pub log_format: LogFormat,
+}
+
+/// Limits the broker core enforces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    pub consumer_capacity: usize,
+    pub group_capacity: usize,
+    pub default_max_in_flight: u32,
+    pub default_ack_deadline: Duration,
+    /// 0 means no limit.
+    pub max_delivery_attempts: u32,
+    pub group_idle_ttl: Duration,
+    pub max_message_bytes: usize,
+    pub max_subscriptions: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            consumer_capacity: 1024,
+            group_capacity: 65536,
+            default_max_in_flight: 64,
+            default_ack_deadline: Duration::from_millis(30_000),
+            max_delivery_attempts: 0,
+            group_idle_ttl: Duration::from_secs(300),
+            max_message_bytes: 1_048_576,
+            max_subscriptions: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl fmt::Debug for Config {
+    // Hand-written so the auth token can never reach a log line.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("grpc_addr", &self.grpc_addr)
+            .field("metrics_addr", &self.metrics_addr)
+            .field("limits", &self.limits)
+            .field("shutdown_grace", &self.shutdown_grace)
+            .field("auth_token", &self.auth_token.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
+            .field("metrics_per_subscription", &self.metrics_per_subscription)
+            .field("log_format", &self.log_format)
+            .finish()
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([0, 0, 0, 0], 50051)),
+            metrics_addr: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            limits: Limits::default(),
+            shutdown_grace: Duration::from_secs(10),
+            auth_token: None,
+            tls: None,
+            metrics_per_subscription: true,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+/// A start-up configuration error: one line naming the variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The raw variables as envy reads them (all strings, so that every parse
+/// error can be reported in our own words).
+#[derive(Deserialize, Default)]
+struct RawEnv {
+    grpc_addr: Option<String>,
+    metrics_addr: Option<String>,
+    consumer_capacity: Option<String>,
+    group_capacity: Option<String>,
+    default_max_in_flight: Option<String>,
+    default_ack_deadline_ms: Option<String>,
+    max_delivery_attempts: Option<String>,
+    group_idle_ttl_seconds: Option<String>,
+    max_message_bytes: Option<String>,
+    max_subscriptions: Option<String>,
+    shutdown_grace_seconds: Option<String>,
+    auth_token: Option<String>,
+    tls_cert: Option<String>,
+    tls_key: Option<String>,
+    metrics_per_subscription: Option<String>,
+    log_format: Option<String>,
+}
+
+const PREFIX: &str = "TINYBROKER_";
+
+impl Config {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_vars(std::env::vars())
+    }
+
+    /// Reads the given variables (tests pass their own).
+    pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        let raw: RawEnv = envy::prefixed(PREFIX)
+            .from_iter(vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)))
+            .map_err(|e| ConfigError(format!("could not read the {PREFIX}* environment: {e}")))?;
+        let defaults = Config::default();
+        let d = &defaults.limits;
+        let limits = Limits {
+            consumer_capacity: positive(&raw.consumer_capacity, "CONSUMER_CAPACITY", d.consumer_capacity)?,
+            group_capacity: positive(&raw.group_capacity, "GROUP_CAPACITY", d.group_capacity)?,
+            default_max_in_flight: positive(
+                &raw.default_max_in_flight,
+                "DEFAULT_MAX_IN_FLIGHT",
+                d.default_max_in_flight,
+            )?,
+            default_ack_deadline: Duration::from_millis(positive(
+                &raw.default_ack_deadline_ms,
+                "DEFAULT_ACK_DEADLINE_MS",
+                30_000u64,
+            )?),
+            max_delivery_attempts: number(
+                &raw.max_delivery_attempts,
+                "MAX_DELIVERY_ATTEMPTS",
+                d.max_delivery_attempts,
+                "a whole number (0 = no limit)",
+            )?,
+            group_idle_ttl: Duration::from_secs(number(
+                &raw.group_idle_ttl_seconds,
+                "GROUP_IDLE_TTL_SECONDS",
+                300u64,
+                "a whole number of seconds",
+            )?),
+            max_message_bytes: positive(&raw.max_message_bytes, "MAX_MESSAGE_BYTES", d.max_message_bytes)?,
+            max_subscriptions: positive(&raw.max_subscriptions, "MAX_SUBSCRIPTIONS", d.max_subscriptions)?,
+        };
+        // The gRPC decoder must be able to hold a maximal message plus framing.
+        const MESSAGE_BYTES_CEILING: usize = 1 << 30;
+        if limits.max_message_bytes > MESSAGE_BYTES_CEILING {
+            return Err(invalid(
+                "MAX_MESSAGE_BYTES",
+                &limits.max_message_bytes.to_string(),
+                &format!("at most {MESSAGE_BYTES_CEILING} (1 GiB)"),
+            ));
+        }
+        let tls = match (nonblank(&raw.tls_cert), nonblank(&raw.tls_key)) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert: cert.into(),
+                key: key.into(),
+            }),
+            (Some(cert), None) => {
+                return Err(ConfigError(format!(
+                    "{PREFIX}TLS_CERT is set ({cert:?}) but {PREFIX}TLS_KEY is not: set both or neither"
+                )));
+            }
+            (None, Some(key)) => {
+                return Err(ConfigError(format!(
+                    "{PREFIX}TLS_KEY is set ({key:?}) but {PREFIX}TLS_CERT is not: set both or neither"
+                )));
+            }
+        };
+        let auth_token = match raw.auth_token {
+            Some(t) if t.trim().is_empty() && !t.is_empty() => {
+                return Err(ConfigError(format!(
+                    "{PREFIX}AUTH_TOKEN is only whitespace: expected a non-blank token, or leave it unset"
+                )));
+            }
+            Some(t) if t.is_empty() => None,
+            other => other,
+        };
+        Ok(Config {
+            grpc_addr: addr(&raw.grpc_addr, "GRPC_ADDR", defaults.grpc_addr)?,
+            metrics_addr: addr(&raw.metrics_addr, "METRICS_ADDR", defaults.metrics_addr)?,
+            limits,
+            shutdown_grace: Duration::from_secs(number(
+                &raw.shutdown_grace_seconds,
+                "SHUTDOWN_GRACE_SECONDS",
+                10u64,
+                "a whole number of seconds",
+            )?),
+            auth_token,
+            tls,
+            metrics_per_subscription: boolean(&raw.metrics_per_subscription, "METRICS_PER_SUBSCRIPTION", true)?,
+            log_format: match nonblank(&raw.log_format).map(str::to_ascii_lowercase).as_deref() {
+                None | Some("text") => LogFormat::Text,
+                Some("json") => LogFormat::Json,
+                Some(_) => {
+                    return Err(invalid(
+                        "LOG_FORMAT",
+                        raw.log_format.as_deref().unwrap_or_default(),
+                        "\"text\" or \"json\"",
+                    ));
+                }
+            },
+        })
+    }
+}
+
+fn invalid(name: &str, value: &str, expected: &str) -> ConfigError {
+    ConfigError(format!("{PREFIX}{name}={value:?} is invalid: expected {expected}"))
+}
+
+fn nonblank(value: &Option<String>) -> Option<&str> {
+    value.as_deref().map(str::trim).filter(|v| !v.is_empty())
+}
+
+fn number<N: std::str::FromStr>(
+    value: &Option<String>,
+    name: &str,
+    default: N,
+    expected: &str,
+) -> Result<N, ConfigError> {
+    match value.as_deref() {
+        None => Ok(default),
+        Some(v) => v.trim().parse().map_err(|_| invalid(name, v, expected)),
+    }
+}
+
+fn positive<N>(value: &Option<String>, name: &str, default: N) -> Result<N, ConfigError>
+where
+    N: std::str::FromStr + PartialEq + From<u8>,
+{
+    let expected = "a whole number greater than 0";
+    let n = number(value, name, default, expected)?;
+    if n == N::from(0u8) {
+        return Err(invalid(name, value.as_deref().unwrap_or("0"), expected));
+    }
+    Ok(n)
+}
+
+fn addr(value: &Option<String>, name: &str, default: SocketAddr) -> Result<SocketAddr, ConfigError> {
+    number(value, name, default, "an IP:port socket address such as 0.0.0.0:50051")
+}
+
+fn boolean(value: &Option<String>, name: &str, default: bool) -> Result<bool, ConfigError> {
+    match value.as_deref().map(|v| v.trim().to_ascii_lowercase()) {
+        None => Ok(default),
+        Some(v) => match v.as_str() {
+            "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            _ => Err(invalid(name, value.as_deref().unwrap_or_default(), "true or false")),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let c = Config::from_vars(vars(&[("PATH", "/bin"), ("RUST_LOG", "debug")])).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.grpc_addr.to_string(), "0.0.0.0:50051");
+        assert_eq!(c.metrics_addr.to_string(), "0.0.0.0:9090");
+        assert_eq!(c.limits.consumer_capacity, 1024);
+        assert_eq!(c.limits.group_capacity, 65536);
+        assert_eq!(c.limits.default_max_in_flight, 64);
+        assert_eq!(c.limits.default_ack_deadline, Duration::from_secs(30));
+        assert_eq!(c.limits.max_delivery_attempts, 0);
+        assert_eq!(c.limits.group_idle_ttl, Duration::from_secs(300));
+        assert_eq!(c.limits.max_message_bytes, 1_048_576);
+        assert_eq!(c.limits.max_subscriptions, 10_000);
+        assert_eq!(c.shutdown_grace, Duration::from_secs(10));
+        assert!(c.metrics_per_subscription);
+        assert_eq!(c.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let c = Config::from_vars(vars(&[
+            ("TINYBROKER_GRPC_ADDR", "127.0.0.1:1"),
+            ("TINYBROKER_METRICS_ADDR", "127.0.0.1:2"),
+            ("TINYBROKER_CONSUMER_CAPACITY", "3"),
+            ("TINYBROKER_GROUP_CAPACITY", "4"),
+            ("TINYBROKER_DEFAULT_MAX_IN_FLIGHT", "5"),
+            ("TINYBROKER_DEFAULT_ACK_DEADLINE_MS", "6"),
+            ("TINYBROKER_MAX_DELIVERY_ATTEMPTS", "7"),
+            ("TINYBROKER_GROUP_IDLE_TTL_SECONDS", "8"),
+            ("TINYBROKER_MAX_MESSAGE_BYTES", "9"),
+            ("TINYBROKER_MAX_SUBSCRIPTIONS", "10"),
+            ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "11"),
+            ("TINYBROKER_AUTH_TOKEN", "s3cret"),
+            ("TINYBROKER_TLS_CERT", "/c.pem"),
+            ("TINYBROKER_TLS_KEY", "/k.pem"),
+            ("TINYBROKER_METRICS_PER_SUBSCRIPTION", "false"),
+            ("TINYBROKER_LOG_FORMAT", "json"),
+        ]))
+        .unwrap();
+        assert_eq!(c.grpc_addr.port(), 1);
+        assert_eq!(c.metrics_addr.port(), 2);
+        let l = &c.limits;
+        assert_eq!(
+            (l.consumer_capacity, l.group_capacity, l.default_max_in_flight),
+            (3, 4, 5)
+        );
+        assert_eq!(l.default_ack_deadline, Duration::from_millis(6));
+        assert_eq!(l.max_delivery_attempts, 7);
+        assert_eq!(l.group_idle_ttl, Duration::from_secs(8));
+        assert_eq!((l.max_message_bytes, l.max_subscriptions), (9, 10));
+        assert_eq!(c.shutdown_grace, Duration::from_secs(11));
+        assert_eq!(c.auth_token.as_deref(), Some("s3cret"));
+        assert_eq!(c.tls.as_ref().unwrap().key, PathBuf::from("/k.pem"));
+        assert!(!c.metrics_per_subscription);
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert!(!format!("{c:?}").contains("s3cret"), "Debug must redact the token");
+    }
+
+    #[test]
+    fn bad_values_name_variable_value_and_expectation() {
+        let cases = [
+            ("TINYBROKER_CONSUMER_CAPACITY", "abc", "a whole number greater than 0"),
+            ("TINYBROKER_CONSUMER_CAPACITY", "0", "a whole number greater than 0"),
+            ("TINYBROKER_CONSUMER_CAPACITY", "-1", "a whole number greater than 0"),
+            ("TINYBROKER_GROUP_CAPACITY", "0", "greater than 0"),
+            ("TINYBROKER_DEFAULT_MAX_IN_FLIGHT", "0", "greater than 0"),
+            ("TINYBROKER_DEFAULT_ACK_DEADLINE_MS", "1.5", "greater than 0"),
+            ("TINYBROKER_MAX_DELIVERY_ATTEMPTS", "x", "0 = no limit"),
+            ("TINYBROKER_MAX_MESSAGE_BYTES", "0", "greater than 0"),
+            ("TINYBROKER_MAX_MESSAGE_BYTES", "99999999999", "at most"),
+            ("TINYBROKER_MAX_SUBSCRIPTIONS", "", "greater than 0"),
+            ("TINYBROKER_GRPC_ADDR", "localhost", "IP:port"),
+            ("TINYBROKER_METRICS_ADDR", "1.2.3.4", "IP:port"),
+            ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "ten", "seconds"),
+            ("TINYBROKER_METRICS_PER_SUBSCRIPTION", "maybe", "true or false"),
+            ("TINYBROKER_LOG_FORMAT", "xml", "\"text\" or \"json\""),
+        ];
+        for (name, value, expected) in cases {
+            let err = Config::from_vars(vars(&[(name, value)])).unwrap_err().to_string();
+            assert!(err.contains(name), "{err}");
+            assert!(err.contains(expected), "{err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+            if name != "TINYBROKER_MAX_MESSAGE_BYTES" || value == "0" {
+                assert!(err.contains(&format!("{value:?}")), "{err}");
+            }
+        }
+    }
+
+    #[test]
+    fn tls_needs_both_files() {
+        let err = Config::from_vars(vars(&[("TINYBROKER_TLS_CERT", "/c.pem")])).unwrap_err();
+        assert!(err.to_string().contains("TINYBROKER_TLS_KEY is not"), "{err}");
+        let err = Config::from_vars(vars(&[("TINYBROKER_TLS_KEY", "/k.pem")])).unwrap_err();
+        assert!(err.to_string().contains("TINYBROKER_TLS_CERT is not"), "{err}");
+    }
+}

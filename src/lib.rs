@@ -1,0 +1,18 @@
+//! tinybroker: a single-node, in-memory publish/subscribe broker over gRPC.
+//!
+//! Modules, one concern each: [`topic`] (syntax), [`sublist`] (matching),
+//! [`broker`] (the routing core), [`grpc`] (tonic adapter), [`server`]
+//! (lifecycle), [`side`] (HTTP side server), [`config`], [`telemetry`],
+//! [`client`] and [`cli`].
+
+pub mod broker;
+pub mod cli;
+pub mod client;
+pub mod config;
+pub mod grpc;
+pub mod pb;
+pub mod server;
+pub mod side;
+pub mod sublist;
+pub mod telemetry;
+pub mod topic;

@@ -1,0 +1,12 @@
+//! Generated protobuf types and tonic services for `tinybroker.v1`, and the
+//! encoded file descriptor set that server reflection serves.
+
+#![allow(clippy::all, clippy::pedantic, missing_docs)]
+
+tonic::include_proto!("tinybroker.v1");
+
+/// Descriptors of `proto/tinybroker/v1/*.proto` and their imports.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tinybroker_descriptor.bin"));
+
+/// The fully qualified name health checks use for the Broker service.
+pub const BROKER_SERVICE_NAME: &str = "tinybroker.v1.Broker";

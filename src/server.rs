@@ -1,0 +1,178 @@
+//! Runs the broker: the gRPC server (Broker, health, reflection) and the HTTP
+//! side server, on listeners the caller has already bound, until the shutdown
+//! future resolves; then drains and stops as API.md's Lifecycle says.
+
+use crate::broker::Broker;
+use crate::config::Config;
+use crate::grpc::{self, BrokerService};
+use crate::pb;
+use crate::side;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+/// How long the servers get to finish once every stream has ended.
+const CONNECTION_CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Listeners bound before the broker starts (tests bind `127.0.0.1:0`).
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub metrics: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both addresses of `config`, naming the one that fails.
+    pub async fn bind(config: &Config) -> anyhow::Result<Self> {
+        let grpc = TcpListener::bind(config.grpc_addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on TINYBROKER_GRPC_ADDR={}: {e}", config.grpc_addr))?;
+        let metrics = TcpListener::bind(config.metrics_addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on TINYBROKER_METRICS_ADDR={}: {e}", config.metrics_addr))?;
+        Ok(Self { grpc, metrics })
+    }
+}
+
+/// Whether the broker is ready for traffic: mirrors the gRPC health status,
+/// read by the side server's `/readyz`.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+struct Health {
+    reporter: HealthReporter,
+    readiness: Readiness,
+}
+
+impl Health {
+    async fn set(&self, status: ServingStatus) {
+        for service in ["", pb::BROKER_SERVICE_NAME] {
+            self.reporter.set_service_status(service, status).await;
+        }
+        self.readiness
+            .0
+            .store(status == ServingStatus::Serving, Ordering::Release);
+    }
+}
+
+/// Runs until `shutdown` resolves, then drains for up to the configured grace
+/// period, ends every stream and returns.
+pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let grpc_addr = listeners.grpc.local_addr()?;
+    let metrics_addr = listeners.metrics.local_addr()?;
+    let broker = Broker::new(config.limits.clone());
+
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    let health = Health {
+        reporter,
+        readiness: Readiness::default(),
+    };
+    health.set(ServingStatus::NotServing).await;
+
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
+    let grpc_server = Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .layer(tower::util::MapResponseLayer::new(grpc::map_oversized_response))
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(BrokerService::new(broker.clone()).into_server())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), async {
+            let _ = grpc_stopped.await;
+        });
+    let grpc_task = tokio::spawn(grpc_server);
+
+    let (stop_side, side_stopped) = tokio::sync::oneshot::channel::<()>();
+    let side_task = tokio::spawn(side::serve(listeners.metrics, health.readiness.clone(), async {
+        let _ = side_stopped.await;
+    }));
+
+    health.set(ServingStatus::Serving).await;
+    log_started(&config, grpc_addr, metrics_addr);
+
+    shutdown.await;
+    tracing::info!(
+        grace_seconds = config.shutdown_grace.as_secs(),
+        "shutdown requested: health NOT_SERVING, refusing new work, draining queues"
+    );
+    health.set(ServingStatus::NotServing).await;
+    broker.begin_shutdown();
+    let drained = drain(&broker, config.shutdown_grace).await;
+    let discarded = broker.close_all();
+    if drained {
+        tracing::info!("all queues drained");
+    } else {
+        tracing::warn!(discarded, "grace period over: messages still queued were discarded");
+    }
+    let _ = stop_grpc.send(());
+    match tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT, grpc_task).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::error!(error = %e, "gRPC server failed"),
+        Ok(Err(e)) => tracing::error!(error = %e, "gRPC server task failed"),
+        Err(_) => tracing::warn!("gRPC connections did not close in time; stopping anyway"),
+    }
+    let _ = stop_side.send(());
+    if tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT, side_task).await.is_err() {
+        tracing::warn!("side server did not stop in time; stopping anyway");
+    }
+    tracing::info!(discarded, "tinybroker stopped");
+    Ok(())
+}
+
+/// Waits until every queue is empty or `grace` has passed; true if drained.
+async fn drain(broker: &Broker, grace: Duration) -> bool {
+    let deadline = Instant::now() + grace;
+    loop {
+        if broker.queued() == 0 {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn log_started(config: &Config, grpc_addr: SocketAddr, metrics_addr: SocketAddr) {
+    let l = &config.limits;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        %grpc_addr,
+        %metrics_addr,
+        consumer_capacity = l.consumer_capacity,
+        group_capacity = l.group_capacity,
+        default_max_in_flight = l.default_max_in_flight,
+        default_ack_deadline_ms = l.default_ack_deadline.as_millis() as u64,
+        max_delivery_attempts = l.max_delivery_attempts,
+        group_idle_ttl_seconds = l.group_idle_ttl.as_secs(),
+        max_message_bytes = l.max_message_bytes,
+        max_subscriptions = l.max_subscriptions,
+        shutdown_grace_seconds = config.shutdown_grace.as_secs(),
+        auth = config.auth_token.is_some(),
+        tls = config.tls.is_some(),
+        "tinybroker started"
+    );
+}

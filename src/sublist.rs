@@ -1,0 +1,376 @@
+//! Pattern matching for routing: a token trie with `*` and `>` slots and a
+//! bounded cache of match results, in the spirit of nats-server's sublist.
+//!
+//! Each entry is a `(pattern, id, value)`; a lookup returns the values of every
+//! entry whose pattern matches the topic, once per id (an id registered under
+//! two matching patterns appears once), sorted by id. The cache maps a topic
+//! to its last result; insert and remove drop exactly the cached topics the
+//! changed pattern matches, so the cache never serves a stale result.
+
+use crate::topic::TopicPattern;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Default number of topics whose match results are cached.
+pub const DEFAULT_CACHE_CAPACITY: usize = 4096;
+
+/// A match result, shared between the cache and every caller.
+pub type Matches<T> = Arc<[T]>;
+
+/// The routing trie. Not internally synchronised for writes: the owner wraps
+/// it in a lock (reads take `&self`; the cache has its own small mutex).
+pub struct Sublist<T> {
+    root: Node<T>,
+    cache: Mutex<Cache<T>>,
+    cache_capacity: usize,
+    entries: usize,
+}
+
+struct Node<T> {
+    literals: HashMap<Box<str>, Node<T>>,
+    star: Option<Box<Node<T>>>,
+    /// Entries whose pattern ends in `>` right after this node.
+    rest: Vec<Entry<T>>,
+    /// Entries whose pattern ends exactly at this node.
+    here: Vec<Entry<T>>,
+}
+
+struct Entry<T> {
+    id: u64,
+    value: T,
+}
+
+struct Cache<T> {
+    map: HashMap<Box<str>, Matches<T>>,
+    hits: u64,
+    misses: u64,
+}
+
+/// Counters for tests, benchmarks and operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SublistStats {
+    pub entries: usize,
+    pub cached_topics: usize,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+}
+
+impl<T> Default for Node<T> {
+    fn default() -> Self {
+        Self {
+            literals: HashMap::new(),
+            star: None,
+            rest: Vec::new(),
+            here: Vec::new(),
+        }
+    }
+}
+
+impl<T> Node<T> {
+    fn is_empty(&self) -> bool {
+        self.literals.is_empty() && self.star.is_none() && self.rest.is_empty() && self.here.is_empty()
+    }
+}
+
+impl<T: Clone> Default for Sublist<T> {
+    fn default() -> Self {
+        Self::with_cache_capacity(DEFAULT_CACHE_CAPACITY)
+    }
+}
+
+impl<T: Clone> Sublist<T> {
+    /// A trie whose cache holds at most `capacity` topics (0 turns it off).
+    pub fn with_cache_capacity(capacity: usize) -> Self {
+        Self {
+            root: Node::default(),
+            cache: Mutex::new(Cache {
+                map: HashMap::new(),
+                hits: 0,
+                misses: 0,
+            }),
+            cache_capacity: capacity,
+            entries: 0,
+        }
+    }
+
+    /// Adds `value` under `id` for `pattern`. Registering the same id twice
+    /// for one pattern is the caller's bug; lookups still return it once.
+    pub fn insert(&mut self, pattern: &TopicPattern, id: u64, value: T) {
+        let mut node = &mut self.root;
+        let mut tokens = pattern.tokens().peekable();
+        while let Some(token) = tokens.next() {
+            if token == ">" && tokens.peek().is_none() {
+                node.rest.push(Entry { id, value });
+                self.entries += 1;
+                self.invalidate(pattern);
+                return;
+            }
+            node = if token == "*" {
+                node.star.get_or_insert_with(Default::default)
+            } else {
+                node.literals.entry(token.into()).or_default()
+            };
+        }
+        node.here.push(Entry { id, value });
+        self.entries += 1;
+        self.invalidate(pattern);
+    }
+
+    /// Removes the entry `id` of `pattern`; false when there was none.
+    pub fn remove(&mut self, pattern: &TopicPattern, id: u64) -> bool {
+        let tokens: Vec<&str> = pattern.tokens().collect();
+        let removed = remove_at(&mut self.root, &tokens, id);
+        if removed {
+            self.entries -= 1;
+            self.invalidate(pattern);
+        }
+        removed
+    }
+
+    /// Every value whose pattern matches `topic`, once per id, by id.
+    pub fn matches(&self, topic: &str) -> Matches<T> {
+        if self.cache_capacity > 0 {
+            let mut cache = self.cache.lock();
+            if let Some(hit) = cache.map.get(topic) {
+                let hit = hit.clone();
+                cache.hits += 1;
+                return hit;
+            }
+            cache.misses += 1;
+        }
+        let tokens: Vec<&str> = topic.split('.').collect();
+        let mut found: Vec<(u64, &T)> = Vec::new();
+        collect(&self.root, &tokens, &mut found);
+        found.sort_unstable_by_key(|(id, _)| *id);
+        found.dedup_by_key(|(id, _)| *id);
+        let result: Matches<T> = found.into_iter().map(|(_, v)| v.clone()).collect();
+        if self.cache_capacity > 0 {
+            let mut cache = self.cache.lock();
+            if cache.map.len() >= self.cache_capacity {
+                // Bounded: drop an arbitrary quarter, as nats-server prunes.
+                let drop_n = (self.cache_capacity / 4).max(1);
+                let victims: Vec<Box<str>> = cache.map.keys().take(drop_n).cloned().collect();
+                for victim in victims {
+                    cache.map.remove(&victim);
+                }
+            }
+            cache.map.insert(topic.into(), result.clone());
+        }
+        result
+    }
+
+    pub fn stats(&self) -> SublistStats {
+        let cache = self.cache.lock();
+        SublistStats {
+            entries: self.entries,
+            cached_topics: cache.map.len(),
+            cache_hits: cache.hits,
+            cache_misses: cache.misses,
+        }
+    }
+
+    fn invalidate(&self, pattern: &TopicPattern) {
+        if self.cache_capacity > 0 {
+            self.cache.lock().map.retain(|topic, _| !pattern.matches(topic));
+        }
+    }
+}
+
+fn collect<'a, T>(node: &'a Node<T>, tokens: &[&str], found: &mut Vec<(u64, &'a T)>) {
+    let Some((first, rest)) = tokens.split_first() else {
+        found.extend(node.here.iter().map(|e| (e.id, &e.value)));
+        return;
+    };
+    // `>` after this node takes one or more tokens: at least `first` remains.
+    found.extend(node.rest.iter().map(|e| (e.id, &e.value)));
+    if let Some(child) = node.literals.get(*first) {
+        collect(child, rest, found);
+    }
+    if let Some(star) = &node.star {
+        collect(star, rest, found);
+    }
+}
+
+fn remove_at<T>(node: &mut Node<T>, tokens: &[&str], id: u64) -> bool {
+    fn take<T>(entries: &mut Vec<Entry<T>>, id: u64) -> bool {
+        match entries.iter().position(|e| e.id == id) {
+            Some(i) => {
+                entries.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+    match tokens {
+        [] => take(&mut node.here, id),
+        [">"] => take(&mut node.rest, id),
+        [first, rest @ ..] => {
+            if *first == "*" {
+                let Some(star) = node.star.as_deref_mut() else {
+                    return false;
+                };
+                let removed = remove_at(star, rest, id);
+                if removed && star.is_empty() {
+                    node.star = None;
+                }
+                removed
+            } else {
+                let Some(child) = node.literals.get_mut(*first) else {
+                    return false;
+                };
+                let removed = remove_at(child, rest, id);
+                if removed && child.is_empty() {
+                    node.literals.remove(*first);
+                }
+                removed
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn p(s: &str) -> TopicPattern {
+        TopicPattern::parse(s).unwrap()
+    }
+
+    /// Runs a scenario with the cache on and with it off.
+    fn both(f: impl Fn(Sublist<u64>)) {
+        f(Sublist::with_cache_capacity(DEFAULT_CACHE_CAPACITY));
+        f(Sublist::with_cache_capacity(0));
+    }
+
+    #[test]
+    fn table_of_cases() {
+        both(|mut s| {
+            let patterns = ["deploy.*", "deploy.>", "deploy.rollout", "*.rollout", ">", "a.*.c"];
+            for (id, pat) in patterns.iter().enumerate() {
+                s.insert(&p(pat), id as u64, id as u64);
+            }
+            let cases: &[(&str, &[u64])] = &[
+                ("deploy.rollout", &[0, 1, 2, 3, 4]),
+                ("deploy.a", &[0, 1, 4]),
+                ("deploy.a.b", &[1, 4]),
+                ("deploy", &[4]),
+                ("x.rollout", &[3, 4]),
+                ("a.b.c", &[4, 5]),
+                ("a.b.d", &[4]),
+            ];
+            for (topic, expected) in cases {
+                assert_eq!(&*s.matches(topic), *expected, "{topic}");
+                // Twice: the second answer may come from the cache.
+                assert_eq!(&*s.matches(topic), *expected, "{topic} (again)");
+            }
+        });
+    }
+
+    #[test]
+    fn one_result_per_id_even_when_two_patterns_match() {
+        both(|mut s| {
+            s.insert(&p("deploy.*"), 7, 7);
+            s.insert(&p("deploy.>"), 7, 7);
+            s.insert(&p("deploy.rollout"), 7, 7);
+            assert_eq!(&*s.matches("deploy.rollout"), &[7]);
+        });
+    }
+
+    #[test]
+    fn insert_and_remove_keep_the_cache_correct() {
+        let mut s = Sublist::with_cache_capacity(16);
+        assert!(s.matches("a.b").is_empty());
+        s.insert(&p("a.*"), 1, 1);
+        assert_eq!(&*s.matches("a.b"), &[1]);
+        s.insert(&p("a.>"), 2, 2);
+        assert_eq!(&*s.matches("a.b"), &[1, 2]);
+        assert!(s.remove(&p("a.*"), 1));
+        assert_eq!(&*s.matches("a.b"), &[2]);
+        assert!(!s.remove(&p("a.*"), 1));
+        assert!(s.remove(&p("a.>"), 2));
+        assert!(s.matches("a.b").is_empty());
+        assert_eq!(s.stats().entries, 0);
+        assert!(s.root.is_empty(), "removal prunes empty nodes");
+    }
+
+    #[test]
+    fn cache_is_bounded_and_counts_hits() {
+        let mut s = Sublist::with_cache_capacity(8);
+        s.insert(&p(">"), 1, 1);
+        for i in 0..100 {
+            s.matches(&format!("t.{i}"));
+        }
+        assert!(s.stats().cached_topics <= 8);
+        s.matches("t.99");
+        let stats = s.stats();
+        assert_eq!(stats.cache_misses, 100);
+        assert_eq!(stats.cache_hits, 1);
+    }
+
+    fn token() -> impl Strategy<Value = String> {
+        prop_oneof![Just("a".to_string()), Just("b".to_string()), Just("c".to_string())]
+    }
+
+    fn topic() -> impl Strategy<Value = String> {
+        prop::collection::vec(token(), 1..5).prop_map(|t| t.join("."))
+    }
+
+    fn pattern() -> impl Strategy<Value = String> {
+        let tok = prop_oneof![4 => token(), 2 => Just("*".to_string())];
+        (prop::collection::vec(tok, 1..5), any::<bool>()).prop_map(|(mut t, gt)| {
+            if gt {
+                t.push(">".into());
+            }
+            t.join(".")
+        })
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(String, u64),
+        Remove(usize),
+        Match(String),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (pattern(), 0u64..20).prop_map(|(p, id)| Op::Insert(p, id)),
+            1 => any::<usize>().prop_map(Op::Remove),
+            4 => topic().prop_map(Op::Match),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn trie_agrees_with_naive_matcher(ops in prop::collection::vec(op(), 1..80), cache in prop_oneof![Just(0usize), Just(3), Just(64)]) {
+            let mut trie: Sublist<u64> = Sublist::with_cache_capacity(cache);
+            let mut naive: Vec<(TopicPattern, u64)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Insert(pat, id) => {
+                        let pat = p(&pat);
+                        if naive.iter().any(|(q, i)| *q == pat && *i == id) {
+                            continue;
+                        }
+                        trie.insert(&pat, id, id);
+                        naive.push((pat, id));
+                    }
+                    Op::Remove(i) => {
+                        if naive.is_empty() { continue; }
+                        let (pat, id) = naive.remove(i % naive.len());
+                        prop_assert!(trie.remove(&pat, id));
+                    }
+                    Op::Match(topic) => {
+                        let mut expected: Vec<u64> = naive.iter().filter(|(q, _)| q.matches(&topic)).map(|(_, id)| *id).collect();
+                        expected.sort_unstable();
+                        expected.dedup();
+                        prop_assert_eq!(&*trie.matches(&topic), &expected[..], "topic {}", topic);
+                    }
+                }
+            }
+            prop_assert_eq!(trie.stats().entries, naive.len());
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The `tinybroker` command line against a real broker.
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn tinybroker() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+    command.env_remove("TINYBROKER_AUTH_TOKEN");
+    command
+}
+
+/// Spawns `tinybroker subscribe ...` and returns it with a line reader.
+fn spawn_subscriber(args: &[&str]) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    let mut child = tinybroker()
+        .arg("subscribe")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Publishes through the CLI until the subscriber prints a line.
+async fn publish_until_received(url: &str, topic: &str, rx: &std::sync::mpsc::Receiver<String>) -> String {
+    loop {
+        let output = tinybroker()
+            .args(["publish", topic, "hello world", "--header", "k=v", "--addr", url])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.starts_with("sequence="), "{stdout}");
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            return line;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribe_prints_payloads_and_publish_reports_the_sequence() {
+    timeout(async {
+        let broker = start().await;
+        let url = broker.url();
+        let (mut child, rx) = spawn_subscriber(&["cli.*", "--addr", &url, "--count", "2"]);
+        let line = publish_until_received(&url, "cli.a", &rx).await;
+        assert_eq!(line, "hello world");
+
+        // Payload from stdin when absent.
+        let mut publisher = tinybroker()
+            .args(["publish", "cli.b", "--addr", &url])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        publisher.stdin.take().unwrap().write_all(b"from stdin").unwrap();
+        let output = publisher.wait_with_output().unwrap();
+        assert!(output.status.success());
+        assert!(String::from_utf8_lossy(&output.stdout).contains("matched_subscriptions=1"));
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "from stdin");
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success(), "exits after --count messages");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribe_json_prints_one_object_per_line() {
+    timeout(async {
+        let broker = start().await;
+        let url = broker.url();
+        let (mut child, rx) = spawn_subscriber(&["j.>", "--json", "--addr", &url, "--count", "1"]);
+        let line = publish_until_received(&url, "j.x.y", &rx).await;
+        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(value["topic"], "j.x.y");
+        assert_eq!(value["payload"], "hello world");
+        assert_eq!(value["headers"]["k"], "v");
+        assert!(value["sequence"].as_u64().unwrap() > 0);
+        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+    })
+    .await
+}
+
+#[test]
+fn help_and_version() {
+    let output = tinybroker().arg("--version").output().unwrap();
+    assert!(output.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("tinybroker {}", env!("CARGO_PKG_VERSION"))
+    );
+    for sub in [
+        &["--help"][..],
+        &["serve", "--help"],
+        &["publish", "--help"],
+        &["subscribe", "--help"],
+    ] {
+        let output = tinybroker().args(sub).output().unwrap();
+        assert!(output.status.success(), "{sub:?}");
+        let text = String::from_utf8_lossy(&output.stdout);
+        assert!(text.contains("Usage:"), "{text}");
+    }
+    let text =
+        String::from_utf8_lossy(&tinybroker().args(["subscribe", "--help"]).output().unwrap().stdout).into_owned();
+    for flag in ["--group", "--manual-ack", "--json", "--addr"] {
+        assert!(text.contains(flag), "{flag} in {text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_errors_name_the_problem() {
+    timeout(async {
+        let broker = start().await;
+        let output = tinybroker()
+            .args(["publish", "bad topic", "x", "--addr", &broker.url()])
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("InvalidArgument") || stderr.contains("Invalid argument"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("bad topic"), "{stderr}");
+        let output = tinybroker()
+            .args(["publish", "a", "x", "--addr", "http://127.0.0.1:1"])
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        assert!(String::from_utf8_lossy(&output.stderr).contains("cannot connect"));
+    })
+    .await
+}

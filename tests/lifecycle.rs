@@ -1,0 +1,309 @@
+//! Health, reflection, readiness, graceful shutdown (in-process and of the
+//! real binary on SIGTERM) and start-up configuration errors.
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tinybroker::config::{Config, Limits};
+use tinybroker::pb;
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+async fn health_status(channel: tonic::transport::Channel, service: &str) -> Result<ServingStatus, tonic::Status> {
+    let response = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await?;
+    Ok(response.into_inner().status())
+}
+
+#[tokio::test]
+async fn health_is_serving_for_the_server_and_the_broker_service() {
+    timeout(async {
+        let broker = start().await;
+        let channel = broker.channel().await;
+        for service in ["", "tinybroker.v1.Broker"] {
+            assert_eq!(
+                health_status(channel.clone(), service).await.unwrap(),
+                ServingStatus::Serving
+            );
+        }
+        let err = health_status(channel, "no.such.Service").await.unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        assert_eq!(broker.http_get("/healthz").await.0, 200);
+        assert_eq!(broker.http_get("/readyz").await.0, 200);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn reflection_v1_and_v1alpha_list_every_service() {
+    use tonic_reflection::pb::{v1, v1alpha};
+    timeout(async {
+        let broker = start().await;
+        let expected = ["grpc.health.v1.Health", "tinybroker.v1.Admin", "tinybroker.v1.Broker"];
+
+        let mut client = v1::server_reflection_client::ServerReflectionClient::new(broker.channel().await);
+        let request = v1::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let mut responses = client
+            .server_reflection_info(futures::stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        let response = responses.message().await.unwrap().unwrap();
+        let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+            response.message_response
+        else {
+            panic!("unexpected reflection answer");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        for name in expected {
+            assert!(names.iter().any(|n| n == name), "v1 lists {name}: {names:?}");
+        }
+
+        let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(broker.channel().await);
+        let request = v1alpha::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(
+                v1alpha::server_reflection_request::MessageRequest::FileContainingSymbol("tinybroker.v1.Broker".into()),
+            ),
+        };
+        let mut responses = client
+            .server_reflection_info(futures::stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        let response = responses.message().await.unwrap().unwrap();
+        let Some(v1alpha::server_reflection_response::MessageResponse::FileDescriptorResponse(files)) =
+            response.message_response
+        else {
+            panic!("v1alpha must describe tinybroker.v1.Broker");
+        };
+        assert!(!files.file_descriptor_proto.is_empty());
+    })
+    .await
+}
+
+#[tokio::test]
+async fn shutdown_refuses_new_work_drains_then_ends_streams() {
+    timeout(async {
+        let mut broker = start_with(Config {
+            limits: Limits {
+                consumer_capacity: 100_000,
+                ..Limits::default()
+            },
+            shutdown_grace: Duration::from_secs(3),
+            ..config()
+        })
+        .await;
+        // A subscriber that doesn't read keeps messages queued past its
+        // HTTP/2 window, so the drain has to wait out the grace period.
+        let mut stalled_client = pb::broker_client::BrokerClient::new(broker.narrow_channel().await);
+        let (mut stalled, _) = subscribe(&mut stalled_client, &["busy"]).await;
+        let mut client = broker.client().await;
+        let requests: Vec<_> = (0..3000).map(|_| publish_request("busy", &"z".repeat(300))).collect();
+        client.publish_stream(futures::stream::iter(requests)).await.unwrap();
+
+        broker.trigger_shutdown();
+        let channel = broker.channel().await;
+        wait_until("health to go NOT_SERVING", || {
+            let channel = channel.clone();
+            async move { health_status(channel, "").await.ok() == Some(ServingStatus::NotServing) }
+        })
+        .await;
+        assert_eq!(
+            health_status(channel.clone(), "tinybroker.v1.Broker").await.unwrap(),
+            ServingStatus::NotServing
+        );
+        assert_eq!(broker.http_get("/readyz").await.0, 503);
+        assert_eq!(broker.http_get("/healthz").await.0, 200);
+        let err = client.publish(publish_request("busy", "late")).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable);
+        assert!(err.message().contains("shutting down"), "{}", err.message());
+        let err = client.open_subscription(subscribe_request(&["x"])).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable);
+
+        // Reading now drains what was queued; then the stream ends with OK.
+        let mut received = 0;
+        while stalled.message().await.expect("stream ends with OK").is_some() {
+            received += 1;
+        }
+        assert!(received > 0);
+        broker.join().await;
+    })
+    .await
+}
+
+#[tokio::test]
+async fn idle_publish_streams_end_when_shutdown_begins() {
+    timeout(async {
+        let mut broker = start().await;
+        let mut client = broker.client().await;
+        let (tx, rx) = tokio::sync::mpsc::channel::<pb::PublishRequest>(1);
+        tx.send(publish_request("a", "1")).await.unwrap();
+        let call = tokio::spawn(async move {
+            client
+                .publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+        });
+        let (mut sub_client, _) = (broker.client().await, ());
+        let (mut stream, _) = subscribe(&mut sub_client, &["never"]).await;
+        broker.trigger_shutdown();
+        let err = call.await.unwrap().unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable);
+        assert!(err.message().contains("1 messages"), "{}", err.message());
+        assert!(stream.message().await.unwrap().is_none(), "subscription ends cleanly");
+        broker.join().await;
+        drop(tx);
+    })
+    .await
+}
+
+/// The real binary, started with the given environment.
+struct Process {
+    child: std::process::Child,
+    stderr_lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Process {
+    fn spawn(env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+        command
+            .env_clear()
+            .env("RUST_LOG", "info")
+            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("spawn tinybroker");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, stderr_lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, stderr_lines }
+    }
+
+    /// Waits for a log line containing `needle`.
+    fn line_containing(&self, needle: &str) -> String {
+        loop {
+            let line = self
+                .stderr_lines
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("no log line containing {needle:?}"));
+            if line.contains(needle) {
+                return line;
+            }
+        }
+    }
+
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(std::time::Instant::now() < deadline, "process did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn field(line: &str, name: &str) -> String {
+    let start = line
+        .find(&format!("{name}="))
+        .unwrap_or_else(|| panic!("{name} in {line}"))
+        + name.len()
+        + 1;
+    line[start..].split_whitespace().next().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn sigterm_ends_streams_and_the_binary_exits_zero() {
+    timeout(async {
+        let mut process = Process::spawn(&[("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "5")]);
+        let started = process.line_containing("tinybroker started");
+        let url = format!("http://{}", field(&started, "grpc_addr"));
+        let mut client = pb::broker_client::BrokerClient::connect(url).await.unwrap();
+        let (mut stream, _) = subscribe(&mut client, &["t.>"]).await;
+        client.publish(publish_request("t.1", "before")).await.unwrap();
+        assert_eq!(&stream.message().await.unwrap().unwrap().payload[..], b"before");
+
+        let status = Command::new("kill")
+            .args(["-TERM", &process.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert!(stream.message().await.expect("ends with OK").is_none());
+        let exit = tokio::task::spawn_blocking(move || {
+            let exit = process.wait_exit();
+            (exit, process)
+        })
+        .await
+        .unwrap();
+        assert_eq!(exit.0.code(), Some(0), "exit status {:?}", exit.0);
+    })
+    .await
+}
+
+#[test]
+fn a_bad_variable_stops_start_up_with_one_line_naming_it() {
+    let output = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+        .env("TINYBROKER_CONSUMER_CAPACITY", "0")
+        .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+        .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("TINYBROKER_CONSUMER_CAPACITY=\"0\""), "{stderr}");
+    assert!(stderr.contains("greater than 0"), "{stderr}");
+
+    let output = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+        .env("TINYBROKER_GRPC_ADDR", "not-an-address")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("TINYBROKER_GRPC_ADDR=\"not-an-address\""), "{stderr}");
+}
+
+#[test]
+fn an_address_in_use_is_named_at_start_up() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let output = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+        .env("TINYBROKER_GRPC_ADDR", &addr)
+        .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&format!("TINYBROKER_GRPC_ADDR={addr}")), "{stderr}");
+}
