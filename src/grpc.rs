@@ -3,7 +3,7 @@
 //! [`BrokerError`]s to status codes, and turns deliveries into messages.
 
 use crate::broker::{
-    Broker, BrokerError, Delivery, DeliveryMode, NewMessage, RouteCache, SubscribeRequest, SubscriptionStream,
+    AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, RouteCache, SubscribeRequest, SubscriptionStream,
 };
 use crate::pb;
 use futures::Stream;
@@ -104,6 +104,10 @@ impl pb::broker_server::Broker for BrokerService {
                     return Err(with_accepted(oversized_to_exhausted(error), response.accepted));
                 }
             };
+            // A burst of buffered requests would otherwise keep this task
+            // on its worker, and subscriber tasks woken here (in tokio's
+            // unstealable LIFO slot) waiting, for the whole burst.
+            tokio::task::coop::consume_budget().await;
             match self.broker.publish(new_message(request), Some(&mut cache)) {
                 Ok(outcome) => {
                     if response.accepted == 0 {
@@ -135,6 +139,16 @@ impl pb::broker_server::Broker for BrokerService {
                 )));
             }
         };
+        let ack_mode = match pb::AckMode::try_from(request.ack_mode) {
+            Ok(pb::AckMode::Unspecified | pb::AckMode::Auto) => AckMode::Auto,
+            Ok(pb::AckMode::Manual) => AckMode::Manual,
+            Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "ack_mode {} is not an AckMode (0 UNSPECIFIED, 1 AUTO, 2 MANUAL)",
+                    request.ack_mode
+                )));
+            }
+        };
         let stream = self
             .broker
             .subscribe(SubscribeRequest {
@@ -142,14 +156,18 @@ impl pb::broker_server::Broker for BrokerService {
                 subscription_id: request.subscription_id,
                 mode,
                 consumer_group: request.consumer_group,
+                ack_mode,
+                max_in_flight: request.max_in_flight,
+                ack_deadline_ms: request.ack_deadline_ms,
                 peer,
             })
             .map_err(status)?;
         let id = stream.id().to_owned();
+        let consumer_group = stream.subscription().consumer_group().unwrap_or_default().to_owned();
         let mut response = Response::new(MessageStream {
             inner: stream,
             subscription_id: id.clone(),
-            consumer_group: String::new(),
+            consumer_group,
         });
         // Ids are printable ASCII (validated or generated), so this holds.
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
@@ -158,16 +176,22 @@ impl pb::broker_server::Broker for BrokerService {
         Ok(response)
     }
 
-    async fn ack(&self, _request: Request<pb::AckRequest>) -> Result<Response<pb::AckResponse>, Status> {
-        Err(Status::unimplemented(
-            "Ack is for consumer groups with manual ack, which are not implemented yet",
-        ))
+    async fn ack(&self, request: Request<pb::AckRequest>) -> Result<Response<pb::AckResponse>, Status> {
+        let request = request.into_inner();
+        let (acked, unknown) = self
+            .broker
+            .ack(&request.subscription_id, &request.sequences)
+            .map_err(status)?;
+        Ok(Response::new(pb::AckResponse { acked, unknown }))
     }
 
-    async fn nack(&self, _request: Request<pb::NackRequest>) -> Result<Response<pb::NackResponse>, Status> {
-        Err(Status::unimplemented(
-            "Nack is for consumer groups with manual ack, which are not implemented yet",
-        ))
+    async fn nack(&self, request: Request<pb::NackRequest>) -> Result<Response<pb::NackResponse>, Status> {
+        let request = request.into_inner();
+        let (requeued, unknown) = self
+            .broker
+            .nack(&request.subscription_id, &request.sequences)
+            .map_err(status)?;
+        Ok(Response::new(pb::NackResponse { requeued, unknown }))
     }
 }
 
@@ -248,5 +272,168 @@ impl Stream for MessageStream {
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+/// The `Admin` service: read-mostly views for operators.
+pub struct AdminService {
+    broker: Broker,
+    auth_enabled: bool,
+    tls_enabled: bool,
+    shutdown_grace: std::time::Duration,
+}
+
+impl AdminService {
+    pub fn new(broker: Broker, auth_enabled: bool, tls_enabled: bool) -> Self {
+        Self {
+            broker,
+            auth_enabled,
+            tls_enabled,
+            shutdown_grace: std::time::Duration::ZERO,
+        }
+    }
+
+    /// Reported by GetBrokerInfo (the broker core does not know it).
+    pub fn with_shutdown_grace(mut self, grace: std::time::Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
+    }
+
+    pub fn into_server(self) -> pb::admin_server::AdminServer<Self> {
+        pb::admin_server::AdminServer::new(self)
+    }
+}
+
+fn peer_string(peer: Option<std::net::SocketAddr>) -> String {
+    peer.map(|p| p.to_string()).unwrap_or_default()
+}
+
+#[tonic::async_trait]
+impl pb::admin_server::Admin for AdminService {
+    async fn list_subscriptions(
+        &self,
+        _request: Request<pb::ListSubscriptionsRequest>,
+    ) -> Result<Response<pb::ListSubscriptionsResponse>, Status> {
+        let subscriptions = self
+            .broker
+            .subscriptions()
+            .iter()
+            .map(|s| {
+                let info = s.info();
+                let (mode, consumer_group, ack_mode) = match info.consumer_group {
+                    Some((group, AckMode::Auto)) => (pb::DeliveryMode::Single, group, pb::AckMode::Auto),
+                    Some((group, AckMode::Manual)) => (pb::DeliveryMode::Single, group, pb::AckMode::Manual),
+                    None => (pb::DeliveryMode::Multi, String::new(), pb::AckMode::Unspecified),
+                };
+                pb::SubscriptionInfo {
+                    subscription_id: info.subscription_id,
+                    mode: mode as i32,
+                    consumer_group,
+                    topic_patterns: info.topic_patterns,
+                    queue_depth: info.queue_depth as u64,
+                    capacity: info.capacity as u64,
+                    delivered: info.delivered,
+                    opened_at: Some(info.opened_at.into()),
+                    peer_address: peer_string(info.peer),
+                    ack_mode: ack_mode as i32,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ListSubscriptionsResponse { subscriptions }))
+    }
+
+    async fn list_consumer_groups(
+        &self,
+        _request: Request<pb::ListConsumerGroupsRequest>,
+    ) -> Result<Response<pb::ListConsumerGroupsResponse>, Status> {
+        let now = tokio::time::Instant::now();
+        let groups = self
+            .broker
+            .groups()
+            .iter()
+            .map(|g| {
+                let snapshot = g.snapshot(now);
+                pb::ConsumerGroupInfo {
+                    name: g.name().to_owned(),
+                    topic_patterns: g.patterns().iter().map(|p| p.to_string()).collect(),
+                    members: snapshot.members as u32,
+                    backlog: snapshot.backlog as u64,
+                    in_flight: snapshot.in_flight as u64,
+                    redeliveries: g.redeliveries(),
+                    dead_lettered: g.dead_lettered(),
+                    dropped: g.dropped(),
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ListConsumerGroupsResponse { groups }))
+    }
+
+    async fn close_subscription(
+        &self,
+        request: Request<pb::CloseSubscriptionRequest>,
+    ) -> Result<Response<pb::CloseSubscriptionResponse>, Status> {
+        let id = request.into_inner().subscription_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument(
+                "CloseSubscription needs a subscription_id; it was empty",
+            ));
+        }
+        self.broker.close_subscription(&id).map_err(status)?;
+        Ok(Response::new(pb::CloseSubscriptionResponse {}))
+    }
+
+    async fn list_evictions(
+        &self,
+        _request: Request<pb::ListEvictionsRequest>,
+    ) -> Result<Response<pb::ListEvictionsResponse>, Status> {
+        let evictions = self
+            .broker
+            .evictions()
+            .into_iter()
+            .map(|e| pb::EvictionInfo {
+                subscription_id: e.subscription_id,
+                evicted_at: Some(e.evicted_at.into()),
+                topic_patterns: e.topic_patterns,
+                queue_depth: e.queue_depth as u64,
+                last_delivered_sequence: e.last_delivered_sequence,
+                peer_address: peer_string(e.peer),
+            })
+            .collect();
+        Ok(Response::new(pb::ListEvictionsResponse { evictions }))
+    }
+
+    async fn get_broker_info(
+        &self,
+        _request: Request<pb::GetBrokerInfoRequest>,
+    ) -> Result<Response<pb::GetBrokerInfoResponse>, Status> {
+        let l = self.broker.limits();
+        let uptime = self.broker.uptime();
+        Ok(Response::new(pb::GetBrokerInfoResponse {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            uptime: Some(prost_types::Duration {
+                seconds: uptime.as_secs() as i64,
+                nanos: uptime.subsec_nanos() as i32,
+            }),
+            started_at: Some(self.broker.started_at().into()),
+            limits: Some(pb::BrokerLimits {
+                consumer_capacity: l.consumer_capacity as u64,
+                group_capacity: l.group_capacity as u64,
+                default_max_in_flight: l.default_max_in_flight,
+                default_ack_deadline_ms: l.default_ack_deadline.as_millis() as u32,
+                max_delivery_attempts: l.max_delivery_attempts,
+                group_idle_ttl_seconds: l.group_idle_ttl.as_secs(),
+                max_message_bytes: l.max_message_bytes as u64,
+                max_subscriptions: l.max_subscriptions as u64,
+                shutdown_grace_seconds: self.shutdown_grace.as_secs(),
+                max_patterns_per_subscription: crate::broker::MAX_PATTERNS_PER_SUBSCRIPTION as u32,
+                max_topic_bytes: crate::topic::MAX_TOPIC_BYTES as u32,
+                max_headers: crate::broker::MAX_HEADERS as u32,
+            }),
+            subscriptions: self.broker.subscription_count() as u64,
+            consumer_groups: self.broker.groups().len() as u64,
+            last_sequence: self.broker.last_sequence(),
+            auth_enabled: self.auth_enabled,
+            tls_enabled: self.tls_enabled,
+        }))
     }
 }

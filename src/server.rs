@@ -4,7 +4,7 @@
 
 use crate::broker::Broker;
 use crate::config::Config;
-use crate::grpc::{self, BrokerService};
+use crate::grpc::{self, AdminService, BrokerService};
 use crate::pb;
 use crate::side;
 use std::future::Future;
@@ -73,6 +73,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let grpc_addr = listeners.grpc.local_addr()?;
     let metrics_addr = listeners.metrics.local_addr()?;
     let broker = Broker::new(config.limits.clone());
+    let (stop_maintenance, maintenance_stopped) = tokio::sync::oneshot::channel::<()>();
+    let maintenance = tokio::spawn(broker.clone().maintain(async {
+        let _ = maintenance_stopped.await;
+    }));
 
     let (reporter, health_service) = tonic_health::server::health_reporter();
     let health = Health {
@@ -100,6 +104,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(BrokerService::new(broker.clone()).into_server())
+        .add_service(
+            AdminService::new(broker.clone(), config.auth_token.is_some(), config.tls.is_some())
+                .with_shutdown_grace(config.shutdown_grace)
+                .into_server(),
+        )
         .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), async {
             let _ = grpc_stopped.await;
         });
@@ -121,6 +130,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     health.set(ServingStatus::NotServing).await;
     broker.begin_shutdown();
     let drained = drain(&broker, config.shutdown_grace).await;
+    let _ = stop_maintenance.send(());
+    let _ = maintenance.await;
     let discarded = broker.close_all();
     if drained {
         tracing::info!("all queues drained");

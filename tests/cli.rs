@@ -147,3 +147,48 @@ async fn cli_errors_name_the_problem() {
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribe_with_a_group_and_manual_ack_acks_what_it_prints() {
+    timeout(async {
+        let broker = start().await;
+        let url = broker.url();
+        let (mut child, rx) = spawn_subscriber(&[
+            "work.*",
+            "--group",
+            "cli-workers",
+            "--manual-ack",
+            "--addr",
+            &url,
+            "--count",
+            "2",
+        ]);
+        wait_until("the CLI member to join", || async {
+            broker.group("cli-workers").await.is_some_and(|g| g.members == 1)
+        })
+        .await;
+        let mut client = broker.client().await;
+        for payload in ["one", "two"] {
+            let r = client
+                .publish(publish_request("work.x", payload))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.matched_groups, 1);
+        }
+        assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), "one");
+        assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), "two");
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success());
+        let g = broker.group("cli-workers").await.unwrap();
+        assert_eq!(
+            (g.in_flight, g.redeliveries, g.backlog),
+            (0, 0, 0),
+            "both were acked before exit"
+        );
+    })
+    .await
+}

@@ -101,6 +101,11 @@ async fn readme_grpcurl_examples_work() {
         );
         assert!(ok && health.contains("SERVING"), "{health}");
 
+        let (ok, info) = grpcurl(&addr, &[], &["tinybroker.v1.Admin/GetBrokerInfo"]);
+        assert!(ok && info.contains(env!("CARGO_PKG_VERSION")), "{info}");
+        let (ok, groups) = grpcurl(&addr, &[], &["tinybroker.v1.Admin/ListConsumerGroups"]);
+        assert!(ok, "{groups}");
+
         let (ok, error) = grpcurl(
             &addr,
             &["-d", r#"{"topic": "bad topic"}"#],

@@ -3,10 +3,13 @@
 //! Knows nothing of gRPC or HTTP: the `grpc` module adapts it to tonic and the
 //! `metrics` module reads its live state at scrape time.
 
+mod group;
 mod queue;
 mod subscription;
 
+pub use group::{AckMode, ConsumerGroup, DeadLetter, GroupSnapshot, MemberSettings};
 pub use queue::CloseReason;
+use subscription::Membership;
 pub use subscription::{Subscription, SubscriptionInfo, SubscriptionStream};
 
 use crate::config::Limits;
@@ -20,7 +23,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 /// Most patterns one subscription may hold.
@@ -33,6 +36,14 @@ pub const MAX_HEADER_BYTES: usize = 8192;
 pub const MAX_NAME_BYTES: usize = 256;
 /// Evictions remembered for the Admin API.
 pub const EVICTION_HISTORY: usize = 1024;
+/// How often ack deadlines and idle groups are checked.
+pub const MAINTENANCE_INTERVAL: Duration = Duration::from_millis(50);
+/// Prefix of dead-letter topics: `_dlq.<group>`.
+pub const DEAD_LETTER_PREFIX: &str = "_dlq.";
+/// Header of a dead letter naming the topic it was first published to.
+pub const ORIGINAL_TOPIC_HEADER: &str = "tinybroker-original-topic";
+/// Header of a dead letter giving how many deliveries were tried.
+pub const DELIVERY_ATTEMPTS_HEADER: &str = "tinybroker-delivery-attempts";
 
 /// A message as published: shared by every subscription it fans out to.
 #[derive(Debug)]
@@ -88,6 +99,11 @@ pub struct SubscribeRequest {
     pub subscription_id: String,
     pub mode: DeliveryMode,
     pub consumer_group: String,
+    pub ack_mode: AckMode,
+    /// 0: the broker default.
+    pub max_in_flight: u32,
+    /// 0: the broker default.
+    pub ack_deadline_ms: u32,
     pub peer: Option<SocketAddr>,
 }
 
@@ -147,8 +163,20 @@ pub struct Stats {
     /// Messages handed to broadcast subscribers' streams (flushed by each
     /// stream in batches, so it may trail the live streams by a little).
     pub delivered_broadcast: AtomicU64,
+    /// The same for consumer-group members.
+    pub delivered_group: AtomicU64,
+    /// Messages queued for a subscription when it was evicted (and the one
+    /// that did not fit).
     pub dropped_evicted: AtomicU64,
+    /// Messages queued for a subscription its client cancelled or an admin
+    /// closed.
     pub dropped_closed: AtomicU64,
+    /// Oldest backlog messages dropped because a group's backlog was full.
+    pub dropped_group_overflow: AtomicU64,
+    /// Backlog of groups removed after their idle TTL.
+    pub dropped_group_expired: AtomicU64,
+    /// Dead letters of removed groups (live groups keep their own count).
+    pub dead_lettered: AtomicU64,
     pub discarded_on_shutdown: AtomicU64,
 }
 
@@ -170,6 +198,10 @@ struct Shared {
     routes_generation: AtomicU64,
     /// Open subscriptions by id. Never touched on the publish path.
     subscriptions: Mutex<HashMap<Arc<str>, Arc<Subscription>>>,
+    /// Consumer groups by name, including memberless ones within their idle
+    /// TTL. Never touched on the publish path; taken before a group's own
+    /// lock, never after it.
+    groups: Mutex<HashMap<Arc<str>, Arc<ConsumerGroup>>>,
     next_key: AtomicU64,
     /// Most recent evictions, newest last, at most [`EVICTION_HISTORY`].
     evictions: Mutex<VecDeque<EvictionRecord>>,
@@ -186,6 +218,7 @@ struct Shared {
 #[derive(Clone)]
 pub(crate) enum Route {
     Subscription(Arc<Subscription>),
+    Group(Arc<ConsumerGroup>),
 }
 
 /// A publisher's own memo of topic → routes, valid while the broker's route
@@ -210,6 +243,7 @@ impl Broker {
                 routes: RwLock::new(Sublist::default()),
                 routes_generation: AtomicU64::new(0),
                 subscriptions: Mutex::new(HashMap::new()),
+                groups: Mutex::new(HashMap::new()),
                 next_key: AtomicU64::new(1),
                 evictions: Mutex::new(VecDeque::new()),
                 stats: Stats::default(),
@@ -248,6 +282,12 @@ impl Broker {
     pub fn publish(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> Result<PublishOutcome, BrokerError> {
         self.check_open()?;
         self.validate_message(&message)?;
+        Ok(self.route(message, cache))
+    }
+
+    /// Assigns the sequence and hands the message to every matching
+    /// subscription and group. Never waits.
+    fn route(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> PublishOutcome {
         let routes = match cache {
             Some(cache) => self.routes_cached(&message.topic, cache),
             None => self.shared.routes.read().matches(&message.topic),
@@ -283,9 +323,41 @@ impl Broker {
                         Push::Closed => {}
                     }
                 }
+                Route::Group(group) => {
+                    outcome.matched_groups += 1;
+                    if group.offer(published.clone(), tokio::time::Instant::now()) {
+                        stats.dropped_group_overflow.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
         }
-        Ok(outcome)
+        outcome
+    }
+
+    /// Publishes dead letters to `_dlq.<group>`, with the original topic and
+    /// the attempts in headers. Runs even while shutting down.
+    fn dead_letter(&self, group: &str, letters: Vec<DeadLetter>) {
+        for letter in letters {
+            let original = &letter.message;
+            tracing::warn!(
+                consumer_group = group,
+                sequence = original.sequence,
+                topic = %original.topic,
+                attempts = letter.attempts,
+                "message dead-lettered after its last delivery attempt"
+            );
+            let mut headers = original.headers.clone();
+            headers.insert(ORIGINAL_TOPIC_HEADER.into(), original.topic.clone());
+            headers.insert(DELIVERY_ATTEMPTS_HEADER.into(), letter.attempts.to_string());
+            self.route(
+                NewMessage {
+                    topic: format!("{DEAD_LETTER_PREFIX}{group}"),
+                    payload: original.payload.clone(),
+                    headers,
+                },
+                None,
+            );
+        }
     }
 
     fn routes_cached(&self, topic: &str, cache: &mut RouteCache) -> Arc<[Route]> {
@@ -361,11 +433,7 @@ impl Broker {
                     "DELIVERY_MODE_SINGLE needs a consumer_group; it was empty".into(),
                 ));
             }
-            DeliveryMode::Group => {
-                return Err(BrokerError::Unimplemented(
-                    "DELIVERY_MODE_SINGLE (consumer groups) is not implemented yet".into(),
-                ));
-            }
+            DeliveryMode::Group => check_group_name(&request.consumer_group)?,
         }
         let id: Arc<str> = if request.subscription_id.is_empty() {
             uuid::Uuid::new_v4().to_string().into()
@@ -373,13 +441,33 @@ impl Broker {
             check_name("subscription_id", &request.subscription_id)?;
             request.subscription_id.as_str().into()
         };
+        let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
+        if request.mode == DeliveryMode::Group {
+            return self.join_group(request, key, id, patterns);
+        }
         let subscription = Arc::new(Subscription::new(
-            self.shared.next_key.fetch_add(1, Ordering::Relaxed),
-            id.clone(),
+            key,
+            id,
             patterns,
             request.peer,
             Queue::new(self.shared.limits.consumer_capacity),
+            None,
         ));
+        self.register(&subscription)?;
+        {
+            let mut routes = self.shared.routes.write();
+            for pattern in subscription.patterns() {
+                routes.insert(pattern, subscription.key, Route::Subscription(subscription.clone()));
+            }
+            self.shared.routes_generation.fetch_add(1, Ordering::Release);
+        }
+        Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+
+    /// Adds a subscription to the registry, enforcing unique ids and the
+    /// subscription limit.
+    fn register(&self, subscription: &Arc<Subscription>) -> Result<(), BrokerError> {
+        let id: Arc<str> = subscription.id().into();
         {
             let mut subs = self.shared.subscriptions.lock();
             // Checked under the registry lock, so a subscription can never
@@ -400,14 +488,125 @@ impl Broker {
             }
             subs.insert(id, subscription.clone());
         }
-        {
-            let mut routes = self.shared.routes.write();
-            for pattern in subscription.patterns() {
-                routes.insert(pattern, subscription.key, Route::Subscription(subscription.clone()));
+        Ok(())
+    }
+
+    /// Opens a consumer-group member, creating the group on first use.
+    fn join_group(
+        &self,
+        request: SubscribeRequest,
+        key: u64,
+        id: Arc<str>,
+        patterns: Vec<TopicPattern>,
+    ) -> Result<SubscriptionStream, BrokerError> {
+        let limits = &self.shared.limits;
+        let settings = MemberSettings {
+            ack_mode: request.ack_mode,
+            max_in_flight: match request.max_in_flight {
+                0 => limits.default_max_in_flight,
+                n => n,
+            },
+            ack_deadline: match request.ack_deadline_ms {
+                0 => limits.default_ack_deadline,
+                ms => Duration::from_millis(ms.into()),
+            },
+        };
+        let name = request.consumer_group.as_str();
+        let mut groups = self.shared.groups.lock();
+        let group = match groups.get(name) {
+            Some(group) if group.patterns() != patterns.as_slice() => {
+                return Err(BrokerError::FailedPrecondition(format!(
+                    "consumer group {name:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                    pattern_list(group.patterns()),
+                    pattern_list(&patterns)
+                )));
             }
-            self.shared.routes_generation.fetch_add(1, Ordering::Release);
-        }
+            Some(group) => group.clone(),
+            None => {
+                let group = Arc::new(ConsumerGroup::new(
+                    self.shared.next_key.fetch_add(1, Ordering::Relaxed),
+                    name.into(),
+                    patterns.clone(),
+                    limits.group_capacity,
+                    limits.max_delivery_attempts,
+                    tokio::time::Instant::now(),
+                ));
+                let mut routes = self.shared.routes.write();
+                for pattern in group.patterns() {
+                    routes.insert(pattern, group.key, Route::Group(group.clone()));
+                }
+                self.shared.routes_generation.fetch_add(1, Ordering::Release);
+                drop(routes);
+                groups.insert(name.into(), group.clone());
+                group
+            }
+        };
+        let subscription = Arc::new(Subscription::new(
+            key,
+            id,
+            patterns,
+            request.peer,
+            Queue::new(settings.max_in_flight as usize),
+            Some(Membership {
+                group: group.clone(),
+                settings,
+            }),
+        ));
+        self.register(&subscription)?;
+        // Under the registry lock, so the idle sweep cannot remove the group
+        // between the lookup and the join.
+        let joined = group.join(subscription.clone(), settings, tokio::time::Instant::now());
+        debug_assert!(joined, "groups are only removed under the registry lock");
+        drop(groups);
         Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+
+    /// Acks manual-ack messages held by a group member. Returns (acked, unknown).
+    pub fn ack(&self, subscription_id: &str, sequences: &[u64]) -> Result<(u32, u32), BrokerError> {
+        let subscription = self.subscription_for_ack("Ack", subscription_id, sequences)?;
+        let Some(membership) = subscription.membership() else {
+            // Nothing is ever in flight with a broadcast subscription.
+            return Ok((0, sequences.len() as u32));
+        };
+        Ok(membership
+            .group
+            .ack(subscription.key, sequences, tokio::time::Instant::now()))
+    }
+
+    /// Hands manual-ack messages back for redelivery. Returns (requeued, unknown).
+    pub fn nack(&self, subscription_id: &str, sequences: &[u64]) -> Result<(u32, u32), BrokerError> {
+        let subscription = self.subscription_for_ack("Nack", subscription_id, sequences)?;
+        let Some(membership) = subscription.membership() else {
+            return Ok((0, sequences.len() as u32));
+        };
+        let group = &membership.group;
+        let (requeued, unknown, dead) = group.nack(subscription.key, sequences, tokio::time::Instant::now());
+        self.dead_letter(group.name(), dead);
+        Ok((requeued, unknown))
+    }
+
+    /// The open subscription an Ack/Nack names.
+    fn subscription_for_ack(
+        &self,
+        call: &str,
+        subscription_id: &str,
+        sequences: &[u64],
+    ) -> Result<Arc<Subscription>, BrokerError> {
+        if subscription_id.is_empty() {
+            return Err(BrokerError::InvalidArgument(format!(
+                "{call} needs a subscription_id; it was empty"
+            )));
+        }
+        if sequences.is_empty() {
+            return Err(BrokerError::InvalidArgument(format!(
+                "{call} for subscription {:?} lists no sequences",
+                truncate(subscription_id)
+            )));
+        }
+        let subscription = self.shared.subscriptions.lock().get(subscription_id).cloned();
+        subscription.ok_or_else(|| {
+            BrokerError::NotFound(format!("no open subscription with id {:?}", truncate(subscription_id)))
+        })
     }
 
     /// Closes one subscription by id (Admin API); its stream ends cleanly.
@@ -440,19 +639,27 @@ impl Broker {
     }
 
     /// Closes a subscription's queue and removes it from routing. Idempotent.
+    /// A group member's undelivered messages go back to its group; a
+    /// broadcast subscription's are dropped and counted. Returns how many
+    /// were dropped, or None when it was closed already.
     fn close(&self, subscription: &Arc<Subscription>, reason: CloseReason) -> Option<usize> {
-        let discarded = subscription.queue.close(reason);
-        if let Some(n) = discarded {
-            let stats = &self.shared.stats;
-            match reason {
-                CloseReason::Evicted => &stats.dropped_evicted,
-                CloseReason::Shutdown => &stats.discarded_on_shutdown,
-                CloseReason::Cancelled | CloseReason::ClosedByAdmin => &stats.dropped_closed,
-            }
-            .fetch_add(n as u64, Ordering::Relaxed);
-        }
+        let left = subscription.queue.close(reason);
         self.detach(subscription);
-        discarded
+        let left = left?;
+        if let Some(membership) = subscription.membership() {
+            let group = &membership.group;
+            let dead = group.leave(subscription.key, left, tokio::time::Instant::now());
+            self.dead_letter(group.name(), dead);
+            return Some(0);
+        }
+        let stats = &self.shared.stats;
+        match reason {
+            CloseReason::Evicted => &stats.dropped_evicted,
+            CloseReason::Shutdown => &stats.discarded_on_shutdown,
+            CloseReason::Cancelled | CloseReason::ClosedByAdmin => &stats.dropped_closed,
+        }
+        .fetch_add(left.len() as u64, Ordering::Relaxed);
+        Some(left.len())
     }
 
     /// Removes a subscription from routing and the registry. Idempotent.
@@ -460,7 +667,8 @@ impl Broker {
         if subscription.detached.swap(true, Ordering::AcqRel) {
             return;
         }
-        {
+        // Members are routed through their group, not the trie.
+        if subscription.membership().is_none() {
             let mut routes = self.shared.routes.write();
             for pattern in subscription.patterns() {
                 routes.remove(pattern, subscription.key);
@@ -531,18 +739,92 @@ impl Broker {
         self.shared.drain_signal.clone().cancelled_owned()
     }
 
-    /// Messages waiting in all queues.
+    /// Messages waiting to be delivered: in subscription queues and group
+    /// backlogs.
     pub fn queued(&self) -> usize {
-        self.subscriptions().iter().map(|s| s.queue_depth()).sum()
+        let now = tokio::time::Instant::now();
+        let queues: usize = self.subscriptions().iter().map(|s| s.queue_depth()).sum();
+        let backlogs: usize = self.groups().iter().map(|g| g.snapshot(now).backlog).sum();
+        queues + backlogs
     }
 
-    /// Ends every subscription stream. Returns the messages still queued,
-    /// which are counted as discarded on shutdown.
+    /// Ends every subscription stream and empties every group. Returns the
+    /// messages still undelivered, which are counted as discarded on shutdown.
     pub fn close_all(&self) -> usize {
-        self.subscriptions()
+        let queued: usize = self
+            .subscriptions()
             .iter()
             .filter_map(|s| self.close(s, CloseReason::Shutdown))
-            .sum()
+            .sum();
+        let in_groups: usize = self.groups().iter().map(|g| g.discard_all()).sum();
+        self.shared
+            .stats
+            .discarded_on_shutdown
+            .fetch_add(in_groups as u64, Ordering::Relaxed);
+        queued + in_groups
+    }
+
+    // === consumer groups ===
+
+    /// Every consumer group, by name.
+    pub fn groups(&self) -> Vec<Arc<ConsumerGroup>> {
+        let mut groups: Vec<_> = self.shared.groups.lock().values().cloned().collect();
+        groups.sort_by(|a, b| a.name().cmp(b.name()));
+        groups
+    }
+
+    /// Redelivers messages whose ack deadline passed and removes groups idle
+    /// for longer than their TTL. Called every [`MAINTENANCE_INTERVAL`].
+    pub fn tick(&self, now: tokio::time::Instant) {
+        for group in self.groups() {
+            let dead = group.expire(now);
+            self.dead_letter(group.name(), dead);
+        }
+        let ttl = self.shared.limits.group_idle_ttl;
+        let mut groups = self.shared.groups.lock();
+        let mut removed = Vec::new();
+        groups.retain(|_, group| match group.remove_if_idle(now, ttl) {
+            Some(left) => {
+                removed.push((group.clone(), left));
+                false
+            }
+            None => true,
+        });
+        drop(groups);
+        if removed.is_empty() {
+            return;
+        }
+        let mut routes = self.shared.routes.write();
+        for (group, _) in &removed {
+            for pattern in group.patterns() {
+                routes.remove(pattern, group.key);
+            }
+        }
+        self.shared.routes_generation.fetch_add(1, Ordering::Release);
+        drop(routes);
+        let stats = &self.shared.stats;
+        for (group, left) in removed {
+            stats.dropped_group_expired.fetch_add(left as u64, Ordering::Relaxed);
+            stats.dead_lettered.fetch_add(group.dead_lettered(), Ordering::Relaxed);
+            tracing::info!(
+                consumer_group = group.name(),
+                dropped = left,
+                "consumer group removed after its idle TTL with no members"
+            );
+        }
+    }
+
+    /// Runs [`Broker::tick`] until the broker is dropped or `stop` resolves.
+    pub async fn maintain(self, stop: impl std::future::Future<Output = ()>) {
+        let mut interval = tokio::time::interval(MAINTENANCE_INTERVAL);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                now = interval.tick() => self.tick(now),
+            }
+        }
     }
 }
 
@@ -565,6 +847,22 @@ fn parse_patterns(raw: &[String]) -> Result<Vec<TopicPattern>, BrokerError> {
     patterns.sort();
     patterns.dedup();
     Ok(patterns)
+}
+
+/// A group name must also make a valid dead-letter topic `_dlq.<group>`.
+fn check_group_name(name: &str) -> Result<(), BrokerError> {
+    check_name("consumer_group", name)?;
+    topic::validate_topic(&format!("{DEAD_LETTER_PREFIX}{name}")).map_err(|e| {
+        BrokerError::InvalidArgument(format!(
+            "consumer_group {:?} cannot name its dead-letter topic: {e}",
+            truncate(name)
+        ))
+    })
+}
+
+fn pattern_list(patterns: &[TopicPattern]) -> String {
+    let names: Vec<&str> = patterns.iter().map(TopicPattern::as_str).collect();
+    format!("[{}]", names.join(", "))
 }
 
 fn check_name(field: &str, value: &str) -> Result<(), BrokerError> {

@@ -101,9 +101,9 @@ impl Queue {
         Poll::Pending
     }
 
-    /// Closes the queue, discarding what it holds. Returns how many messages
-    /// were discarded, or `None` when it was already closed.
-    pub(crate) fn close(&self, reason: CloseReason) -> Option<usize> {
+    /// Closes the queue and returns what it held (never delivered), or `None`
+    /// when it was already closed.
+    pub(crate) fn close(&self, reason: CloseReason) -> Option<VecDeque<Delivery>> {
         let (discarded, waker) = {
             let mut state = self.state.lock();
             if state.closed.is_some() {
@@ -116,8 +116,14 @@ impl Queue {
         if let Some(waker) = waker {
             waker.wake();
         }
-        // `discarded` is dropped here, outside the lock.
-        Some(discarded.len())
+        Some(discarded)
+    }
+
+    /// Takes back a message that is still waiting in the queue.
+    pub(crate) fn remove(&self, sequence: u64) -> Option<Delivery> {
+        let mut state = self.state.lock();
+        let index = state.items.iter().position(|d| d.message.sequence == sequence)?;
+        state.items.remove(index)
     }
 
     pub(crate) fn close_reason(&self) -> Option<CloseReason> {
@@ -127,6 +133,11 @@ impl Queue {
     /// Live depth (what the metrics and Admin API report).
     pub(crate) fn len(&self) -> usize {
         self.state.lock().items.len()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn sequences(&self) -> Vec<u64> {
+        self.state.lock().items.iter().map(|d| d.message.sequence).collect()
     }
 }
 
@@ -165,8 +176,8 @@ mod tests {
         assert!(q.poll_pop(&mut cx).is_pending());
         q.push(delivery(1));
         q.push(delivery(2));
-        assert_eq!(q.close(CloseReason::Evicted), Some(2));
-        assert_eq!(q.close(CloseReason::Shutdown), None, "second close is a no-op");
+        assert_eq!(q.close(CloseReason::Evicted).map(|d| d.len()), Some(2));
+        assert!(q.close(CloseReason::Shutdown).is_none(), "second close is a no-op");
         assert_eq!(q.len(), 0);
         assert!(matches!(q.poll_pop(&mut cx), Poll::Ready(None)));
         assert!(matches!(q.push(delivery(3)), Push::Closed));

@@ -1,5 +1,6 @@
 //! One open subscription and the stream of its deliveries.
 
+use super::group::{AckMode, ConsumerGroup, MemberSettings};
 use super::queue::{CloseReason, Queue};
 use super::{Broker, Delivery};
 use crate::topic::TopicPattern;
@@ -24,6 +25,14 @@ pub struct Subscription {
     last_delivered_sequence: AtomicU64,
     /// Set once the subscription has left routing and the registry.
     pub(crate) detached: AtomicBool,
+    /// Set for consumer-group members.
+    membership: Option<Membership>,
+}
+
+/// What makes a subscription a consumer-group member.
+pub(crate) struct Membership {
+    pub(crate) group: Arc<ConsumerGroup>,
+    pub(crate) settings: MemberSettings,
 }
 
 /// A point-in-time view for the Admin API.
@@ -33,6 +42,8 @@ pub struct SubscriptionInfo {
     pub topic_patterns: Vec<String>,
     pub queue_depth: usize,
     pub capacity: usize,
+    /// Group members: the group's name and ack mode.
+    pub consumer_group: Option<(String, AckMode)>,
     pub delivered: u64,
     pub opened_at: SystemTime,
     pub peer: Option<SocketAddr>,
@@ -45,6 +56,7 @@ impl Subscription {
         patterns: Vec<TopicPattern>,
         peer: Option<SocketAddr>,
         queue: Queue,
+        membership: Option<Membership>,
     ) -> Self {
         Self {
             key,
@@ -56,7 +68,17 @@ impl Subscription {
             delivered: AtomicU64::new(0),
             last_delivered_sequence: AtomicU64::new(0),
             detached: AtomicBool::new(false),
+            membership,
         }
+    }
+
+    pub(crate) fn membership(&self) -> Option<&Membership> {
+        self.membership.as_ref()
+    }
+
+    /// The group's name, for consumer-group members.
+    pub fn consumer_group(&self) -> Option<&str> {
+        self.membership.as_ref().map(|m| m.group.name())
     }
 
     pub fn id(&self) -> &str {
@@ -99,6 +121,10 @@ impl Subscription {
             topic_patterns: self.patterns.iter().map(|p| p.to_string()).collect(),
             queue_depth: self.queue_depth(),
             capacity: self.capacity(),
+            consumer_group: self
+                .membership
+                .as_ref()
+                .map(|m| (m.group.name().to_owned(), m.settings.ack_mode)),
             delivered: self.delivered(),
             opened_at: self.opened_at,
             peer: self.peer,
@@ -141,10 +167,13 @@ impl SubscriptionStream {
 
     fn flush_delivered(&mut self) {
         if self.unflushed > 0 {
-            self.broker
-                .stats()
-                .delivered_broadcast
-                .fetch_add(self.unflushed, Ordering::Relaxed);
+            let stats = self.broker.stats();
+            let counter = if self.subscription.membership.is_some() {
+                &stats.delivered_group
+            } else {
+                &stats.delivered_broadcast
+            };
+            counter.fetch_add(self.unflushed, Ordering::Relaxed);
             self.unflushed = 0;
         }
     }
@@ -155,13 +184,24 @@ impl Stream for SubscriptionStream {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
         const FLUSH_EVERY: u64 = 256;
+        // Take part in tokio's cooperative budget: a stream whose queue is
+        // always full would otherwise keep its connection task (and worker)
+        // to itself, starving other subscribers and, in a consumer group,
+        // taking every refill of the backlog for itself.
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         let polled = self.subscription.queue.poll_pop(cx);
         match &polled {
             Poll::Ready(Some(delivery)) => {
+                coop.made_progress();
                 let sub = &self.subscription;
                 sub.delivered.fetch_add(1, Ordering::Relaxed);
                 sub.last_delivered_sequence
                     .store(delivery.message.sequence, Ordering::Relaxed);
+                if let Some(m) = &sub.membership
+                    && m.settings.ack_mode == AckMode::Auto
+                {
+                    m.group.streamed(sub.key, tokio::time::Instant::now());
+                }
                 self.unflushed += 1;
                 if self.unflushed >= FLUSH_EVERY {
                     self.flush_delivered();

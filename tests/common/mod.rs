@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 use tinybroker::config::{Config, Limits};
 use tinybroker::pb;
+use tinybroker::pb::admin_client::AdminClient;
 use tinybroker::pb::broker_client::BrokerClient;
 use tinybroker::server::{self, Listeners};
 use tokio::net::TcpListener;
@@ -97,6 +98,23 @@ impl TestBroker {
         BrokerClient::new(self.channel().await)
     }
 
+    pub async fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::new(self.channel().await)
+    }
+
+    /// The consumer group `name` as the Admin API lists it.
+    pub async fn group(&self, name: &str) -> Option<pb::ConsumerGroupInfo> {
+        let groups = self
+            .admin()
+            .await
+            .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .groups;
+        groups.into_iter().find(|g| g.name == name)
+    }
+
     /// Begins shutdown (as SIGTERM would).
     pub fn trigger_shutdown(&mut self) {
         if let Some(tx) = self.shutdown.take() {
@@ -157,6 +175,34 @@ pub fn subscribe_request(patterns: &[&str]) -> pb::OpenSubscriptionRequest {
         topic_patterns: patterns.iter().map(|p| p.to_string()).collect(),
         ..Default::default()
     }
+}
+
+/// A consumer-group member request.
+pub fn member_request(patterns: &[&str], group: &str, manual: bool, max_in_flight: u32) -> pb::OpenSubscriptionRequest {
+    pb::OpenSubscriptionRequest {
+        topic_patterns: patterns.iter().map(|p| p.to_string()).collect(),
+        mode: pb::DeliveryMode::Single as i32,
+        consumer_group: group.into(),
+        ack_mode: if manual { pb::AckMode::Manual } else { pb::AckMode::Auto } as i32,
+        max_in_flight,
+        ..Default::default()
+    }
+}
+
+/// Opens a subscription from a full request; returns its stream and id.
+pub async fn open(
+    client: &mut BrokerClient<Channel>,
+    request: pb::OpenSubscriptionRequest,
+) -> (tonic::Streaming<pb::Message>, String) {
+    let response = client.open_subscription(request).await.unwrap();
+    let id = response
+        .metadata()
+        .get("tinybroker-subscription-id")
+        .expect("subscription id metadata")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (response.into_inner(), id)
 }
 
 /// Opens a broadcast subscription; returns its stream and id.

@@ -1,0 +1,742 @@
+//! Consumer groups (DELIVERY_MODE_SINGLE): one shared backlog, members that
+//! each hold at most `max_in_flight` messages, manual acks with deadlines,
+//! redelivery and dead-lettering.
+//!
+//! Every message offered to a group is, at any moment, in exactly one place:
+//! the backlog, a member's queue (handed out, not yet on the member's
+//! stream), in flight with one member (manual ack, on its stream), or done
+//! (streamed in auto mode, acked, dead-lettered, or dropped and counted).
+//! Time is passed in (`now`), so the logic is tested without a clock.
+
+use super::queue::Push;
+use super::{Delivery, Published, Subscription};
+use crate::topic::TopicPattern;
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How a member's messages count as done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckMode {
+    /// Done once handed to the member's stream (at most once).
+    #[default]
+    Auto,
+    /// In flight until acked; redelivered on deadline, nack or disconnect.
+    Manual,
+}
+
+/// A member's settings, fixed when it joins.
+#[derive(Debug, Clone, Copy)]
+pub struct MemberSettings {
+    pub ack_mode: AckMode,
+    pub max_in_flight: u32,
+    pub ack_deadline: Duration,
+}
+
+/// A message that used up its delivery attempts, to be published to the
+/// group's dead-letter topic by the caller (outside the group's lock).
+#[derive(Debug)]
+pub struct DeadLetter {
+    pub message: Arc<Published>,
+    pub attempts: u32,
+}
+
+/// A point-in-time view for metrics and the Admin API.
+#[derive(Debug, Clone, Default)]
+pub struct GroupSnapshot {
+    pub members: usize,
+    pub backlog: usize,
+    pub in_flight: usize,
+    pub oldest_unacked_age: Option<Duration>,
+}
+
+pub struct ConsumerGroup {
+    /// Key of the group's entries in the routing trie.
+    pub(crate) key: u64,
+    name: Arc<str>,
+    patterns: Vec<TopicPattern>,
+    capacity: usize,
+    /// 0 = no limit.
+    max_delivery_attempts: u32,
+    /// A plain mutex: nothing awaits while it is held. Publishers, member
+    /// streams (auto mode), acks and the maintenance tick each hold it for
+    /// one short state transition.
+    state: Mutex<GroupState>,
+    redeliveries: AtomicU64,
+    dead_lettered: AtomicU64,
+    dropped: AtomicU64,
+}
+
+struct GroupState {
+    backlog: VecDeque<Pending>,
+    members: Vec<MemberSlot>,
+    /// Round-robin position in `members`.
+    cursor: usize,
+    /// Manual-ack messages on a member's stream or queue, by sequence.
+    in_flight: HashMap<u64, InFlight>,
+    /// When the last member left (None while any member is connected).
+    idle_since: Option<Instant>,
+    /// Set when the group is removed; a joining member then starts a new one.
+    removed: bool,
+}
+
+struct Pending {
+    message: Arc<Published>,
+    /// Deliveries that already reached a member's stream.
+    attempts: u32,
+    /// A member to pass over when another has room (the one that nacked it).
+    avoid: Option<u64>,
+}
+
+struct MemberSlot {
+    key: u64,
+    subscription: Arc<Subscription>,
+    settings: MemberSettings,
+    /// Messages this member holds: queued for its stream, plus (manual)
+    /// on its stream and not yet acked.
+    held: u32,
+}
+
+struct InFlight {
+    member: u64,
+    attempt: u32,
+    message: Arc<Published>,
+    handed_out: Instant,
+    deadline: Instant,
+}
+
+impl ConsumerGroup {
+    pub(crate) fn new(
+        key: u64,
+        name: Arc<str>,
+        patterns: Vec<TopicPattern>,
+        capacity: usize,
+        max_delivery_attempts: u32,
+        now: Instant,
+    ) -> Self {
+        Self {
+            key,
+            name,
+            patterns,
+            capacity,
+            max_delivery_attempts,
+            state: Mutex::new(GroupState {
+                backlog: VecDeque::new(),
+                members: Vec::new(),
+                cursor: 0,
+                in_flight: HashMap::new(),
+                idle_since: Some(now),
+                removed: false,
+            }),
+            redeliveries: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn patterns(&self) -> &[TopicPattern] {
+        &self.patterns
+    }
+
+    pub fn redeliveries(&self) -> u64 {
+        self.redeliveries.load(Ordering::Relaxed)
+    }
+
+    pub fn dead_lettered(&self) -> u64 {
+        self.dead_lettered.load(Ordering::Relaxed)
+    }
+
+    /// Messages dropped because the backlog overflowed.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    pub fn snapshot(&self, now: Instant) -> GroupSnapshot {
+        let state = self.state.lock();
+        GroupSnapshot {
+            members: state.members.len(),
+            backlog: state.backlog.len(),
+            in_flight: state.members.iter().map(|m| m.held as usize).sum(),
+            oldest_unacked_age: state
+                .in_flight
+                .values()
+                .map(|f| now.saturating_duration_since(f.handed_out))
+                .max(),
+        }
+    }
+
+    /// Routes one published message to the group: into the backlog, then to
+    /// a member with room. Returns true when the backlog was full and its
+    /// oldest message was dropped to make room.
+    pub(crate) fn offer(&self, message: Arc<Published>, now: Instant) -> bool {
+        let mut state = self.state.lock();
+        if state.removed {
+            return false;
+        }
+        let mut overflowed = false;
+        if state.backlog.len() >= self.capacity {
+            state.backlog.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            overflowed = true;
+        }
+        state.backlog.push_back(Pending {
+            message,
+            attempts: 0,
+            avoid: None,
+        });
+        state.dispatch(now);
+        overflowed
+    }
+
+    /// Adds a member (its patterns were checked by the caller) and hands it
+    /// what the backlog holds. False when the group was removed meanwhile.
+    pub(crate) fn join(&self, subscription: Arc<Subscription>, settings: MemberSettings, now: Instant) -> bool {
+        let mut state = self.state.lock();
+        if state.removed {
+            return false;
+        }
+        state.members.push(MemberSlot {
+            key: subscription.key,
+            subscription,
+            settings,
+            held: 0,
+        });
+        state.idle_since = None;
+        state.dispatch(now);
+        true
+    }
+
+    /// A member left (cancelled, closed or shutting down). `unstreamed` is
+    /// what its queue still held: never delivered, so it goes back as it was;
+    /// its manual-ack messages that did reach its stream are redelivered.
+    pub(crate) fn leave(&self, member: u64, unstreamed: VecDeque<Delivery>, now: Instant) -> Vec<DeadLetter> {
+        let mut state = self.state.lock();
+        state.members.retain(|m| m.key != member);
+        if state.members.is_empty() && state.idle_since.is_none() {
+            state.idle_since = Some(now);
+        }
+        let never_streamed: HashSet<u64> = unstreamed.iter().map(|d| d.message.sequence).collect();
+        let mut returned: Vec<Pending> = unstreamed
+            .into_iter()
+            .map(|d| {
+                state.in_flight.remove(&d.message.sequence);
+                Pending {
+                    message: d.message,
+                    attempts: d.attempt - 1,
+                    avoid: None,
+                }
+            })
+            .collect();
+        let held_on_stream: Vec<u64> = state
+            .in_flight
+            .iter()
+            .filter(|(seq, f)| f.member == member && !never_streamed.contains(seq))
+            .map(|(seq, _)| *seq)
+            .collect();
+        let mut dead = Vec::new();
+        for seq in held_on_stream {
+            if let Some(flight) = state.in_flight.remove(&seq) {
+                self.retry(flight, None, &mut returned, &mut dead);
+            }
+        }
+        state.requeue(returned);
+        state.dispatch(now);
+        dead
+    }
+
+    /// An auto-ack member's stream took a message: it is done, and the
+    /// member has room for another.
+    pub(crate) fn streamed(&self, member: u64, now: Instant) {
+        let mut state = self.state.lock();
+        if let Some(slot) = state.members.iter_mut().find(|m| m.key == member) {
+            slot.held = slot.held.saturating_sub(1);
+        }
+        state.dispatch(now);
+    }
+
+    /// Marks messages done. Returns (acked, unknown): a sequence this member
+    /// does not hold (never had, already acked, or lost to a redelivery) is
+    /// unknown and changes nothing.
+    pub(crate) fn ack(&self, member: u64, sequences: &[u64], now: Instant) -> (u32, u32) {
+        let mut state = self.state.lock();
+        let (mut acked, mut unknown) = (0, 0);
+        for seq in sequences {
+            if state.in_flight.get(seq).is_some_and(|f| f.member == member) {
+                state.in_flight.remove(seq);
+                // A redelivery to the same member may still wait in its
+                // queue: the ack covers it too.
+                if let Some(slot) = state.members.iter().find(|m| m.key == member) {
+                    slot.subscription.queue.remove(*seq);
+                }
+                state.release(member);
+                acked += 1;
+            } else {
+                unknown += 1;
+            }
+        }
+        state.dispatch(now);
+        (acked, unknown)
+    }
+
+    /// Hands messages back for immediate redelivery, preferably to another
+    /// member. Returns (requeued, unknown, dead letters): a message that used
+    /// its last attempt is dead-lettered instead of requeued (and still
+    /// counted as requeued: the member no longer holds it).
+    pub(crate) fn nack(&self, member: u64, sequences: &[u64], now: Instant) -> (u32, u32, Vec<DeadLetter>) {
+        let mut state = self.state.lock();
+        let (mut requeued, mut unknown) = (0, 0);
+        let mut returned = Vec::new();
+        let mut dead = Vec::new();
+        for seq in sequences {
+            match state.in_flight.get(seq) {
+                Some(f) if f.member == member => {
+                    if let Some(flight) = state.in_flight.remove(seq) {
+                        state.release(member);
+                        state.fail(self, flight, Some(member), &mut returned, &mut dead);
+                        requeued += 1;
+                    }
+                }
+                _ => unknown += 1,
+            }
+        }
+        state.requeue(returned);
+        state.dispatch(now);
+        (requeued, unknown, dead)
+    }
+
+    /// Redelivers manual-ack messages whose ack deadline has passed.
+    pub(crate) fn expire(&self, now: Instant) -> Vec<DeadLetter> {
+        let mut state = self.state.lock();
+        let expired: Vec<u64> = state
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.deadline <= now)
+            .map(|(seq, _)| *seq)
+            .collect();
+        if expired.is_empty() {
+            return Vec::new();
+        }
+        let mut returned = Vec::new();
+        let mut dead = Vec::new();
+        for seq in expired {
+            if let Some(flight) = state.in_flight.remove(&seq) {
+                state.release(flight.member);
+                let member = flight.member;
+                state.fail(self, flight, Some(member), &mut returned, &mut dead);
+            }
+        }
+        state.requeue(returned);
+        state.dispatch(now);
+        dead
+    }
+
+    /// True (and the group is marked removed) when it has had no member for
+    /// `ttl`. Returns the backlog it still held, for counting.
+    pub(crate) fn remove_if_idle(&self, now: Instant, ttl: Duration) -> Option<usize> {
+        let mut state = self.state.lock();
+        match state.idle_since {
+            Some(since) if state.members.is_empty() && now.saturating_duration_since(since) >= ttl => {
+                state.removed = true;
+                let left = state.backlog.len() + state.in_flight.len();
+                state.backlog.clear();
+                state.in_flight.clear();
+                Some(left)
+            }
+            _ => None,
+        }
+    }
+
+    /// Shutdown: empties the group; returns how many messages it held.
+    pub(crate) fn discard_all(&self) -> usize {
+        let mut state = self.state.lock();
+        state.removed = true;
+        let left = state.backlog.len() + state.in_flight.len();
+        state.backlog.clear();
+        state.in_flight.clear();
+        left
+    }
+
+    /// A delivery attempt failed: back to the backlog, or dead-lettered when
+    /// it was the last allowed one.
+    fn retry(&self, flight: InFlight, avoid: Option<u64>, returned: &mut Vec<Pending>, dead: &mut Vec<DeadLetter>) {
+        if self.max_delivery_attempts > 0 && flight.attempt >= self.max_delivery_attempts {
+            self.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            dead.push(DeadLetter {
+                message: flight.message,
+                attempts: flight.attempt,
+            });
+            return;
+        }
+        self.redeliveries.fetch_add(1, Ordering::Relaxed);
+        returned.push(Pending {
+            message: flight.message,
+            attempts: flight.attempt,
+            avoid,
+        });
+    }
+}
+
+impl GroupState {
+    /// Hands backlog messages to members with room, round-robin.
+    fn dispatch(&mut self, now: Instant) {
+        while let Some(front) = self.backlog.front() {
+            let Some(index) = self.pick_member(front.avoid) else {
+                return;
+            };
+            let Some(pending) = self.backlog.pop_front() else {
+                return;
+            };
+            let slot = &mut self.members[index];
+            let delivery = Delivery {
+                message: pending.message,
+                attempt: pending.attempts + 1,
+            };
+            let message = delivery.message.clone();
+            let attempt = delivery.attempt;
+            match slot.subscription.queue.push(delivery) {
+                Push::Queued => {
+                    slot.held += 1;
+                    if slot.settings.ack_mode == AckMode::Manual {
+                        let (member, deadline) = (slot.key, now + slot.settings.ack_deadline);
+                        self.in_flight.insert(
+                            message.sequence,
+                            InFlight {
+                                member,
+                                attempt,
+                                message,
+                                handed_out: now,
+                                deadline,
+                            },
+                        );
+                    }
+                }
+                Push::Full { .. } | Push::Closed => {
+                    // The member is leaving (its `leave` is on the way): take
+                    // it out of the rotation and keep the message.
+                    self.members.remove(index);
+                    self.backlog.push_front(Pending {
+                        message,
+                        attempts: attempt - 1,
+                        avoid: pending.avoid,
+                    });
+                }
+            }
+        }
+    }
+
+    fn pick_member(&mut self, avoid: Option<u64>) -> Option<usize> {
+        let n = self.members.len();
+        let mut fallback = None;
+        for i in 0..n {
+            let index = (self.cursor + i) % n;
+            let slot = &self.members[index];
+            if slot.held >= slot.settings.max_in_flight {
+                continue;
+            }
+            if avoid == Some(slot.key) {
+                fallback.get_or_insert(index);
+                continue;
+            }
+            self.cursor = index + 1;
+            return Some(index);
+        }
+        let index = fallback?;
+        self.cursor = index + 1;
+        Some(index)
+    }
+
+    /// A manual-ack delivery failed (deadline or nack). If it never left the
+    /// member's queue it was not delivered: it goes back as it was, without
+    /// using up an attempt. Otherwise it is retried or dead-lettered.
+    fn fail(
+        &mut self,
+        group: &ConsumerGroup,
+        flight: InFlight,
+        avoid: Option<u64>,
+        returned: &mut Vec<Pending>,
+        dead: &mut Vec<DeadLetter>,
+    ) {
+        let holder = self.members.iter().find(|m| m.key == flight.member);
+        if holder.is_some_and(|m| m.subscription.queue.remove(flight.message.sequence).is_some()) {
+            returned.push(Pending {
+                message: flight.message,
+                attempts: flight.attempt - 1,
+                avoid,
+            });
+            return;
+        }
+        group.retry(flight, avoid, returned, dead);
+    }
+
+    fn release(&mut self, member: u64) {
+        if let Some(slot) = self.members.iter_mut().find(|m| m.key == member) {
+            slot.held = slot.held.saturating_sub(1);
+        }
+    }
+
+    /// Puts failed deliveries at the front of the backlog, lowest sequence first.
+    fn requeue(&mut self, mut returned: Vec<Pending>) {
+        returned.sort_by_key(|p| std::cmp::Reverse(p.message.sequence));
+        for pending in returned {
+            self.backlog.push_front(pending);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::queue::Queue;
+    use proptest::prelude::*;
+    use std::task::{Context, Poll, Waker};
+
+    fn published(seq: u64) -> Arc<Published> {
+        Arc::new(Published::for_test("t", seq))
+    }
+
+    fn member(key: u64, capacity: usize) -> Arc<Subscription> {
+        Arc::new(Subscription::new(
+            key,
+            format!("m{key}").into(),
+            vec![TopicPattern::parse("t").unwrap()],
+            None,
+            Queue::new(capacity),
+            None,
+        ))
+    }
+
+    fn settings(mode: AckMode, max_in_flight: u32) -> MemberSettings {
+        MemberSettings {
+            ack_mode: mode,
+            max_in_flight,
+            ack_deadline: Duration::from_secs(10),
+        }
+    }
+
+    fn pop(sub: &Subscription) -> Option<Delivery> {
+        match sub.queue.poll_pop(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(d) => d,
+            Poll::Pending => None,
+        }
+    }
+
+    fn group(capacity: usize, max_attempts: u32) -> ConsumerGroup {
+        let p = vec![TopicPattern::parse("t").unwrap()];
+        ConsumerGroup::new(0, "g".into(), p, capacity, max_attempts, Instant::now())
+    }
+
+    #[test]
+    fn backlog_waits_for_a_member_then_flows() {
+        let now = Instant::now();
+        let g = group(10, 0);
+        for seq in 1..=3 {
+            g.offer(published(seq), now);
+        }
+        assert_eq!(g.snapshot(now).backlog, 3);
+        let m = member(1, 2);
+        g.join(m.clone(), settings(AckMode::Auto, 2), now);
+        assert_eq!(g.snapshot(now).backlog, 1, "only max_in_flight handed out");
+        assert_eq!(pop(&m).unwrap().message.sequence, 1);
+        g.streamed(1, now);
+        assert_eq!(g.snapshot(now).backlog, 0);
+    }
+
+    #[test]
+    fn overflow_drops_the_oldest() {
+        let now = Instant::now();
+        let g = group(2, 0);
+        assert!(!g.offer(published(1), now));
+        assert!(!g.offer(published(2), now));
+        assert!(g.offer(published(3), now));
+        assert_eq!(g.dropped(), 1);
+        let m = member(1, 8);
+        g.join(m.clone(), settings(AckMode::Auto, 8), now);
+        assert_eq!(pop(&m).unwrap().message.sequence, 2);
+    }
+
+    #[test]
+    fn nack_prefers_another_member_and_late_acks_are_unknown() {
+        let now = Instant::now();
+        let g = group(10, 0);
+        let (a, b) = (member(1, 4), member(2, 4));
+        g.join(a.clone(), settings(AckMode::Manual, 4), now);
+        g.offer(published(1), now);
+        assert_eq!(pop(&a).unwrap().attempt, 1);
+        g.join(b.clone(), settings(AckMode::Manual, 4), now);
+        assert_eq!(g.nack(1, &[1, 99], now).0, 1);
+        let redelivered = pop(&b).expect("the other member gets it");
+        assert_eq!((redelivered.message.sequence, redelivered.attempt), (1, 2));
+        assert_eq!(g.ack(1, &[1], now), (0, 1), "late ack from the old holder");
+        assert_eq!(g.ack(2, &[1], now), (1, 0));
+        assert_eq!(g.redeliveries(), 1);
+    }
+
+    #[test]
+    fn deadline_expiry_redelivers_and_dead_letters_after_max_attempts() {
+        let start = Instant::now();
+        let g = group(10, 2);
+        let m = member(1, 4);
+        g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        g.offer(published(7), start);
+        assert_eq!(pop(&m).unwrap().attempt, 1);
+        assert!(g.expire(start + Duration::from_secs(9)).is_empty());
+        assert!(g.expire(start + Duration::from_secs(10)).is_empty());
+        assert_eq!(pop(&m).unwrap().attempt, 2);
+        let dead = g.expire(start + Duration::from_secs(20));
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].attempts, 2);
+        assert_eq!(g.dead_lettered(), 1);
+        assert_eq!(g.snapshot(start).in_flight, 0);
+    }
+
+    #[test]
+    fn idle_groups_are_removed_after_the_ttl() {
+        let start = Instant::now();
+        let g = group(10, 0);
+        let m = member(1, 4);
+        g.join(m.clone(), settings(AckMode::Auto, 4), start);
+        g.leave(1, VecDeque::new(), start);
+        g.offer(published(1), start);
+        assert_eq!(
+            g.remove_if_idle(start + Duration::from_secs(4), Duration::from_secs(5)),
+            None
+        );
+        assert_eq!(
+            g.remove_if_idle(start + Duration::from_secs(5), Duration::from_secs(5)),
+            Some(1)
+        );
+        assert!(
+            !g.join(member(2, 4), settings(AckMode::Auto, 4), start),
+            "removed groups take no members"
+        );
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Publish,
+        Join(bool, u32),
+        Leave(usize),
+        /// A member's stream takes one message from its queue.
+        Stream(usize),
+        Ack(usize, usize),
+        Nack(usize, usize),
+        Tick(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => Just(Op::Publish),
+            1 => (any::<bool>(), 1u32..4).prop_map(|(m, n)| Op::Join(m, n)),
+            1 => any::<usize>().prop_map(Op::Leave),
+            4 => any::<usize>().prop_map(Op::Stream),
+            2 => (any::<usize>(), any::<usize>()).prop_map(|(m, s)| Op::Ack(m, s)),
+            1 => (any::<usize>(), any::<usize>()).prop_map(|(m, s)| Op::Nack(m, s)),
+            1 => (0u64..15).prop_map(Op::Tick),
+        ]
+    }
+
+    proptest! {
+        /// Every published message is, at every step, in exactly one place,
+        /// and never held by two members at once.
+        #[test]
+        fn every_message_is_in_exactly_one_place(ops in prop::collection::vec(op(), 1..120), capacity in 1usize..8, max_attempts in 0u32..4) {
+            let mut now = Instant::now();
+            let g = group(capacity, max_attempts);
+            let mut next_seq = 0u64;
+            let mut next_key = 1u64;
+            // (subscription, manual, sequences on its stream not yet acked)
+            let mut members: Vec<(Arc<Subscription>, bool, Vec<u64>)> = Vec::new();
+            let mut done: HashSet<u64> = HashSet::new();
+            let mut dead_total = 0u64;
+            for op in ops {
+                match op {
+                    Op::Publish => {
+                        next_seq += 1;
+                        g.offer(published(next_seq), now);
+                    }
+                    Op::Join(manual, max) => {
+                        let sub = member(next_key, max as usize);
+                        next_key += 1;
+                        let mode = if manual { AckMode::Manual } else { AckMode::Auto };
+                        g.join(sub.clone(), settings(mode, max), now);
+                        members.push((sub, manual, Vec::new()));
+                    }
+                    Op::Leave(i) if !members.is_empty() => {
+                        let (sub, _, _) = members.remove(i % members.len());
+                        let left = sub.queue.close(crate::broker::CloseReason::Cancelled).unwrap_or_default();
+                        dead_total += g.leave(sub.key, left, now).len() as u64;
+                    }
+                    Op::Stream(i) if !members.is_empty() => {
+                        let n = members.len();
+                        let (sub, manual, on_stream) = &mut members[i % n];
+                        if let Some(d) = pop(sub) {
+                            if *manual {
+                                on_stream.push(d.message.sequence);
+                            } else {
+                                prop_assert!(done.insert(d.message.sequence), "delivered twice");
+                                g.streamed(sub.key, now);
+                            }
+                        }
+                    }
+                    Op::Ack(i, s) if !members.is_empty() => {
+                        let n = members.len();
+                        let (sub, _, on_stream) = &mut members[i % n];
+                        if !on_stream.is_empty() {
+                            let seq = on_stream.remove(s % on_stream.len());
+                            if g.ack(sub.key, &[seq], now) == (1, 0) {
+                                prop_assert!(done.insert(seq), "acked twice");
+                            }
+                        }
+                    }
+                    Op::Nack(i, s) if !members.is_empty() => {
+                        let n = members.len();
+                        let (sub, _, on_stream) = &mut members[i % n];
+                        if !on_stream.is_empty() {
+                            let seq = on_stream.remove(s % on_stream.len());
+                            dead_total += g.nack(sub.key, &[seq], now).2.len() as u64;
+                        }
+                    }
+                    Op::Tick(secs) => {
+                        now += Duration::from_secs(secs);
+                        dead_total += g.expire(now).len() as u64;
+                    }
+                    _ => {}
+                }
+                // Where every message is now.
+                let state = g.state.lock();
+                let mut places: HashMap<u64, usize> = HashMap::new();
+                for p in &state.backlog {
+                    *places.entry(p.message.sequence).or_default() += 1;
+                }
+                for (sub, manual, _) in &members {
+                    let queued: Vec<u64> = sub.queue.sequences();
+                    for seq in &queued {
+                        *places.entry(*seq).or_default() += 1;
+                    }
+                    if *manual {
+                        for (seq, f) in &state.in_flight {
+                            if f.member == sub.key && !queued.contains(seq) {
+                                *places.entry(*seq).or_default() += 1;
+                            }
+                        }
+                    }
+                }
+                for seq in &done {
+                    *places.entry(*seq).or_default() += 1;
+                }
+                let live = places.len() as u64;
+                prop_assert!(places.values().all(|&n| n == 1), "a message is in two places: {:?}", places);
+                prop_assert_eq!(live + g.dropped() + dead_total, next_seq, "every message accounted for");
+                prop_assert_eq!(dead_total, g.dead_lettered());
+                drop(state);
+            }
+        }
+    }
+}

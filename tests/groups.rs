@@ -1,0 +1,450 @@
+//! Consumer groups over real gRPC: sharing, routing around slow members,
+//! backlog, manual ack, redelivery, dead letters, overflow and idle TTL.
+
+mod common;
+
+use common::*;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use tinybroker::config::{Config, Limits};
+use tinybroker::pb;
+use tokio::sync::mpsc;
+use tonic::Code;
+
+/// Publishes `n` messages on one PublishStream; returns their sequences.
+async fn publish_many(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
+    let requests: Vec<_> = (0..n).map(|i| publish_request(topic, &i.to_string())).collect();
+    let r = broker
+        .client()
+        .await
+        .publish_stream(futures::stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.accepted, n as u64);
+    (r.first_sequence..=r.last_sequence).collect()
+}
+
+/// Waits until the group has `n` members (as the Admin API sees it).
+async fn wait_members(broker: &TestBroker, group: &str, n: u32) {
+    wait_until(&format!("{group} to have {n} members"), || async {
+        broker.group(group).await.is_some_and(|g| g.members == n)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_members_share_3000_messages_each_exactly_once() {
+    timeout(async {
+        let broker = start().await;
+        let (tx, mut rx) = mpsc::unbounded_channel::<(usize, pb::Message)>();
+        let mut tasks = Vec::new();
+        for member in 0..3 {
+            let mut client = broker.client().await;
+            let (mut stream, _) = open(&mut client, member_request(&["jobs.*"], "workers", false, 0)).await;
+            let tx = tx.clone();
+            tasks.push(tokio::spawn(async move {
+                while let Ok(Some(m)) = stream.message().await {
+                    if tx.send((member, m)).is_err() {
+                        break;
+                    }
+                }
+            }));
+        }
+        let published = publish_many(&broker, "jobs.build", 3000).await;
+        let mut seen = HashSet::new();
+        let mut per_member = [0usize; 3];
+        while seen.len() < 3000 {
+            let (member, m) = rx.recv().await.unwrap();
+            assert_eq!(m.consumer_group, "workers");
+            assert_eq!(m.delivery_attempt, 1);
+            assert!(seen.insert(m.sequence), "sequence {} delivered twice", m.sequence);
+            per_member[member] += 1;
+        }
+        assert_eq!(seen, published.into_iter().collect());
+        for (member, n) in per_member.iter().enumerate() {
+            assert!(*n >= 450, "member {member} got {n} of 3000: {per_member:?}");
+        }
+        // Nothing more arrives: each message went to exactly one member.
+        let g = broker.group("workers").await.unwrap();
+        assert_eq!((g.backlog, g.in_flight, g.members), (0, 0, 3));
+        assert!(rx.try_recv().is_err());
+        for t in tasks {
+            t.abort();
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_with_max_in_flight_1_that_never_acks_gets_only_1() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let (mut stuck, _) = open(&mut client, member_request(&["jobs.>"], "w", true, 1)).await;
+        let (tx, mut rx) = mpsc::unbounded_channel::<pb::Message>();
+        for _ in 0..2 {
+            let mut request = member_request(&["jobs.>"], "w", true, 16);
+            request.ack_deadline_ms = 60_000;
+            let (mut stream, id) = open(&mut client, request).await;
+            let tx = tx.clone();
+            let mut acker = broker.client().await;
+            tokio::spawn(async move {
+                while let Ok(Some(m)) = stream.message().await {
+                    let r = acker
+                        .ack(pb::AckRequest {
+                            subscription_id: id.clone(),
+                            sequences: vec![m.sequence],
+                        })
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    assert_eq!((r.acked, r.unknown), (1, 0));
+                    if tx.send(m).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        publish_many(&broker, "jobs.x", 300).await;
+        let first = stuck.message().await.unwrap().unwrap();
+        let mut others = 0;
+        while others < 299 {
+            rx.recv().await.unwrap();
+            others += 1;
+        }
+        assert_eq!(first.delivery_attempt, 1);
+        let g = broker.group("w").await.unwrap();
+        assert_eq!(g.in_flight, 1, "only the stuck member's message is unacked");
+        assert_eq!(g.backlog, 0);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), stuck.message())
+                .await
+                .is_err(),
+            "the stuck member gets nothing more"
+        );
+    })
+    .await
+}
+
+#[tokio::test]
+async fn messages_published_while_no_member_is_connected_arrive_when_one_joins() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let (first, _) = open(&mut client, member_request(&["orders.*"], "billing", false, 0)).await;
+        drop(first);
+        wait_members(&broker, "billing", 0).await;
+        let mut sequences = Vec::new();
+        for i in 0..5 {
+            let r = client
+                .publish(publish_request("orders.new", &i.to_string()))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!((r.matched_subscriptions, r.matched_groups), (0, 1));
+            sequences.push(r.sequence);
+        }
+        assert_eq!(broker.group("billing").await.unwrap().backlog, 5);
+        let (mut late, _) = open(&mut client, member_request(&["orders.*"], "billing", false, 0)).await;
+        for seq in sequences {
+            let m = late.message().await.unwrap().unwrap();
+            assert_eq!((m.sequence, m.delivery_attempt), (seq, 1));
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn unacked_messages_of_a_member_that_goes_away_are_redelivered_with_attempt_2() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let (mut a, _) = open(&mut client, member_request(&["t.*"], "g", true, 10)).await;
+        let published = publish_many(&broker, "t.a", 5).await;
+        for seq in &published {
+            assert_eq!(a.message().await.unwrap().unwrap().sequence, *seq);
+        }
+        assert_eq!(broker.group("g").await.unwrap().in_flight, 5);
+        let (mut b, _) = open(&mut client, member_request(&["t.*"], "g", true, 10)).await;
+        drop(a);
+        for seq in &published {
+            let m = b.message().await.unwrap().unwrap();
+            assert_eq!((m.sequence, m.delivery_attempt), (*seq, 2));
+        }
+        assert_eq!(broker.group("g").await.unwrap().redeliveries, 5);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn an_expired_ack_deadline_redelivers() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let mut request = member_request(&["d"], "g", true, 4);
+        request.ack_deadline_ms = 200;
+        let (mut member, id) = open(&mut client, request).await;
+        client.publish(publish_request("d", "x")).await.unwrap();
+        let first = member.message().await.unwrap().unwrap();
+        assert_eq!(first.delivery_attempt, 1);
+        let again = member.message().await.unwrap().unwrap();
+        assert_eq!((again.sequence, again.delivery_attempt), (first.sequence, 2));
+        let r = client
+            .ack(pb::AckRequest {
+                subscription_id: id,
+                sequences: vec![first.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r.acked, r.unknown), (1, 0));
+        let g = broker.group("g").await.unwrap();
+        assert_eq!((g.in_flight, g.redeliveries), (0, 1));
+    })
+    .await
+}
+
+#[tokio::test]
+async fn nack_hands_the_message_to_another_member_and_the_old_ack_is_unknown() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let (mut a, a_id) = open(&mut client, member_request(&["n"], "g", true, 4)).await;
+        client.publish(publish_request("n", "x")).await.unwrap();
+        let m = a.message().await.unwrap().unwrap();
+        let (mut b, b_id) = open(&mut client, member_request(&["n"], "g", true, 4)).await;
+        let r = client
+            .nack(pb::NackRequest {
+                subscription_id: a_id.clone(),
+                sequences: vec![m.sequence, 999_999],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r.requeued, r.unknown), (1, 1));
+        let again = b.message().await.unwrap().unwrap();
+        assert_eq!((again.sequence, again.delivery_attempt), (m.sequence, 2));
+        assert_eq!(again.subscription_id, b_id);
+        let late = client
+            .ack(pb::AckRequest {
+                subscription_id: a_id,
+                sequences: vec![m.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((late.acked, late.unknown), (0, 1), "a late ack from the old holder");
+        let ok = client
+            .ack(pb::AckRequest {
+                subscription_id: b_id,
+                sequences: vec![m.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((ok.acked, ok.unknown), (1, 0), "the new holder is undisturbed");
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_message_is_dead_lettered_after_max_delivery_attempts() {
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            max_delivery_attempts: 2,
+            ..Limits::default()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let (mut dlq, _) = subscribe(&mut client, &["_dlq.>"]).await;
+        let (mut member, id) = open(&mut client, member_request(&["pay.*"], "payments", true, 4)).await;
+        let mut request = publish_request("pay.card", "charge");
+        request.headers.insert("k".into(), "v".into());
+        let sequence = client.publish(request).await.unwrap().into_inner().sequence;
+        for attempt in 1..=2 {
+            let m = member.message().await.unwrap().unwrap();
+            assert_eq!((m.sequence, m.delivery_attempt), (sequence, attempt));
+            let r = client
+                .nack(pb::NackRequest {
+                    subscription_id: id.clone(),
+                    sequences: vec![sequence],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.requeued, 1);
+        }
+        let dead = dlq.message().await.unwrap().unwrap();
+        assert_eq!(dead.topic, "_dlq.payments");
+        assert_eq!(&dead.payload[..], b"charge");
+        assert_eq!(dead.headers["tinybroker-original-topic"], "pay.card");
+        assert_eq!(dead.headers["tinybroker-delivery-attempts"], "2");
+        assert_eq!(dead.headers["k"], "v");
+        assert!(dead.sequence > sequence);
+        let g = broker.group("payments").await.unwrap();
+        assert_eq!((g.dead_lettered, g.in_flight, g.backlog), (1, 0, 0));
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_full_backlog_drops_the_oldest_and_counts_it() {
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            group_capacity: 3,
+            ..Limits::default()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let (first, _) = open(&mut client, member_request(&["o"], "g", false, 0)).await;
+        drop(first);
+        wait_members(&broker, "g", 0).await;
+        let published = publish_many(&broker, "o", 5).await;
+        let g = broker.group("g").await.unwrap();
+        assert_eq!((g.backlog, g.dropped), (3, 2));
+        let (mut member, _) = open(&mut client, member_request(&["o"], "g", false, 0)).await;
+        for seq in &published[2..] {
+            assert_eq!(member.message().await.unwrap().unwrap().sequence, *seq);
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn an_idle_group_is_removed_after_its_ttl() {
+    timeout(async {
+        let broker = start_with(Config {
+            limits: Limits {
+                group_idle_ttl: Duration::from_millis(300),
+                ..Limits::default()
+            },
+            ..config()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let (member, _) = open(&mut client, member_request(&["i"], "idle", false, 0)).await;
+        client.publish(publish_request("i", "x")).await.unwrap();
+        drop(member);
+        wait_until("the idle group to be removed", || async {
+            broker.group("idle").await.is_none()
+        })
+        .await;
+        let r = client.publish(publish_request("i", "y")).await.unwrap().into_inner();
+        assert_eq!(r.matched_groups, 0);
+        // The name can be used again, even with other patterns.
+        let _again = open(&mut client, member_request(&["other"], "idle", false, 0)).await;
+    })
+    .await
+}
+
+#[tokio::test]
+async fn members_must_share_the_groups_patterns() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let _first = open(&mut client, member_request(&["a.*", "b.>"], "g", false, 0)).await;
+        // The same set in another order (and with a repeat) is the same set.
+        let _second = open(&mut client, member_request(&["b.>", "a.*", "a.*"], "g", false, 0)).await;
+        let err = client
+            .open_subscription(member_request(&["a.*"], "g", false, 0))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition);
+        assert!(err.message().contains("[a.*, b.>]"), "{}", err.message());
+        assert!(err.message().contains("[a.*]"), "{}", err.message());
+        for bad in ["", "has space", "a.*", "x>"] {
+            let err = client
+                .open_subscription(member_request(&["a.*"], bad, false, 0))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::InvalidArgument, "group {bad:?}");
+        }
+        let mut bad_ack_mode = member_request(&["a.*"], "h", false, 0);
+        bad_ack_mode.ack_mode = 7;
+        let err = client.open_subscription(bad_ack_mode).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.message().contains("ack_mode 7"), "{}", err.message());
+    })
+    .await
+}
+
+#[tokio::test]
+async fn ack_and_nack_errors() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let err = client
+            .ack(pb::AckRequest {
+                subscription_id: "nobody".into(),
+                sequences: vec![1],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        assert!(err.message().contains("nobody"), "{}", err.message());
+        let err = client
+            .nack(pb::NackRequest {
+                subscription_id: "nobody".into(),
+                sequences: vec![1],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        let err = client
+            .ack(pb::AckRequest {
+                subscription_id: String::new(),
+                sequences: vec![1],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let (_member, id) = open(&mut client, member_request(&["a"], "g", true, 0)).await;
+        let err = client
+            .ack(pb::AckRequest {
+                subscription_id: id.clone(),
+                sequences: vec![],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let r = client
+            .ack(pb::AckRequest {
+                subscription_id: id,
+                sequences: vec![5, 6],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r.acked, r.unknown), (0, 2));
+    })
+    .await
+}
+
+#[tokio::test]
+async fn broadcast_subscribers_and_several_groups_each_get_a_copy() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let (mut watcher, _) = subscribe(&mut client, &["evt.>"]).await;
+        let mut members = HashMap::new();
+        for group in ["audit", "mailer"] {
+            members.insert(
+                group,
+                open(&mut client, member_request(&["evt.*"], group, false, 0)).await.0,
+            );
+        }
+        let r = client
+            .publish(publish_request("evt.signup", "u1"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r.matched_subscriptions, r.matched_groups), (1, 2));
+        assert_eq!(watcher.message().await.unwrap().unwrap().sequence, r.sequence);
+        for (group, stream) in &mut members {
+            let m = stream.message().await.unwrap().unwrap();
+            assert_eq!((m.sequence, m.consumer_group.as_str()), (r.sequence, *group));
+        }
+    })
+    .await
+}
