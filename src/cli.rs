@@ -112,9 +112,12 @@ pub fn main() -> ExitCode {
 
 async fn serve() -> anyhow::Result<()> {
     let config = Config::from_env()?;
-    crate::telemetry::init_logging(config.log_format);
+    let telemetry = crate::telemetry::init(config.log_format)?;
     let listeners = Listeners::bind(&config).await?;
-    server::run(config, listeners, shutdown_signal()).await
+    let result = server::run(config, listeners, shutdown_signal()).await;
+    // Flushes spans in the exporter's own thread; keep the runtime free.
+    tokio::task::spawn_blocking(move || telemetry.shutdown()).await?;
+    result
 }
 
 /// Resolves on SIGTERM or SIGINT: the one place signals become shutdown.

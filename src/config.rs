@@ -105,6 +105,12 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+impl ConfigError {
+    pub(crate) fn new(message: String) -> Self {
+        Self(message)
+    }
+}
+
 /// The raw variables as envy reads them (all strings, so that every parse
 /// error can be reported in our own words).
 #[derive(Deserialize, Default)]

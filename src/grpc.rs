@@ -3,15 +3,19 @@
 //! [`BrokerError`]s to status codes, and turns deliveries into messages.
 
 use crate::broker::{
-    AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, RouteCache, SubscribeRequest, SubscriptionStream,
+    AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, PublishOutcome, RouteCache, SubscribeRequest,
+    SubscriptionStream,
 };
+use crate::metrics::Metrics;
 use crate::pb;
+use crate::telemetry::{self, TRACEPARENT};
 use futures::Stream;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Initial response metadata carrying the subscription id.
 pub const SUBSCRIPTION_ID_METADATA: &str = "tinybroker-subscription-id";
@@ -33,11 +37,55 @@ pub fn status(error: BrokerError) -> Status {
 /// The `Broker` service.
 pub struct BrokerService {
     broker: Broker,
+    metrics: Metrics,
 }
 
 impl BrokerService {
-    pub fn new(broker: Broker) -> Self {
-        Self { broker }
+    pub fn new(broker: Broker, metrics: Metrics) -> Self {
+        Self { broker, metrics }
+    }
+
+    /// Publishes one message, timing it for `tinybroker_publish_duration_seconds`.
+    /// With tracing on, in a `publish` span whose parent is the caller's
+    /// `traceparent`, and the span's own context goes into the message's
+    /// headers (unless the publisher set one) so consumers can continue it.
+    fn publish_one(
+        &self,
+        mut request: pb::PublishRequest,
+        parent: Option<&opentelemetry::Context>,
+        cache: Option<&mut RouteCache>,
+    ) -> Result<PublishOutcome, Status> {
+        let Some(parent) = parent else {
+            return self.publish_timed(request, cache);
+        };
+        let span = tracing::info_span!(
+            "publish",
+            otel.kind = "producer",
+            messaging.system = "tinybroker",
+            messaging.operation.type = "publish",
+            messaging.destination.name = %request.topic,
+            messaging.message.id = tracing::field::Empty,
+        );
+        let _ = span.set_parent(parent.clone());
+        if !request.headers.contains_key(TRACEPARENT) {
+            telemetry::inject(&span.context(), &mut request.headers);
+        }
+        let outcome = span.in_scope(|| self.publish_timed(request, cache));
+        if let Ok(o) = &outcome {
+            span.record("messaging.message.id", o.sequence);
+        }
+        outcome
+    }
+
+    fn publish_timed(
+        &self,
+        request: pb::PublishRequest,
+        cache: Option<&mut RouteCache>,
+    ) -> Result<PublishOutcome, Status> {
+        let started = std::time::Instant::now();
+        let outcome = self.broker.publish(new_message(request), cache).map_err(status)?;
+        self.metrics.observe_publish(started.elapsed().as_secs_f64());
+        Ok(outcome)
     }
 
     /// The tonic server for this service, with the decoding limit derived
@@ -66,10 +114,8 @@ fn new_message(request: pb::PublishRequest) -> NewMessage {
 #[tonic::async_trait]
 impl pb::broker_server::Broker for BrokerService {
     async fn publish(&self, request: Request<pb::PublishRequest>) -> Result<Response<pb::PublishResponse>, Status> {
-        let outcome = self
-            .broker
-            .publish(new_message(request.into_inner()), None)
-            .map_err(status)?;
+        let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
+        let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None)?;
         Ok(Response::new(pb::PublishResponse {
             sequence: outcome.sequence,
             matched_subscriptions: outcome.matched_subscriptions,
@@ -81,6 +127,7 @@ impl pb::broker_server::Broker for BrokerService {
         &self,
         request: Request<Streaming<pb::PublishRequest>>,
     ) -> Result<Response<pb::PublishStreamResponse>, Status> {
+        let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
         let mut stream = request.into_inner();
         let mut cache = RouteCache::default();
         let mut response = pb::PublishStreamResponse::default();
@@ -108,7 +155,7 @@ impl pb::broker_server::Broker for BrokerService {
             // on its worker, and subscriber tasks woken here (in tokio's
             // unstealable LIFO slot) waiting, for the whole burst.
             tokio::task::coop::consume_budget().await;
-            match self.broker.publish(new_message(request), Some(&mut cache)) {
+            match self.publish_one(request, parent.as_ref(), Some(&mut cache)) {
                 Ok(outcome) => {
                     if response.accepted == 0 {
                         response.first_sequence = outcome.sequence;
@@ -116,7 +163,7 @@ impl pb::broker_server::Broker for BrokerService {
                     response.last_sequence = outcome.sequence;
                     response.accepted += 1;
                 }
-                Err(error) => return Err(with_accepted(status(error), response.accepted)),
+                Err(error) => return Err(with_accepted(error, response.accepted)),
             }
         }
     }
@@ -168,6 +215,7 @@ impl pb::broker_server::Broker for BrokerService {
             inner: stream,
             subscription_id: id.clone(),
             consumer_group,
+            metrics: self.metrics.clone(),
         });
         // Ids are printable ASCII (validated or generated), so this holds.
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
@@ -245,11 +293,30 @@ pub struct MessageStream {
     inner: SubscriptionStream,
     subscription_id: String,
     consumer_group: String,
+    metrics: Metrics,
 }
 
 impl MessageStream {
     fn to_message(&self, delivery: Delivery) -> pb::Message {
         let m = &delivery.message;
+        if let Ok(lag) = m.publish_time.elapsed() {
+            self.metrics
+                .observe_delivery_lag(!self.consumer_group.is_empty(), lag.as_secs_f64());
+        }
+        if telemetry::tracing_enabled() {
+            let span = tracing::info_span!(
+                "deliver",
+                otel.kind = "consumer",
+                messaging.system = "tinybroker",
+                messaging.operation.type = "deliver",
+                messaging.destination.name = %m.topic,
+                messaging.message.id = m.sequence,
+                messaging.consumer.group.name = %self.consumer_group,
+                subscription_id = %self.subscription_id,
+                delivery_attempt = delivery.attempt,
+            );
+            let _ = span.set_parent(telemetry::extract_headers(&m.headers));
+        }
         pb::Message {
             topic: m.topic.clone(),
             payload: m.payload.clone(),

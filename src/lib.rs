@@ -2,7 +2,7 @@
 //!
 //! Modules, one concern each: [`topic`] (syntax), [`sublist`] (matching),
 //! [`broker`] (the routing core), [`grpc`] (tonic adapter), [`server`]
-//! (lifecycle), [`side`] (HTTP side server), [`config`], [`telemetry`],
+//! (lifecycle), [`side`] (HTTP side server), [`metrics`], [`config`], [`telemetry`],
 //! [`client`] and [`cli`].
 
 pub mod broker;
@@ -10,6 +10,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod grpc;
+pub mod metrics;
 pub mod pb;
 pub mod server;
 pub mod side;

@@ -5,6 +5,7 @@
 use crate::broker::Broker;
 use crate::config::Config;
 use crate::grpc::{self, AdminService, BrokerService};
+use crate::metrics::Metrics;
 use crate::pb;
 use crate::side;
 use std::future::Future;
@@ -73,6 +74,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let grpc_addr = listeners.grpc.local_addr()?;
     let metrics_addr = listeners.metrics.local_addr()?;
     let broker = Broker::new(config.limits.clone());
+    let metrics = Metrics::new(broker.clone(), config.metrics_per_subscription);
     let (stop_maintenance, maintenance_stopped) = tokio::sync::oneshot::channel::<()>();
     let maintenance = tokio::spawn(broker.clone().maintain(async {
         let _ = maintenance_stopped.await;
@@ -103,7 +105,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(BrokerService::new(broker.clone()).into_server())
+        .add_service(BrokerService::new(broker.clone(), metrics.clone()).into_server())
         .add_service(
             AdminService::new(broker.clone(), config.auth_token.is_some(), config.tls.is_some())
                 .with_shutdown_grace(config.shutdown_grace)
@@ -115,9 +117,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let grpc_task = tokio::spawn(grpc_server);
 
     let (stop_side, side_stopped) = tokio::sync::oneshot::channel::<()>();
-    let side_task = tokio::spawn(side::serve(listeners.metrics, health.readiness.clone(), async {
-        let _ = side_stopped.await;
-    }));
+    let side_task = tokio::spawn(side::serve(
+        listeners.metrics,
+        health.readiness.clone(),
+        metrics,
+        async {
+            let _ = side_stopped.await;
+        },
+    ));
 
     health.set(ServingStatus::Serving).await;
     log_started(&config, grpc_addr, metrics_addr);

@@ -1,0 +1,343 @@
+//! Prometheus metrics: one registry owned by the broker process (not the
+//! global default). Counters and gauges are read from the broker's live state
+//! when `/metrics` is scraped, so queue depths cannot drift and the publish
+//! path only touches its own atomics; series of closed subscriptions and
+//! removed groups disappear with them. Only the two latency histograms are
+//! observed as events happen (lock-free atomics).
+
+use crate::broker::Broker;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+use std::sync::atomic::Ordering;
+
+/// Label value of `mode` for broadcast subscriptions.
+pub const MODE_MULTI: &str = "multi";
+/// Label value of `mode` for consumer-group members.
+pub const MODE_SINGLE: &str = "single";
+
+/// The registry and the histograms observed on the hot paths.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    publish_duration: Histogram,
+    delivery_lag_multi: Histogram,
+    delivery_lag_single: Histogram,
+}
+
+impl Metrics {
+    /// Builds the registry for `broker`.
+    pub fn new(broker: Broker, per_subscription: bool) -> Self {
+        let registry = Registry::new();
+        let publish_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "tinybroker_publish_duration_seconds",
+                "Time to validate and route one published message to every matching queue.",
+            )
+            .buckets(vec![
+                0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005, 0.025,
+            ]),
+        )
+        .expect("valid histogram");
+        let delivery_lag = HistogramVec::new(
+            HistogramOpts::new(
+                "tinybroker_delivery_lag_seconds",
+                "Time from publish to the message being written to a subscriber's stream.",
+            )
+            .buckets(vec![
+                0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
+            ]),
+            &["mode"],
+        )
+        .expect("valid histogram");
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "tinybroker_build_info",
+                "Always 1; the version label names the running build.",
+            ),
+            &["version"],
+        )
+        .expect("valid gauge");
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let collectors: Vec<Box<dyn Collector>> = vec![
+            Box::new(publish_duration.clone()),
+            Box::new(delivery_lag.clone()),
+            Box::new(build_info),
+            Box::new(prometheus::process_collector::ProcessCollector::for_self()),
+            Box::new(BrokerCollector::new(broker, per_subscription)),
+        ];
+        for collector in collectors {
+            registry.register(collector).expect("metric names are unique");
+        }
+        Self {
+            registry,
+            publish_duration,
+            delivery_lag_multi: delivery_lag.with_label_values(&[MODE_MULTI]),
+            delivery_lag_single: delivery_lag.with_label_values(&[MODE_SINGLE]),
+        }
+    }
+
+    pub fn observe_publish(&self, seconds: f64) {
+        self.publish_duration.observe(seconds);
+    }
+
+    pub fn observe_delivery_lag(&self, group: bool, seconds: f64) {
+        if group {
+            self.delivery_lag_single.observe(seconds)
+        } else {
+            self.delivery_lag_multi.observe(seconds)
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!(error = %e, "cannot encode metrics");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// Reads the broker's live state at scrape time.
+struct BrokerCollector {
+    broker: Broker,
+    per_subscription: bool,
+    /// Templates: they give `desc()` and the options of the fresh metrics
+    /// built at every scrape.
+    t: Templates,
+}
+
+#[derive(Clone)]
+struct Templates {
+    published: IntCounter,
+    delivered: IntCounterVec,
+    unrouted: IntCounter,
+    dropped: IntCounterVec,
+    subscriptions: IntGaugeVec,
+    queue_depth: IntGaugeVec,
+    queued: IntGaugeVec,
+    fill_ratio: Histogram,
+    evictions: IntCounter,
+    group_members: IntGaugeVec,
+    group_backlog: IntGaugeVec,
+    group_in_flight: IntGaugeVec,
+    redeliveries: IntCounterVec,
+    dead_lettered: IntCounterVec,
+    oldest_unacked: GaugeVec,
+    discarded_on_shutdown: IntCounter,
+}
+
+impl Templates {
+    fn new() -> prometheus::Result<Self> {
+        let group = &["consumer_group"];
+        Ok(Self {
+            published: IntCounter::new(
+                "tinybroker_messages_published_total",
+                "Messages accepted by Publish and PublishStream.",
+            )?,
+            delivered: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_messages_delivered_total",
+                    "Messages written to subscribers' streams, by delivery mode (multi: broadcast, single: consumer group).",
+                ),
+                &["mode"],
+            )?,
+            unrouted: IntCounter::new(
+                "tinybroker_messages_unrouted_total",
+                "Published messages that matched no subscription and no group.",
+            )?,
+            dropped: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_messages_dropped_total",
+                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL).",
+                ),
+                &["reason"],
+            )?,
+            subscriptions: IntGaugeVec::new(
+                Opts::new("tinybroker_subscriptions", "Open subscriptions, by delivery mode."),
+                &["mode"],
+            )?,
+            queue_depth: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_subscription_queue_depth",
+                    "Messages waiting in one subscription's queue (consumer_group empty for broadcast).",
+                ),
+                &["subscription_id", "consumer_group"],
+            )?,
+            queued: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_queued_messages",
+                    "Messages waiting in all subscription queues, by delivery mode.",
+                ),
+                &["mode"],
+            )?,
+            fill_ratio: Histogram::with_opts(
+                HistogramOpts::new(
+                    "tinybroker_queue_fill_ratio",
+                    "Queue depth over capacity of each subscription, sampled at scrape.",
+                )
+                .buckets(vec![0.1, 0.25, 0.5, 0.75, 0.9, 1.0]),
+            )?,
+            evictions: IntCounter::new(
+                "tinybroker_evictions_total",
+                "Subscriptions evicted because their queue was full (slow consumers).",
+            )?,
+            group_members: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_members",
+                    "Connected members of a consumer group.",
+                ),
+                group,
+            )?,
+            group_backlog: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_backlog",
+                    "Messages waiting in a consumer group's backlog for a member with room.",
+                ),
+                group,
+            )?,
+            group_in_flight: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_in_flight",
+                    "Messages held by a group's members: queued for their streams, or delivered and not yet acked.",
+                ),
+                group,
+            )?,
+            redeliveries: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_redeliveries_total",
+                    "Group messages handed out again after an ack deadline, a nack or a member leaving.",
+                ),
+                group,
+            )?,
+            dead_lettered: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_dead_lettered_total",
+                    "Group messages published to _dlq.<group> after their last delivery attempt.",
+                ),
+                group,
+            )?,
+            oldest_unacked: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_oldest_unacked_age_seconds",
+                    "Age of the oldest delivered, unacked message of a manual-ack group (0 when none).",
+                ),
+                group,
+            )?,
+            discarded_on_shutdown: IntCounter::new(
+                "tinybroker_messages_discarded_on_shutdown_total",
+                "Messages still queued when the shutdown grace period ended.",
+            )?,
+        })
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.published,
+            &self.delivered,
+            &self.unrouted,
+            &self.dropped,
+            &self.subscriptions,
+            &self.queue_depth,
+            &self.queued,
+            &self.fill_ratio,
+            &self.evictions,
+            &self.group_members,
+            &self.group_backlog,
+            &self.group_in_flight,
+            &self.redeliveries,
+            &self.dead_lettered,
+            &self.oldest_unacked,
+            &self.discarded_on_shutdown,
+        ]
+    }
+}
+
+impl BrokerCollector {
+    fn new(broker: Broker, per_subscription: bool) -> Self {
+        Self {
+            broker,
+            per_subscription,
+            t: Templates::new().expect("valid metric definitions"),
+        }
+    }
+
+    /// Fresh metrics holding the broker's current values.
+    fn snapshot(&self) -> prometheus::Result<Templates> {
+        let m = Templates::new()?;
+        let stats = self.broker.stats();
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        m.published.inc_by(load(&stats.published));
+        m.unrouted.inc_by(load(&stats.unrouted));
+        m.evictions.inc_by(load(&stats.evictions));
+        m.discarded_on_shutdown.inc_by(load(&stats.discarded_on_shutdown));
+        m.delivered
+            .with_label_values(&[MODE_MULTI])
+            .inc_by(load(&stats.delivered_broadcast));
+        m.delivered
+            .with_label_values(&[MODE_SINGLE])
+            .inc_by(load(&stats.delivered_group));
+        for (reason, counter) in [
+            ("evicted", &stats.dropped_evicted),
+            ("closed", &stats.dropped_closed),
+            ("group_overflow", &stats.dropped_group_overflow),
+            ("group_expired", &stats.dropped_group_expired),
+        ] {
+            m.dropped.with_label_values(&[reason]).inc_by(load(counter));
+        }
+
+        let (mut subs, mut queued) = ([0i64; 2], [0i64; 2]);
+        for sub in self.broker.subscriptions() {
+            let group = sub.consumer_group();
+            let mode = usize::from(group.is_some());
+            let depth = sub.queue_depth();
+            subs[mode] += 1;
+            queued[mode] += depth as i64;
+            m.fill_ratio.observe(depth as f64 / sub.capacity().max(1) as f64);
+            if self.per_subscription {
+                m.queue_depth
+                    .with_label_values(&[sub.id(), group.unwrap_or("")])
+                    .set(depth as i64);
+            }
+        }
+        for (i, mode) in [MODE_MULTI, MODE_SINGLE].into_iter().enumerate() {
+            m.subscriptions.with_label_values(&[mode]).set(subs[i]);
+            m.queued.with_label_values(&[mode]).set(queued[i]);
+        }
+
+        let now = tokio::time::Instant::now();
+        for group in self.broker.groups() {
+            let s = group.snapshot(now);
+            let name = &[group.name()];
+            m.group_members.with_label_values(name).set(s.members as i64);
+            m.group_backlog.with_label_values(name).set(s.backlog as i64);
+            m.group_in_flight.with_label_values(name).set(s.in_flight as i64);
+            m.redeliveries.with_label_values(name).inc_by(group.redeliveries());
+            m.dead_lettered.with_label_values(name).inc_by(group.dead_lettered());
+            m.oldest_unacked
+                .with_label_values(name)
+                .set(s.oldest_unacked_age.map_or(0.0, |d| d.as_secs_f64()));
+        }
+        Ok(m)
+    }
+}
+
+impl Collector for BrokerCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.t.collectors().into_iter().flat_map(|c| c.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        match self.snapshot() {
+            Ok(m) => m.collectors().into_iter().flat_map(|c| c.collect()).collect(),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot collect broker metrics");
+                Vec::new()
+            }
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! Metrics, the Admin API and OpenTelemetry traces, against a real broker.
+
+mod common;
+
+use common::*;
+use std::collections::HashMap;
+use std::time::Duration;
+use tinybroker::config::Limits;
+use tinybroker::pb;
+use tonic::Code;
+
+/// Parses the Prometheus text exposition into `series → value`, failing on
+/// any line that is not a comment or `name{labels} value`.
+fn parse_exposition(text: &str) -> HashMap<String, f64> {
+    let mut series = HashMap::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (name, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line {line:?}"));
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            v => v.parse().unwrap_or_else(|_| panic!("bad value in {line:?}")),
+        };
+        let metric = name.split('{').next().unwrap();
+        assert!(
+            metric
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line:?}"
+        );
+        if let Some(labels) = name.strip_prefix(metric) {
+            assert!(
+                labels.is_empty() || (labels.starts_with('{') && labels.ends_with('}')),
+                "{line:?}"
+            );
+        }
+        series.insert(name.to_owned(), value);
+    }
+    series
+}
+
+async fn scrape(broker: &TestBroker) -> HashMap<String, f64> {
+    let (status, body) = broker.http_get("/metrics").await;
+    assert_eq!(status, 200);
+    parse_exposition(&body)
+}
+
+fn value(series: &HashMap<String, f64>, name: &str) -> f64 {
+    *series.get(name).unwrap_or_else(|| {
+        let mut names: Vec<_> = series.keys().filter(|k| k.starts_with("tinybroker")).collect();
+        names.sort();
+        panic!("no series {name}; have {names:#?}")
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            consumer_capacity: 4,
+            ..Limits::default()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let m = scrape(&broker).await;
+        assert_eq!(value(&m, "tinybroker_messages_published_total"), 0.0);
+        assert_eq!(value(&m, r#"tinybroker_build_info{version="0.1.0"}"#), 1.0);
+        assert!(m.keys().any(|k| k.starts_with("process_resident_memory_bytes")));
+
+        // Two unrouted publishes, then a reader that takes three messages.
+        for _ in 0..2 {
+            client.publish(publish_request("nobody.home", "x")).await.unwrap();
+        }
+        let (mut reader, reader_id) = subscribe(&mut client, &["m.*"]).await;
+        for _ in 0..3 {
+            client.publish(publish_request("m.a", "x")).await.unwrap();
+        }
+        for _ in 0..3 {
+            reader.message().await.unwrap().unwrap();
+        }
+        // A stalled subscriber on a narrow connection is evicted.
+        let mut stalled_client = pb::broker_client::BrokerClient::new(broker.narrow_channel().await);
+        let (_stalled, stalled_id) = subscribe(&mut stalled_client, &["flood"]).await;
+        let mut flooded = 0;
+        while broker
+            .admin()
+            .await
+            .list_evictions(pb::ListEvictionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .evictions
+            .is_empty()
+        {
+            let requests: Vec<_> = (0..100).map(|_| publish_request("flood", &"f".repeat(4096))).collect();
+            client.publish_stream(futures::stream::iter(requests)).await.unwrap();
+            flooded += 100;
+            assert!(flooded < 100_000, "never evicted");
+        }
+        // A manual-ack group member nacks once.
+        let (mut member, member_id) = open(&mut client, member_request(&["g.*"], "grp", true, 4)).await;
+        client.publish(publish_request("g.1", "x")).await.unwrap();
+        let first = member.message().await.unwrap().unwrap();
+        client
+            .nack(pb::NackRequest {
+                subscription_id: member_id.clone(),
+                sequences: vec![first.sequence],
+            })
+            .await
+            .unwrap();
+        let again = member.message().await.unwrap().unwrap();
+        assert_eq!(again.delivery_attempt, 2);
+
+        let published = (2 + 3 + flooded + 1) as f64;
+        wait_until("the delivered counters to be flushed", || async {
+            let m = scrape(&broker).await;
+            m.get(r#"tinybroker_messages_delivered_total{mode="single"}"#) == Some(&2.0)
+                && m.get(r#"tinybroker_messages_delivered_total{mode="multi"}"#)
+                    .is_some_and(|v| *v >= 3.0)
+        })
+        .await;
+        let m = scrape(&broker).await;
+        assert_eq!(value(&m, "tinybroker_messages_published_total"), published);
+        // The two, plus flood messages published after the eviction.
+        let unrouted = value(&m, "tinybroker_messages_unrouted_total");
+        assert!((2.0..=2.0 + flooded as f64).contains(&unrouted), "{unrouted}");
+        assert_eq!(value(&m, "tinybroker_evictions_total"), 1.0);
+        assert!(value(&m, r#"tinybroker_messages_dropped_total{reason="evicted"}"#) >= 1.0);
+        assert_eq!(
+            value(&m, r#"tinybroker_messages_dropped_total{reason="group_overflow"}"#),
+            0.0
+        );
+        assert_eq!(value(&m, r#"tinybroker_subscriptions{mode="multi"}"#), 1.0);
+        assert_eq!(value(&m, r#"tinybroker_subscriptions{mode="single"}"#), 1.0);
+        assert_eq!(value(&m, r#"tinybroker_redeliveries_total{consumer_group="grp"}"#), 1.0);
+        assert_eq!(
+            value(&m, r#"tinybroker_dead_lettered_total{consumer_group="grp"}"#),
+            0.0
+        );
+        assert_eq!(
+            value(&m, r#"tinybroker_consumer_group_members{consumer_group="grp"}"#),
+            1.0
+        );
+        assert_eq!(
+            value(&m, r#"tinybroker_consumer_group_in_flight{consumer_group="grp"}"#),
+            1.0
+        );
+        assert_eq!(
+            value(&m, r#"tinybroker_consumer_group_backlog{consumer_group="grp"}"#),
+            0.0
+        );
+        assert!(
+            value(
+                &m,
+                r#"tinybroker_consumer_group_oldest_unacked_age_seconds{consumer_group="grp"}"#
+            ) >= 0.0
+        );
+        assert_eq!(
+            value(
+                &m,
+                &format!(r#"tinybroker_subscription_queue_depth{{consumer_group="",subscription_id="{reader_id}"}}"#)
+            ),
+            0.0
+        );
+        assert!(
+            !m.keys().any(|k| k.contains(&stalled_id)),
+            "the evicted subscription's series are gone"
+        );
+        assert_eq!(value(&m, "tinybroker_publish_duration_seconds_count"), published);
+        assert!(value(&m, r#"tinybroker_delivery_lag_seconds_count{mode="multi"}"#) >= 3.0);
+        assert_eq!(value(&m, "tinybroker_queue_fill_ratio_count"), 2.0);
+        assert_eq!(value(&m, "tinybroker_messages_discarded_on_shutdown_total"), 0.0);
+
+        // Closing the reader and acking removes their traces.
+        drop(reader);
+        client
+            .ack(pb::AckRequest {
+                subscription_id: member_id,
+                sequences: vec![first.sequence],
+            })
+            .await
+            .unwrap();
+        wait_until("the closed reader's series to disappear", || async {
+            !scrape(&broker).await.keys().any(|k| k.contains(&reader_id))
+        })
+        .await;
+        let m = scrape(&broker).await;
+        assert_eq!(
+            value(&m, r#"tinybroker_consumer_group_in_flight{consumer_group="grp"}"#),
+            0.0
+        );
+        assert_eq!(value(&m, r#"tinybroker_subscriptions{mode="multi"}"#), 0.0);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn per_subscription_series_can_be_turned_off() {
+    timeout(async {
+        let broker = start_with(tinybroker::config::Config {
+            metrics_per_subscription: false,
+            ..config()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let (_s, id) = subscribe(&mut client, &["a"]).await;
+        let m = scrape(&broker).await;
+        assert!(!m.keys().any(|k| k.contains(&id)));
+        assert_eq!(value(&m, r#"tinybroker_queued_messages{mode="multi"}"#), 0.0);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn admin_lists_what_is_open_and_closes_subscriptions() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let mut admin = broker.admin().await;
+        let mut request = subscribe_request(&["b.*", "a.>"]);
+        request.subscription_id = "watcher".into();
+        let (mut watcher, _) = open(&mut client, request).await;
+        let (_member, member_id) = open(&mut client, member_request(&["jobs"], "workers", true, 7)).await;
+
+        let subs = admin
+            .list_subscriptions(pb::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions;
+        assert_eq!(subs.len(), 2);
+        let w = subs.iter().find(|s| s.subscription_id == "watcher").unwrap();
+        assert_eq!(w.topic_patterns, vec!["a.>", "b.*"]);
+        assert_eq!(w.mode, pb::DeliveryMode::Multi as i32);
+        assert_eq!(w.capacity, 1024);
+        assert!(w.peer_address.starts_with("127.0.0.1:"), "{}", w.peer_address);
+        assert!(w.opened_at.is_some());
+        let m = subs.iter().find(|s| s.subscription_id == member_id).unwrap();
+        assert_eq!((m.consumer_group.as_str(), m.capacity), ("workers", 7));
+        assert_eq!(m.ack_mode, pb::AckMode::Manual as i32);
+
+        let groups = admin
+            .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .groups;
+        assert_eq!(groups.len(), 1);
+        assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 1));
+
+        let info = admin
+            .get_broker_info(pb::GetBrokerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(info.subscriptions, 2);
+        let limits = info.limits.unwrap();
+        assert_eq!((limits.consumer_capacity, limits.max_message_bytes), (1024, 1_048_576));
+        assert_eq!(limits.shutdown_grace_seconds, 2);
+
+        client.publish(publish_request("b.x", "before close")).await.unwrap();
+        admin
+            .close_subscription(pb::CloseSubscriptionRequest {
+                subscription_id: "watcher".into(),
+            })
+            .await
+            .unwrap();
+        // Closing discards what was queued and ends the stream with OK.
+        loop {
+            match watcher.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => break,
+                Err(e) => panic!("expected a clean end, got {e}"),
+            }
+        }
+        let err = admin
+            .close_subscription(pb::CloseSubscriptionRequest {
+                subscription_id: "watcher".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        assert!(err.message().contains("watcher"), "{}", err.message());
+    })
+    .await
+}
+
+#[tokio::test]
+async fn evictions_are_listed_with_id_patterns_depth_and_peer() {
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            consumer_capacity: 8,
+            ..Limits::default()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let mut stalled_client = pb::broker_client::BrokerClient::new(broker.narrow_channel().await);
+        let mut request = subscribe_request(&["slow.>"]);
+        request.subscription_id = "laggard".into();
+        let (_stalled, _) = open(&mut stalled_client, request).await;
+        let mut admin = broker.admin().await;
+        let eviction = loop {
+            let requests: Vec<_> = (0..100).map(|_| publish_request("slow.x", &"s".repeat(4096))).collect();
+            client.publish_stream(futures::stream::iter(requests)).await.unwrap();
+            let evictions = admin
+                .list_evictions(pb::ListEvictionsRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .evictions;
+            if let Some(e) = evictions.into_iter().next() {
+                break e;
+            }
+        };
+        assert_eq!(eviction.subscription_id, "laggard");
+        assert_eq!(eviction.topic_patterns, vec!["slow.>"]);
+        assert_eq!(eviction.queue_depth, 8);
+        assert!(eviction.last_delivered_sequence < eviction_sequence_bound(&mut client).await);
+        assert!(eviction.peer_address.starts_with("127.0.0.1:"));
+        assert!(eviction.evicted_at.is_some());
+    })
+    .await
+}
+
+/// A sequence no eviction can have seen yet.
+async fn eviction_sequence_bound(client: &mut pb::broker_client::BrokerClient<tonic::transport::Channel>) -> u64 {
+    client
+        .publish(publish_request("bound", "x"))
+        .await
+        .unwrap()
+        .into_inner()
+        .sequence
+}
+
+mod otlp {
+    //! A real OTLP/gRPC receiver that records the spans it is sent.
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+    use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+    use opentelemetry_proto::tonic::trace::v1::Span;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    pub struct Receiver {
+        pub spans: Arc<Mutex<Vec<Span>>>,
+    }
+
+    #[tonic::async_trait]
+    impl TraceService for Receiver {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let mut spans = self.spans.lock().unwrap();
+            for resource in request.into_inner().resource_spans {
+                for scope in resource.scope_spans {
+                    spans.extend(scope.spans);
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse {
+                partial_success: None,
+            }))
+        }
+    }
+
+    pub async fn start() -> (std::net::SocketAddr, Receiver) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let receiver = Receiver::default();
+        let service = TraceServiceServer::new(receiver.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (addr, receiver)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparent() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    timeout(async {
+        let (otlp_addr, receiver) = otlp::start().await;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
+            .env("OTEL_SERVICE_NAME", "tinybroker-test")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let started = loop {
+            let line = lines.next().expect("broker log").unwrap();
+            if line.contains("tinybroker started") {
+                break line;
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        let grpc_addr = started
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("grpc_addr="))
+            .unwrap()
+            .to_owned();
+        let mut client = pb::broker_client::BrokerClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .unwrap();
+        let (mut stream, _) = subscribe(&mut client, &["traced"]).await;
+
+        let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let mut request = tonic::Request::new(publish_request("traced", "x"));
+        request.metadata_mut().insert(
+            "traceparent",
+            format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap(),
+        );
+        client.publish(request).await.unwrap();
+        let delivered = stream.message().await.unwrap().unwrap();
+        let traceparent = &delivered.headers["traceparent"];
+        assert!(traceparent.starts_with(&format!("00-{trace_id}-")), "{traceparent}");
+        assert!(
+            !traceparent.contains("00f067aa0ba902b7"),
+            "the publish span is the new parent"
+        );
+
+        // SIGTERM: spans are flushed before the process exits.
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success());
+        let spans = receiver.spans.lock().unwrap().clone();
+        let publish = spans.iter().find(|s| s.name == "publish").unwrap_or_else(|| {
+            panic!(
+                "no publish span in {:?}",
+                spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+            )
+        });
+        assert_eq!(hex(&publish.trace_id), trace_id);
+        assert_eq!(hex(&publish.parent_span_id), "00f067aa0ba902b7");
+        let span_id = hex(&publish.span_id);
+        assert!(
+            traceparent.contains(&span_id),
+            "message carries the publish span {span_id}: {traceparent}"
+        );
+        let deliver = spans.iter().find(|s| s.name == "deliver").expect("a deliver span");
+        assert_eq!(hex(&deliver.trace_id), trace_id);
+        assert_eq!(hex(&deliver.parent_span_id), span_id);
+        let _ = Duration::ZERO;
+    })
+    .await
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
