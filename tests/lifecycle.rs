@@ -307,3 +307,14 @@ fn an_address_in_use_is_named_at_start_up() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains(&format!("TINYBROKER_GRPC_ADDR={addr}")), "{stderr}");
 }
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let process = Process::spawn(&[("TINYBROKER_LOG_FORMAT", "json")]);
+    let line = process.line_containing("tinybroker started");
+    let value: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(value["level"], "INFO");
+    assert_eq!(value["message"], "tinybroker started");
+    assert!(value["grpc_addr"].as_str().unwrap().starts_with("127.0.0.1:"), "{line}");
+    assert_eq!(value["consumer_capacity"], 1024);
+}
