@@ -210,15 +210,7 @@ pub async fn subscribe(
     client: &mut BrokerClient<Channel>,
     patterns: &[&str],
 ) -> (tonic::Streaming<pb::Message>, String) {
-    let response = client.open_subscription(subscribe_request(patterns)).await.unwrap();
-    let id = response
-        .metadata()
-        .get("tinybroker-subscription-id")
-        .expect("subscription id metadata")
-        .to_str()
-        .unwrap()
-        .to_owned();
-    (response.into_inner(), id)
+    open(client, subscribe_request(patterns)).await
 }
 
 /// Polls `check` until it returns true, or panics after `what` took too long.
