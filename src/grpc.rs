@@ -29,7 +29,6 @@ pub fn status(error: BrokerError) -> Status {
         BrokerError::NotFound(_) => Code::NotFound,
         BrokerError::ResourceExhausted(_) => Code::ResourceExhausted,
         BrokerError::Unavailable(_) => Code::Unavailable,
-        BrokerError::Unimplemented(_) => Code::Unimplemented,
     };
     Status::new(code, error.to_string())
 }

@@ -157,7 +157,7 @@ async fn idle_publish_streams_end_when_shutdown_begins() {
                 .publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
                 .await
         });
-        let (mut sub_client, _) = (broker.client().await, ());
+        let mut sub_client = broker.client().await;
         let (mut stream, _) = subscribe(&mut sub_client, &["never"]).await;
         broker.trigger_shutdown();
         let err = call.await.unwrap().unwrap_err();

@@ -4,7 +4,6 @@ mod common;
 
 use common::*;
 use std::collections::HashMap;
-use std::time::Duration;
 use tinybroker::config::Limits;
 use tinybroker::pb;
 use tonic::Code;
@@ -454,7 +453,6 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
         let deliver = spans.iter().find(|s| s.name == "deliver").expect("a deliver span");
         assert_eq!(hex(&deliver.trace_id), trace_id);
         assert_eq!(hex(&deliver.parent_span_id), span_id);
-        let _ = Duration::ZERO;
     })
     .await
 }

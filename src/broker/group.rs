@@ -343,11 +343,7 @@ impl ConsumerGroup {
         let mut state = self.state.lock();
         match state.idle_since {
             Some(since) if state.members.is_empty() && now.saturating_duration_since(since) >= ttl => {
-                state.removed = true;
-                let left = state.backlog.len() + state.in_flight.len();
-                state.backlog.clear();
-                state.in_flight.clear();
-                Some(left)
+                Some(state.remove())
             }
             _ => None,
         }
@@ -355,12 +351,7 @@ impl ConsumerGroup {
 
     /// Shutdown: empties the group; returns how many messages it held.
     pub(crate) fn discard_all(&self) -> usize {
-        let mut state = self.state.lock();
-        state.removed = true;
-        let left = state.backlog.len() + state.in_flight.len();
-        state.backlog.clear();
-        state.in_flight.clear();
-        left
+        self.state.lock().remove()
     }
 
     /// A delivery attempt failed: back to the backlog, or dead-lettered when
@@ -384,6 +375,16 @@ impl ConsumerGroup {
 }
 
 impl GroupState {
+    /// Marks the group removed and empties it; returns how many messages it
+    /// still held.
+    fn remove(&mut self) -> usize {
+        self.removed = true;
+        let left = self.backlog.len() + self.in_flight.len();
+        self.backlog.clear();
+        self.in_flight.clear();
+        left
+    }
+
     /// Hands backlog messages to members with room, round-robin.
     fn dispatch(&mut self, now: Instant) {
         while let Some(front) = self.backlog.front() {
@@ -584,8 +585,11 @@ mod tests {
         let g = group(10, 2);
         let m = member(1, 4);
         g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        assert_eq!(g.snapshot(start).oldest_unacked_age, None);
         g.offer(published(7), start);
         assert_eq!(pop(&m).unwrap().attempt, 1);
+        let age = g.snapshot(start + Duration::from_secs(3)).oldest_unacked_age;
+        assert_eq!(age, Some(Duration::from_secs(3)));
         assert!(g.expire(start + Duration::from_secs(9)).is_empty());
         assert!(g.expire(start + Duration::from_secs(10)).is_empty());
         assert_eq!(pop(&m).unwrap().attempt, 2);

@@ -124,7 +124,6 @@ pub enum BrokerError {
     NotFound(String),
     ResourceExhausted(String),
     Unavailable(String),
-    Unimplemented(String),
 }
 
 impl fmt::Display for BrokerError {
@@ -134,8 +133,7 @@ impl fmt::Display for BrokerError {
         | Self::AlreadyExists(m)
         | Self::NotFound(m)
         | Self::ResourceExhausted(m)
-        | Self::Unavailable(m)
-        | Self::Unimplemented(m)) = self;
+        | Self::Unavailable(m)) = self;
         f.write_str(m)
     }
 }
@@ -175,8 +173,6 @@ pub struct Stats {
     pub dropped_group_overflow: AtomicU64,
     /// Backlog of groups removed after their idle TTL.
     pub dropped_group_expired: AtomicU64,
-    /// Dead letters of removed groups (live groups keep their own count).
-    pub dead_lettered: AtomicU64,
     pub discarded_on_shutdown: AtomicU64,
 }
 
@@ -454,14 +450,29 @@ impl Broker {
             None,
         ));
         self.register(&subscription)?;
-        {
-            let mut routes = self.shared.routes.write();
-            for pattern in subscription.patterns() {
-                routes.insert(pattern, subscription.key, Route::Subscription(subscription.clone()));
-            }
-            self.shared.routes_generation.fetch_add(1, Ordering::Release);
-        }
+        self.add_routes(
+            subscription.key,
+            subscription.patterns(),
+            Route::Subscription(subscription.clone()),
+        );
         Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+
+    /// Routes `patterns` to `route` and tells publishers' caches.
+    fn add_routes(&self, key: u64, patterns: &[TopicPattern], route: Route) {
+        let mut routes = self.shared.routes.write();
+        for pattern in patterns {
+            routes.insert(pattern, key, route.clone());
+        }
+        self.shared.routes_generation.fetch_add(1, Ordering::Release);
+    }
+
+    fn remove_routes(&self, key: u64, patterns: &[TopicPattern]) {
+        let mut routes = self.shared.routes.write();
+        for pattern in patterns {
+            routes.remove(pattern, key);
+        }
+        self.shared.routes_generation.fetch_add(1, Ordering::Release);
     }
 
     /// Adds a subscription to the registry, enforcing unique ids and the
@@ -513,34 +524,27 @@ impl Broker {
         };
         let name = request.consumer_group.as_str();
         let mut groups = self.shared.groups.lock();
-        let group = match groups.get(name) {
-            Some(group) if group.patterns() != patterns.as_slice() => {
-                return Err(BrokerError::FailedPrecondition(format!(
-                    "consumer group {name:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
-                    pattern_list(group.patterns()),
-                    pattern_list(&patterns)
-                )));
-            }
-            Some(group) => group.clone(),
-            None => {
-                let group = Arc::new(ConsumerGroup::new(
-                    self.shared.next_key.fetch_add(1, Ordering::Relaxed),
-                    name.into(),
-                    patterns.clone(),
-                    limits.group_capacity,
-                    limits.max_delivery_attempts,
-                    tokio::time::Instant::now(),
-                ));
-                let mut routes = self.shared.routes.write();
-                for pattern in group.patterns() {
-                    routes.insert(pattern, group.key, Route::Group(group.clone()));
-                }
-                self.shared.routes_generation.fetch_add(1, Ordering::Release);
-                drop(routes);
-                groups.insert(name.into(), group.clone());
-                group
-            }
-        };
+        let existing = groups.get(name).cloned();
+        if let Some(group) = &existing
+            && group.patterns() != patterns.as_slice()
+        {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "consumer group {name:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                pattern_list(group.patterns()),
+                pattern_list(&patterns)
+            )));
+        }
+        let is_new = existing.is_none();
+        let group = existing.unwrap_or_else(|| {
+            Arc::new(ConsumerGroup::new(
+                self.shared.next_key.fetch_add(1, Ordering::Relaxed),
+                name.into(),
+                patterns.clone(),
+                limits.group_capacity,
+                limits.max_delivery_attempts,
+                tokio::time::Instant::now(),
+            ))
+        });
         let subscription = Arc::new(Subscription::new(
             key,
             id,
@@ -552,7 +556,13 @@ impl Broker {
                 settings,
             }),
         ));
+        // Registered before a new group is published, so a refused member
+        // (id in use, too many subscriptions) leaves no group behind.
         self.register(&subscription)?;
+        if is_new {
+            self.add_routes(group.key, group.patterns(), Route::Group(group.clone()));
+            groups.insert(name.into(), group.clone());
+        }
         // Under the registry lock, so the idle sweep cannot remove the group
         // between the lookup and the join.
         let joined = group.join(subscription.clone(), settings, tokio::time::Instant::now());
@@ -603,21 +613,18 @@ impl Broker {
                 truncate(subscription_id)
             )));
         }
-        let subscription = self.shared.subscriptions.lock().get(subscription_id).cloned();
-        subscription.ok_or_else(|| {
-            BrokerError::NotFound(format!("no open subscription with id {:?}", truncate(subscription_id)))
-        })
+        self.open_subscription(subscription_id)
+    }
+
+    /// The open subscription `id`, or NOT_FOUND naming it.
+    fn open_subscription(&self, id: &str) -> Result<Arc<Subscription>, BrokerError> {
+        let subscription = self.shared.subscriptions.lock().get(id).cloned();
+        subscription.ok_or_else(|| BrokerError::NotFound(format!("no open subscription with id {:?}", truncate(id))))
     }
 
     /// Closes one subscription by id (Admin API); its stream ends cleanly.
     pub fn close_subscription(&self, id: &str) -> Result<(), BrokerError> {
-        let subscription = self.shared.subscriptions.lock().get(id).cloned();
-        let Some(subscription) = subscription else {
-            return Err(BrokerError::NotFound(format!(
-                "no open subscription with id {:?}",
-                truncate(id)
-            )));
-        };
+        let subscription = self.open_subscription(id)?;
         self.close(&subscription, CloseReason::ClosedByAdmin);
         Ok(())
     }
@@ -669,11 +676,7 @@ impl Broker {
         }
         // Members are routed through their group, not the trie.
         if subscription.membership().is_none() {
-            let mut routes = self.shared.routes.write();
-            for pattern in subscription.patterns() {
-                routes.remove(pattern, subscription.key);
-            }
-            self.shared.routes_generation.fetch_add(1, Ordering::Release);
+            self.remove_routes(subscription.key, subscription.patterns());
         }
         self.shared.subscriptions.lock().remove(subscription.id());
     }
@@ -721,10 +724,6 @@ impl Broker {
             return Err(BrokerError::Unavailable("the broker is shutting down".into()));
         }
         Ok(())
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.shared.draining.load(Ordering::Acquire)
     }
 
     /// Refuses new work from now on; queued messages keep draining.
@@ -791,21 +790,10 @@ impl Broker {
             None => true,
         });
         drop(groups);
-        if removed.is_empty() {
-            return;
-        }
-        let mut routes = self.shared.routes.write();
-        for (group, _) in &removed {
-            for pattern in group.patterns() {
-                routes.remove(pattern, group.key);
-            }
-        }
-        self.shared.routes_generation.fetch_add(1, Ordering::Release);
-        drop(routes);
         let stats = &self.shared.stats;
         for (group, left) in removed {
+            self.remove_routes(group.key, group.patterns());
             stats.dropped_group_expired.fetch_add(left as u64, Ordering::Relaxed);
-            stats.dead_lettered.fetch_add(group.dead_lettered(), Ordering::Relaxed);
             tracing::info!(
                 consumer_group = group.name(),
                 dropped = left,
@@ -893,4 +881,67 @@ fn truncate(value: &str) -> &str {
 
 pub(crate) fn display_peer(peer: Option<SocketAddr>) -> String {
     peer.map_or_else(|| "unknown".to_owned(), |p| p.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: &str, group: &str, pattern: &str) -> SubscribeRequest {
+        SubscribeRequest {
+            topic_patterns: vec![pattern.into()],
+            subscription_id: id.into(),
+            mode: DeliveryMode::Group,
+            consumer_group: group.into(),
+            ..Default::default()
+        }
+    }
+
+    fn message(topic: &str) -> NewMessage {
+        NewMessage {
+            topic: topic.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_refused_member_leaves_no_group_behind() {
+        let broker = Broker::new(Limits::default());
+        let _a = broker.subscribe(member("same-id", "first", "x")).unwrap();
+        let err = broker.subscribe(member("same-id", "second", "x")).err().unwrap();
+        assert!(matches!(err, BrokerError::AlreadyExists(_)), "{err}");
+        let names: Vec<String> = broker.groups().iter().map(|g| g.name().to_owned()).collect();
+        assert_eq!(names, ["first"]);
+        assert_eq!(broker.publish(message("x"), None).unwrap().matched_groups, 1);
+    }
+
+    #[test]
+    fn what_is_left_at_shutdown_is_counted_as_discarded() {
+        let broker = Broker::new(Limits::default());
+        let broadcast = broker
+            .subscribe(SubscribeRequest {
+                topic_patterns: vec!["t".into()],
+                ..Default::default()
+            })
+            .unwrap();
+        let member_stream = broker.subscribe(member("", "g", "t")).unwrap();
+        drop(member_stream);
+        for _ in 0..3 {
+            broker.publish(message("t"), None).unwrap();
+        }
+        assert_eq!(
+            broker.queued(),
+            6,
+            "3 queued for the subscriber, 3 in the group backlog"
+        );
+        broker.begin_shutdown();
+        assert!(matches!(
+            broker.publish(message("t"), None),
+            Err(BrokerError::Unavailable(_))
+        ));
+        assert_eq!(broker.close_all(), 6);
+        assert_eq!(broker.stats().discarded_on_shutdown.load(Ordering::Relaxed), 6);
+        assert_eq!(broker.subscription_count(), 0);
+        drop(broadcast);
+    }
 }

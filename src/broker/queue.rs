@@ -126,6 +126,7 @@ impl Queue {
         state.items.remove(index)
     }
 
+    #[cfg(test)]
     pub(crate) fn close_reason(&self) -> Option<CloseReason> {
         self.state.lock().closed
     }

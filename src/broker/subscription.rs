@@ -1,7 +1,7 @@
 //! One open subscription and the stream of its deliveries.
 
 use super::group::{AckMode, ConsumerGroup, MemberSettings};
-use super::queue::{CloseReason, Queue};
+use super::queue::Queue;
 use super::{Broker, Delivery};
 use crate::topic::TopicPattern;
 use futures::Stream;
@@ -158,11 +158,6 @@ impl SubscriptionStream {
 
     pub fn id(&self) -> &str {
         self.subscription.id()
-    }
-
-    /// Why the stream ended, once it has.
-    pub fn close_reason(&self) -> Option<CloseReason> {
-        self.subscription.queue.close_reason()
     }
 
     fn flush_delivered(&mut self) {
