@@ -462,3 +462,41 @@ async fn bad_input_does_not_disturb_other_subscribers() {
     })
     .await
 }
+
+#[tokio::test]
+async fn bad_headers_are_invalid_argument() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        let mut too_many = publish_request("h", "x");
+        too_many.headers = (0..65).map(|i| (format!("k{i}"), "v".to_string())).collect();
+        let err = client.publish(too_many).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(
+            err.message().contains("65 headers, the limit is 64"),
+            "{}",
+            err.message()
+        );
+
+        let mut empty_name = publish_request("h", "x");
+        empty_name.headers.insert(String::new(), "v".into());
+        let err = client.publish(empty_name).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.message().contains("empty name"), "{}", err.message());
+
+        let mut long_value = publish_request("h", "x");
+        long_value.headers.insert("big".into(), "v".repeat(8193));
+        let err = client.publish(long_value).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(
+            err.message().contains("\"big\"") && err.message().contains("8192"),
+            "{}",
+            err.message()
+        );
+
+        let mut at_limit = publish_request("h", "x");
+        at_limit.headers = (0..64).map(|i| (format!("k{i}"), "v".repeat(8192))).collect();
+        client.publish(at_limit).await.unwrap();
+    })
+    .await
+}
