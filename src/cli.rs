@@ -1,7 +1,7 @@
 //! The `tinybroker` command line: `serve` (the default), `publish` and
 //! `subscribe`.
 
-use crate::client::{Client, DEFAULT_ADDR};
+use crate::client::{Client, ConnectOptions, DEFAULT_ADDR};
 use crate::config::Config;
 use crate::pb;
 use crate::server::{self, Listeners};
@@ -34,9 +34,24 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct Connection {
-    /// Broker address.
+    /// Broker address; `https://` for a broker serving TLS.
     #[arg(long, default_value = DEFAULT_ADDR)]
     addr: String,
+    /// PEM file of the CA that signed the broker's certificate (with an
+    /// `https://` address; the system's roots are used without it).
+    #[arg(long, value_name = "PEM_FILE")]
+    ca: Option<std::path::PathBuf>,
+}
+
+impl Connection {
+    /// Connects with the token from `TINYBROKER_AUTH_TOKEN`.
+    async fn connect(&self) -> anyhow::Result<Client> {
+        let options = ConnectOptions {
+            ca: self.ca.clone(),
+            ..ConnectOptions::from_env()
+        };
+        Client::connect_with(&self.addr, &options).await
+    }
 }
 
 #[derive(Args, Debug)]
@@ -112,6 +127,9 @@ pub fn main() -> ExitCode {
 
 async fn serve() -> anyhow::Result<()> {
     let config = Config::from_env()?;
+    if let Some(files) = &config.tls {
+        files.load()?;
+    }
     let telemetry = crate::telemetry::init(config.log_format)?;
     let listeners = Listeners::bind(&config).await?;
     let result = server::run(config, listeners, shutdown_signal()).await;
@@ -153,7 +171,7 @@ async fn publish(args: PublishArgs) -> anyhow::Result<()> {
             buf
         }
     };
-    let mut client = Client::connect(&args.connection.addr).await?;
+    let mut client = args.connection.connect().await?;
     let headers: HashMap<String, String> = args.headers.into_iter().collect();
     let response = client
         .publish(args.topic, payload, headers)
@@ -167,7 +185,7 @@ async fn publish(args: PublishArgs) -> anyhow::Result<()> {
 }
 
 async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
-    let client = Client::connect(&args.connection.addr).await?;
+    let client = args.connection.connect().await?;
     let request = pb::OpenSubscriptionRequest {
         topic_patterns: args.patterns,
         mode: if args.group.is_some() {

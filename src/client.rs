@@ -8,9 +8,10 @@ use crate::pb;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Duration;
 use tonic::metadata::{Ascii, MetadataValue};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status, Streaming};
 
 pub use crate::pb::Message;
@@ -25,24 +26,61 @@ pub struct Client {
     authorization: Option<MetadataValue<Ascii>>,
 }
 
+/// How to reach a broker beyond its address.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectOptions {
+    /// Sent as `authorization: Bearer <token>`.
+    pub token: Option<String>,
+    /// PEM file of the CA that signed the broker's certificate, for an
+    /// `https://` address; without it the system's roots are used.
+    pub ca: Option<PathBuf>,
+}
+
+impl ConnectOptions {
+    /// The token from `TINYBROKER_AUTH_TOKEN`, if set and not empty.
+    pub fn from_env() -> Self {
+        Self {
+            token: std::env::var("TINYBROKER_AUTH_TOKEN").ok().filter(|t| !t.is_empty()),
+            ca: None,
+        }
+    }
+}
+
 impl Client {
-    /// Connects to `addr` (`http://host:port`), with the token from
-    /// `TINYBROKER_AUTH_TOKEN` if it is set.
+    /// Connects to `addr` (`http://host:port`, or `https://` for TLS with the
+    /// system's roots), with the token from `TINYBROKER_AUTH_TOKEN` if set.
     pub async fn connect(addr: &str) -> anyhow::Result<Self> {
-        let token = std::env::var("TINYBROKER_AUTH_TOKEN").ok().filter(|t| !t.is_empty());
-        Self::connect_with_token(addr, token.as_deref()).await
+        Self::connect_with(addr, &ConnectOptions::from_env()).await
     }
 
-    pub async fn connect_with_token(addr: &str, token: Option<&str>) -> anyhow::Result<Self> {
-        let endpoint = Endpoint::from_shared(addr.to_owned())
+    pub async fn connect_with(addr: &str, options: &ConnectOptions) -> anyhow::Result<Self> {
+        let mut endpoint = Endpoint::from_shared(addr.to_owned())
             .map_err(|e| anyhow::anyhow!("invalid broker address {addr:?}: {e}"))?
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(5));
+        let https = addr.starts_with("https://");
+        if !https && options.ca.is_some() {
+            anyhow::bail!("--ca is given but the address {addr:?} is not https://");
+        }
+        if https {
+            let mut tls = ClientTlsConfig::new();
+            tls = match &options.ca {
+                Some(path) => {
+                    let pem = std::fs::read(path)
+                        .map_err(|e| anyhow::anyhow!("cannot read the CA file {}: {e}", path.display()))?;
+                    tls.ca_certificate(Certificate::from_pem(pem))
+                }
+                None => tls.with_native_roots(),
+            };
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| anyhow::anyhow!("cannot set up TLS for {addr}: {e}"))?;
+        }
         let channel = endpoint
             .connect()
             .await
-            .map_err(|e| anyhow::anyhow!("cannot connect to {addr}: {e}"))?;
-        Self::from_channel(channel, token)
+            .map_err(|e| anyhow::anyhow!("cannot connect to {addr}: {:#}", anyhow::Error::new(e)))?;
+        Self::from_channel(channel, options.token.as_deref())
     }
 
     /// Wraps an existing channel.

@@ -19,6 +19,31 @@ pub struct Config {
     pub tls: Option<TlsFiles>,
     pub metrics_per_subscription: bool,
     pub log_format: LogFormat,
+    pub connections: ConnectionLimits,
+}
+
+/// HTTP/2 settings of the gRPC listener that bound what one connection can
+/// hold and how soon a vanished client is noticed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// A PING goes out when a connection has been quiet this long...
+    pub keepalive_interval: Duration,
+    /// ...and the connection (with all its streams) is closed when the PING
+    /// is not answered within this.
+    pub keepalive_timeout: Duration,
+    /// SETTINGS_MAX_CONCURRENT_STREAMS: open calls (subscriptions included)
+    /// on one connection; a client opening more waits for a free slot.
+    pub max_streams_per_connection: u32,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(20),
+            max_streams_per_connection: 1024,
+        }
+    }
 }
 
 /// Limits the broker core enforces.
@@ -56,6 +81,40 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
+impl TlsFiles {
+    /// Reads both PEM files, checking that the certificate file holds at
+    /// least one certificate and the key file a private key, so a wrong path
+    /// or a swapped pair stops start-up with a line naming the variable.
+    pub fn load(&self) -> Result<tonic::transport::Identity, ConfigError> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let cert = read_pem(&self.cert, "TLS_CERT")?;
+        let key = read_pem(&self.key, "TLS_KEY")?;
+        let certs = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_error("TLS_CERT", &self.cert, &format!("is not valid PEM ({e})")))?;
+        if certs.is_empty() {
+            return Err(pem_error("TLS_CERT", &self.cert, "holds no PEM certificate"));
+        }
+        PrivateKeyDer::from_pem_slice(&key).map_err(|e| {
+            pem_error(
+                "TLS_KEY",
+                &self.key,
+                &format!("holds no usable PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"),
+            )
+        })?;
+        Ok(tonic::transport::Identity::from_pem(cert, key))
+    }
+}
+
+fn read_pem(path: &std::path::Path, name: &str) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|e| pem_error(name, path, &format!("cannot be read: {e}")))
+}
+
+fn pem_error(name: &str, path: &std::path::Path, what: &str) -> ConfigError {
+    ConfigError(format!("{PREFIX}{name}={:?} {what}", path.display().to_string()))
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
     Text,
@@ -74,6 +133,7 @@ impl fmt::Debug for Config {
             .field("tls", &self.tls)
             .field("metrics_per_subscription", &self.metrics_per_subscription)
             .field("log_format", &self.log_format)
+            .field("connections", &self.connections)
             .finish()
     }
 }
@@ -89,6 +149,7 @@ impl Default for Config {
             tls: None,
             metrics_per_subscription: true,
             log_format: LogFormat::Text,
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -131,6 +192,9 @@ struct RawEnv {
     tls_key: Option<String>,
     metrics_per_subscription: Option<String>,
     log_format: Option<String>,
+    keepalive_interval_seconds: Option<String>,
+    keepalive_timeout_seconds: Option<String>,
+    max_streams_per_connection: Option<String>,
 }
 
 const PREFIX: &str = "TINYBROKER_";
@@ -211,7 +275,26 @@ impl Config {
             Some(t) if t.is_empty() => None,
             other => other,
         };
+        let c = &defaults.connections;
+        let connections = ConnectionLimits {
+            keepalive_interval: Duration::from_secs(positive(
+                &raw.keepalive_interval_seconds,
+                "KEEPALIVE_INTERVAL_SECONDS",
+                c.keepalive_interval.as_secs(),
+            )?),
+            keepalive_timeout: Duration::from_secs(positive(
+                &raw.keepalive_timeout_seconds,
+                "KEEPALIVE_TIMEOUT_SECONDS",
+                c.keepalive_timeout.as_secs(),
+            )?),
+            max_streams_per_connection: positive(
+                &raw.max_streams_per_connection,
+                "MAX_STREAMS_PER_CONNECTION",
+                c.max_streams_per_connection,
+            )?,
+        };
         Ok(Config {
+            connections,
             grpc_addr: addr(&raw.grpc_addr, "GRPC_ADDR", defaults.grpc_addr)?,
             metrics_addr: addr(&raw.metrics_addr, "METRICS_ADDR", defaults.metrics_addr)?,
             limits,
@@ -332,6 +415,9 @@ mod tests {
             ("TINYBROKER_TLS_KEY", "/k.pem"),
             ("TINYBROKER_METRICS_PER_SUBSCRIPTION", "false"),
             ("TINYBROKER_LOG_FORMAT", "json"),
+            ("TINYBROKER_KEEPALIVE_INTERVAL_SECONDS", "12"),
+            ("TINYBROKER_KEEPALIVE_TIMEOUT_SECONDS", "13"),
+            ("TINYBROKER_MAX_STREAMS_PER_CONNECTION", "14"),
         ]))
         .unwrap();
         assert_eq!(c.grpc_addr.port(), 1);
@@ -350,6 +436,14 @@ mod tests {
         assert_eq!(c.tls.as_ref().unwrap().key, PathBuf::from("/k.pem"));
         assert!(!c.metrics_per_subscription);
         assert_eq!(c.log_format, LogFormat::Json);
+        assert_eq!(
+            c.connections,
+            ConnectionLimits {
+                keepalive_interval: Duration::from_secs(12),
+                keepalive_timeout: Duration::from_secs(13),
+                max_streams_per_connection: 14,
+            }
+        );
         assert!(!format!("{c:?}").contains("s3cret"), "Debug must redact the token");
     }
 
@@ -371,6 +465,9 @@ mod tests {
             ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "ten", "seconds"),
             ("TINYBROKER_METRICS_PER_SUBSCRIPTION", "maybe", "true or false"),
             ("TINYBROKER_LOG_FORMAT", "xml", "\"text\" or \"json\""),
+            ("TINYBROKER_KEEPALIVE_INTERVAL_SECONDS", "0", "greater than 0"),
+            ("TINYBROKER_KEEPALIVE_TIMEOUT_SECONDS", "1m", "greater than 0"),
+            ("TINYBROKER_MAX_STREAMS_PER_CONNECTION", "4294967296", "greater than 0"),
         ];
         for (name, value, expected) in cases {
             let err = Config::from_vars(vars(&[(name, value)])).unwrap_err().to_string();
@@ -389,5 +486,30 @@ mod tests {
         assert!(err.to_string().contains("TINYBROKER_TLS_KEY is not"), "{err}");
         let err = Config::from_vars(vars(&[("TINYBROKER_TLS_KEY", "/k.pem")])).unwrap_err();
         assert!(err.to_string().contains("TINYBROKER_TLS_CERT is not"), "{err}");
+    }
+
+    #[test]
+    fn unreadable_or_invalid_pem_names_the_variable_and_path() {
+        let dir = std::env::temp_dir().join(format!("tinybroker-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let garbage = dir.join("garbage.pem");
+        std::fs::write(&garbage, "not a certificate\n").unwrap();
+        let missing = dir.join("missing.pem");
+        let cases = [
+            (&missing, &garbage, "TINYBROKER_TLS_CERT", "cannot be read"),
+            (&garbage, &garbage, "TINYBROKER_TLS_CERT", "holds no PEM certificate"),
+        ];
+        for (cert, key, name, expected) in cases {
+            let files = TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            };
+            let err = files.load().expect_err("must fail").to_string();
+            assert!(err.starts_with(name), "{err}");
+            assert!(err.contains(expected), "{err}");
+            assert!(err.contains(&cert.display().to_string()), "{err}");
+            assert!(!err.contains('\n'), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

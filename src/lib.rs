@@ -5,6 +5,7 @@
 //! (lifecycle), [`side`] (HTTP side server), [`metrics`], [`config`], [`telemetry`],
 //! [`client`] and [`cli`].
 
+pub mod auth;
 pub mod broker;
 pub mod cli;
 pub mod client;

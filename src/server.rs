@@ -2,6 +2,7 @@
 //! side server, on listeners the caller has already bound, until the shutdown
 //! future resolves; then drains and stops as API.md's Lifecycle says.
 
+use crate::auth::AuthLayer;
 use crate::broker::Broker;
 use crate::config::Config;
 use crate::grpc::{self, AdminService, BrokerService};
@@ -15,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::Server;
+use tonic::transport::{Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
@@ -97,11 +98,28 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .build_v1alpha()?;
 
     let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
-    let grpc_server = Server::builder()
+    let mut grpc_builder = Server::builder();
+    if let Some(files) = &config.tls {
+        let identity = files.load()?;
+        grpc_builder = grpc_builder
+            .tls_config(ServerTlsConfig::new().identity(identity))
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "TINYBROKER_TLS_CERT={:?} and TINYBROKER_TLS_KEY={:?} are not a usable certificate and key: {:#}",
+                    files.cert.display().to_string(),
+                    files.key.display().to_string(),
+                    anyhow::Error::new(e)
+                )
+            })?;
+    }
+    let c = &config.connections;
+    let grpc_server = grpc_builder
         .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .http2_keepalive_interval(Some(c.keepalive_interval))
+        .http2_keepalive_timeout(Some(c.keepalive_timeout))
+        .max_concurrent_streams(c.max_streams_per_connection)
         .layer(tower::util::MapResponseLayer::new(grpc::map_oversized_response))
+        .layer(AuthLayer::new(config.auth_token.as_deref()))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -191,6 +209,9 @@ fn log_started(config: &Config, grpc_addr: SocketAddr, metrics_addr: SocketAddr)
         shutdown_grace_seconds = config.shutdown_grace.as_secs(),
         auth = config.auth_token.is_some(),
         tls = config.tls.is_some(),
+        keepalive_interval_seconds = config.connections.keepalive_interval.as_secs(),
+        keepalive_timeout_seconds = config.connections.keepalive_timeout.as_secs(),
+        max_streams_per_connection = config.connections.max_streams_per_connection,
         "tinybroker started"
     );
 }

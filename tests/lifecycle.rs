@@ -3,9 +3,9 @@
 
 mod common;
 
+use common::process::{Process, field};
 use common::*;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 use tinybroker::config::{Config, Limits};
 use tinybroker::pb;
@@ -168,79 +168,6 @@ async fn idle_publish_streams_end_when_shutdown_begins() {
         drop(tx);
     })
     .await
-}
-
-/// The real binary, started with the given environment.
-struct Process {
-    child: std::process::Child,
-    stderr_lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Process {
-    fn spawn(env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
-        command
-            .env_clear()
-            .env("RUST_LOG", "info")
-            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
-            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        let mut child = command.spawn().expect("spawn tinybroker");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, stderr_lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self { child, stderr_lines }
-    }
-
-    /// Waits for a log line containing `needle`.
-    fn line_containing(&self, needle: &str) -> String {
-        loop {
-            let line = self
-                .stderr_lines
-                .recv_timeout(Duration::from_secs(30))
-                .unwrap_or_else(|_| panic!("no log line containing {needle:?}"));
-            if line.contains(needle) {
-                return line;
-            }
-        }
-    }
-
-    fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(std::time::Instant::now() < deadline, "process did not exit");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn field(line: &str, name: &str) -> String {
-    let start = line
-        .find(&format!("{name}="))
-        .unwrap_or_else(|| panic!("{name} in {line}"))
-        + name.len()
-        + 1;
-    line[start..].split_whitespace().next().unwrap().to_owned()
 }
 
 #[tokio::test]
