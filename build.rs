@@ -10,9 +10,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(protos, ["proto"])?;
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("tinybroker_descriptor.bin"), fds.encode_to_vec())?;
+    // Message types and clients.
     tonic_prost_build::configure()
+        .build_server(false)
         .bytes(".tinybroker.v1.PublishRequest.payload")
         .bytes(".tinybroker.v1.Message.payload")
+        .compile_fds(fds.clone())?;
+    // Servers, using the types above, except that subscription streams send
+    // `wire::EncodedMessage`: the same bytes as a `Message`, encoded once
+    // per fan-out instead of once per subscriber.
+    let server_dir = out_dir.join("server");
+    std::fs::create_dir_all(&server_dir)?;
+    tonic_prost_build::configure()
+        .build_client(false)
+        .out_dir(&server_dir)
+        .extern_path(".tinybroker.v1", "crate::pb")
+        .extern_path(".tinybroker.v1.Message", "crate::wire::EncodedMessage")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -4,18 +4,23 @@
 
 use crate::broker::{
     AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, PublishOutcome, RouteCache, SubscribeRequest,
-    SubscriptionStream,
+    SubscriptionStream, WakeBatch,
 };
-use crate::metrics::Metrics;
+use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
 use crate::telemetry::{self, TRACEPARENT};
-use futures::Stream;
+use crate::wire::{EncodedMessage, SubscriberFields};
+use futures::{FutureExt, Stream};
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::SystemTime;
 use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// Most messages of one PublishStream routed before the task yields.
+const PUBLISH_BATCH: usize = 128;
 
 /// Initial response metadata carrying the subscription id.
 pub const SUBSCRIPTION_ID_METADATA: &str = "tinybroker-subscription-id";
@@ -53,9 +58,10 @@ impl BrokerService {
         mut request: pb::PublishRequest,
         parent: Option<&opentelemetry::Context>,
         cache: Option<&mut RouteCache>,
+        timer: &mut LocalObserver,
     ) -> Result<PublishOutcome, Status> {
         let Some(parent) = parent else {
-            return self.publish_timed(request, cache);
+            return self.publish_timed(request, cache, timer);
         };
         let span = tracing::info_span!(
             "publish",
@@ -69,7 +75,7 @@ impl BrokerService {
         if !request.headers.contains_key(TRACEPARENT) {
             telemetry::inject(&span.context(), &mut request.headers);
         }
-        let outcome = span.in_scope(|| self.publish_timed(request, cache));
+        let outcome = span.in_scope(|| self.publish_timed(request, cache, timer));
         if let Ok(o) = &outcome {
             span.record("messaging.message.id", o.sequence);
         }
@@ -80,10 +86,11 @@ impl BrokerService {
         &self,
         request: pb::PublishRequest,
         cache: Option<&mut RouteCache>,
+        timer: &mut LocalObserver,
     ) -> Result<PublishOutcome, Status> {
         let started = std::time::Instant::now();
         let outcome = self.broker.publish(new_message(request), cache).map_err(status)?;
-        self.metrics.observe_publish(started.elapsed().as_secs_f64());
+        timer.observe(started.elapsed().as_secs_f64());
         Ok(outcome)
     }
 
@@ -114,7 +121,8 @@ fn new_message(request: pb::PublishRequest) -> NewMessage {
 impl pb::broker_server::Broker for BrokerService {
     async fn publish(&self, request: Request<pb::PublishRequest>) -> Result<Response<pb::PublishResponse>, Status> {
         let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
-        let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None)?;
+        let mut timer = self.metrics.publish_duration();
+        let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None, &mut timer)?;
         Ok(Response::new(pb::PublishResponse {
             sequence: outcome.sequence,
             matched_subscriptions: outcome.matched_subscriptions,
@@ -129,6 +137,7 @@ impl pb::broker_server::Broker for BrokerService {
         let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
         let mut stream = request.into_inner();
         let mut cache = RouteCache::default();
+        let mut timer = self.metrics.publish_duration();
         let mut response = pb::PublishStreamResponse::default();
         let draining = self.broker.draining();
         tokio::pin!(draining);
@@ -143,26 +152,46 @@ impl pb::broker_server::Broker for BrokerService {
                 }
                 next = stream.message() => next,
             };
-            let request = match next {
+            let mut next = match next {
                 Ok(Some(request)) => request,
                 Ok(None) => return Ok(Response::new(response)),
-                Err(error) => {
-                    return Err(with_accepted(oversized_to_exhausted(error), response.accepted));
-                }
+                Err(error) => return Err(with_accepted(oversized_to_exhausted(error), response.accepted)),
             };
-            // A burst of buffered requests would otherwise keep this task
-            // on its worker, and subscriber tasks woken here (in tokio's
-            // unstealable LIFO slot) waiting, for the whole burst.
-            tokio::task::coop::consume_budget().await;
-            match self.publish_one(request, parent.as_ref(), Some(&mut cache)) {
-                Ok(outcome) => {
-                    if response.accepted == 0 {
-                        response.first_sequence = outcome.sequence;
+            // Route what has already arrived as one batch: each subscriber
+            // is woken once for it, at the end, and writes it in one go.
+            let batch = WakeBatch::begin();
+            let mut routed = 0;
+            loop {
+                match self.publish_one(next, parent.as_ref(), Some(&mut cache), &mut timer) {
+                    Ok(outcome) => {
+                        if response.accepted == 0 {
+                            response.first_sequence = outcome.sequence;
+                        }
+                        response.last_sequence = outcome.sequence;
+                        response.accepted += 1;
                     }
-                    response.last_sequence = outcome.sequence;
-                    response.accepted += 1;
+                    Err(error) => return Err(with_accepted(error, response.accepted)),
                 }
-                Err(error) => return Err(with_accepted(error, response.accepted)),
+                routed += 1;
+                if routed == PUBLISH_BATCH {
+                    break;
+                }
+                next = match stream.message().now_or_never() {
+                    Some(Ok(Some(request))) => request,
+                    Some(Ok(None)) => return Ok(Response::new(response)),
+                    Some(Err(error)) => {
+                        return Err(with_accepted(oversized_to_exhausted(error), response.accepted));
+                    }
+                    // Nothing more buffered: end the batch and wait.
+                    None => break,
+                };
+            }
+            drop(batch);
+            timer.flush();
+            if routed == PUBLISH_BATCH {
+                // Let the subscribers just woken (queued behind this task on
+                // its worker) run before routing the next batch.
+                tokio::task::yield_now().await;
             }
         }
     }
@@ -213,8 +242,10 @@ impl pb::broker_server::Broker for BrokerService {
         let mut response = Response::new(MessageStream {
             inner: stream,
             subscription_id: id.clone(),
+            fields: SubscriberFields::new(&id, &consumer_group),
+            lag: self.metrics.delivery_lag(!consumer_group.is_empty()),
             consumer_group,
-            metrics: self.metrics.clone(),
+            now: None,
         });
         // Ids are printable ASCII (validated or generated), so this holds.
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
@@ -287,20 +318,26 @@ pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Respo
     response
 }
 
-/// A subscription's deliveries as `Message`s for tonic.
+/// A subscription's deliveries as `Message`s for tonic, pre-encoded.
 pub struct MessageStream {
     inner: SubscriptionStream,
     subscription_id: String,
     consumer_group: String,
-    metrics: Metrics,
+    /// The delivery fields that are this subscription's own, encoded once.
+    fields: SubscriberFields,
+    /// This stream's share of `tinybroker_delivery_lag_seconds`.
+    lag: LocalObserver,
+    /// The time of the current run of deliveries: read once when the stream
+    /// is woken rather than once per message.
+    now: Option<SystemTime>,
 }
 
 impl MessageStream {
-    fn to_message(&self, delivery: Delivery) -> pb::Message {
+    fn to_message(&mut self, delivery: Delivery) -> EncodedMessage {
         let m = &delivery.message;
-        if let Ok(lag) = m.publish_time.elapsed() {
-            self.metrics
-                .observe_delivery_lag(!self.consumer_group.is_empty(), lag.as_secs_f64());
+        let now = *self.now.get_or_insert_with(SystemTime::now);
+        if let Ok(lag) = now.duration_since(m.publish_time) {
+            self.lag.observe(lag.as_secs_f64());
         }
         if telemetry::tracing_enabled() {
             let span = tracing::info_span!(
@@ -316,27 +353,25 @@ impl MessageStream {
             );
             let _ = span.set_parent(telemetry::extract_headers(&m.headers));
         }
-        pb::Message {
-            topic: m.topic.clone(),
-            payload: m.payload.clone(),
-            headers: m.headers.clone(),
-            sequence: m.sequence,
-            publish_time: Some(prost_types::Timestamp::from(m.publish_time)),
-            subscription_id: self.subscription_id.clone(),
-            consumer_group: self.consumer_group.clone(),
-            delivery_attempt: delivery.attempt,
-        }
+        EncodedMessage::new(m, &self.fields, delivery.attempt)
     }
 }
 
 impl Stream for MessageStream {
-    type Item = Result<pb::Message, Status>;
+    type Item = Result<EncodedMessage, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         match Pin::new(&mut self.inner).poll_next(cx) {
             Poll::Ready(Some(delivery)) => Poll::Ready(Some(Ok(self.to_message(delivery)))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => {
+                self.lag.flush();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                self.now = None;
+                self.lag.flush();
+                Poll::Pending
+            }
         }
     }
 }

@@ -1,7 +1,7 @@
 //! tinybroker: a single-node, in-memory publish/subscribe broker over gRPC.
 //!
 //! Modules, one concern each: [`topic`] (syntax), [`sublist`] (matching),
-//! [`broker`] (the routing core), [`grpc`] (tonic adapter), [`server`]
+//! [`broker`] (the routing core), [`grpc`] (tonic adapter) with [`wire`] (pre-encoded deliveries), [`server`]
 //! (lifecycle), [`side`] (HTTP side server), [`metrics`], [`config`], [`telemetry`],
 //! [`client`] and [`cli`].
 
@@ -18,3 +18,4 @@ pub mod side;
 pub mod sublist;
 pub mod telemetry;
 pub mod topic;
+pub mod wire;

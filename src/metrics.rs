@@ -7,6 +7,7 @@
 
 use crate::broker::Broker;
 use prometheus::core::{Collector, Desc};
+use prometheus::local::LocalHistogram;
 use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
@@ -80,16 +81,19 @@ impl Metrics {
         }
     }
 
-    pub fn observe_publish(&self, seconds: f64) {
-        self.publish_duration.observe(seconds);
+    /// A private view of `tinybroker_publish_duration_seconds` for one
+    /// publisher (see [`LocalObserver`]).
+    pub fn publish_duration(&self) -> LocalObserver {
+        LocalObserver::new(self.publish_duration.local())
     }
 
-    pub fn observe_delivery_lag(&self, group: bool, seconds: f64) {
-        if group {
-            self.delivery_lag_single.observe(seconds)
+    /// The same for one subscription's `tinybroker_delivery_lag_seconds`.
+    pub fn delivery_lag(&self, group: bool) -> LocalObserver {
+        LocalObserver::new(if group {
+            self.delivery_lag_single.local()
         } else {
-            self.delivery_lag_multi.observe(seconds)
-        }
+            self.delivery_lag_multi.local()
+        })
     }
 
     /// The Prometheus text exposition.
@@ -99,6 +103,43 @@ impl Metrics {
             tracing::error!(error = %e, "cannot encode metrics");
         }
         String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// One task's observations of a shared histogram: observing touches no
+/// cache line other tasks write, and they are merged into the histogram on
+/// [`LocalObserver::flush`], every 256 observations, and on drop.
+pub struct LocalObserver {
+    local: LocalHistogram,
+    unflushed: u32,
+}
+
+impl LocalObserver {
+    const FLUSH_EVERY: u32 = 256;
+
+    fn new(local: LocalHistogram) -> Self {
+        Self { local, unflushed: 0 }
+    }
+
+    pub fn observe(&mut self, seconds: f64) {
+        self.local.observe(seconds);
+        self.unflushed += 1;
+        if self.unflushed >= Self::FLUSH_EVERY {
+            self.flush();
+        }
+    }
+
+    pub fn flush(&mut self) {
+        if self.unflushed > 0 {
+            self.local.flush();
+            self.unflushed = 0;
+        }
+    }
+}
+
+impl Drop for LocalObserver {
+    fn drop(&mut self) {
+        self.flush();
     }
 }
 

@@ -5,6 +5,14 @@
 
 tonic::include_proto!("tinybroker.v1");
 
+/// The generated servers. Their subscription streams send
+/// [`crate::wire::EncodedMessage`], which is a `Message` on the wire.
+mod servers {
+    include!(concat!(env!("OUT_DIR"), "/server/tinybroker.v1.rs"));
+}
+
+pub use servers::{admin_server, broker_server};
+
 /// Descriptors of `proto/tinybroker/v1/*.proto` and their imports.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tinybroker_descriptor.bin"));
 

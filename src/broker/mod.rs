@@ -8,7 +8,7 @@ mod queue;
 mod subscription;
 
 pub use group::{AckMode, ConsumerGroup, DeadLetter, GroupSnapshot, MemberSettings};
-pub use queue::CloseReason;
+pub use queue::{CloseReason, WakeBatch};
 use subscription::Membership;
 pub use subscription::{Subscription, SubscriptionInfo, SubscriptionStream};
 
@@ -21,8 +21,8 @@ use queue::{Push, Queue};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
 
@@ -53,6 +53,10 @@ pub struct Published {
     pub headers: HashMap<String, String>,
     pub sequence: u64,
     pub publish_time: SystemTime,
+    /// The message's wire form, made by the first stream that sends it and
+    /// shared by every other subscriber's stream, so a fan-out encodes once.
+    /// The core never reads it; the gRPC layer fills it.
+    pub encoded: OnceLock<Bytes>,
 }
 
 impl Published {
@@ -64,6 +68,7 @@ impl Published {
             headers: HashMap::new(),
             sequence,
             publish_time: SystemTime::now(),
+            encoded: OnceLock::new(),
         }
     }
 }
@@ -295,6 +300,7 @@ impl Broker {
             headers: message.headers,
             sequence,
             publish_time: SystemTime::now(),
+            encoded: OnceLock::new(),
         });
         let stats = &self.shared.stats;
         stats.published.fetch_add(1, Ordering::Relaxed);

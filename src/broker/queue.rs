@@ -7,8 +7,64 @@
 
 use super::Delivery;
 use parking_lot::Mutex;
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::task::{Context, Poll, Waker};
+
+thread_local! {
+    /// Wakers held back by an open [`WakeBatch`] on this thread.
+    static DEFERRED_WAKES: RefCell<Option<Vec<Waker>>> = const { RefCell::new(None) };
+}
+
+/// Holds back the wake-ups of streams that [`Queue::push`] fills while it is
+/// alive, and wakes each once when dropped. A publisher routing a burst of
+/// messages thus hands each subscriber one batch (one wake-up, one write to
+/// its connection) instead of one per message. Synchronous only: a batch must
+/// not be held across an `.await`, since the task may move threads there.
+pub struct WakeBatch {
+    /// The batch this one is nested in keeps the wakers; only the outermost wakes.
+    outermost: bool,
+}
+
+impl WakeBatch {
+    pub fn begin() -> Self {
+        let outermost = DEFERRED_WAKES.with(|d| {
+            let mut deferred = d.borrow_mut();
+            if deferred.is_some() {
+                return false;
+            }
+            *deferred = Some(Vec::new());
+            true
+        });
+        Self { outermost }
+    }
+}
+
+impl Drop for WakeBatch {
+    fn drop(&mut self) {
+        if !self.outermost {
+            return;
+        }
+        let wakers = DEFERRED_WAKES.with(|d| d.borrow_mut().take()).unwrap_or_default();
+        for waker in wakers {
+            waker.wake();
+        }
+    }
+}
+
+/// Wakes `waker` now, or at the end of the open [`WakeBatch`].
+fn wake(waker: Waker) {
+    let deferred = DEFERRED_WAKES.with(|d| match d.borrow_mut().as_mut() {
+        Some(batch) => {
+            batch.push(waker);
+            None
+        }
+        None => Some(waker),
+    });
+    if let Some(waker) = deferred {
+        waker.wake();
+    }
+}
 
 /// Why a queue was closed; decides what happens to what it still held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,10 +132,12 @@ impl Queue {
                 };
             }
             state.items.push_back(item);
+            // Taken, so a burst of pushes yields one wake-up until the stream
+            // polls again and leaves a new waker.
             state.waker.take()
         };
         if let Some(waker) = waker {
-            waker.wake();
+            wake(waker);
         }
         Push::Queued
     }
@@ -168,6 +226,43 @@ mod tests {
             Poll::Ready(Some(d)) => assert_eq!(d.message.sequence, 1),
             _ => panic!("expected the first message"),
         }
+    }
+
+    /// Counts its wake-ups.
+    struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for CountingWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_wake_batch_wakes_each_waiting_stream_once_at_its_end() {
+        let queues = [Queue::new(8), Queue::new(8)];
+        let counter = Arc::new(CountingWaker(Default::default()));
+        let waker = Waker::from(counter.clone());
+        let wakes = || counter.0.load(std::sync::atomic::Ordering::SeqCst);
+        for q in &queues {
+            assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
+        }
+        {
+            let _batch = WakeBatch::begin();
+            let _nested = WakeBatch::begin();
+            for seq in 0..3 {
+                for q in &queues {
+                    assert!(matches!(q.push(delivery(seq)), Push::Queued));
+                }
+            }
+            drop(_nested);
+            assert_eq!(wakes(), 0, "held back until the outermost batch ends");
+        }
+        assert_eq!(wakes(), 2, "one wake-up per queue");
+        // Without a batch, a push wakes at once.
+        let q = Queue::new(8);
+        assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
+        q.push(delivery(9));
+        assert_eq!(wakes(), 3);
     }
 
     #[test]
