@@ -333,7 +333,7 @@ pub struct MessageStream {
 }
 
 impl MessageStream {
-    fn to_message(&mut self, delivery: Delivery) -> EncodedMessage {
+    fn encode(&mut self, delivery: Delivery) -> EncodedMessage {
         let m = &delivery.message;
         let now = *self.now.get_or_insert_with(SystemTime::now);
         if let Ok(lag) = now.duration_since(m.publish_time) {
@@ -362,7 +362,7 @@ impl Stream for MessageStream {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         match Pin::new(&mut self.inner).poll_next(cx) {
-            Poll::Ready(Some(delivery)) => Poll::Ready(Some(Ok(self.to_message(delivery)))),
+            Poll::Ready(Some(delivery)) => Poll::Ready(Some(Ok(self.encode(delivery)))),
             Poll::Ready(None) => {
                 self.lag.flush();
                 Poll::Ready(None)
