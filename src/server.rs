@@ -158,10 +158,13 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let _ = stop_maintenance.send(());
     let _ = maintenance.await;
     let discarded = broker.close_all();
-    if drained {
-        tracing::info!("all queues drained");
-    } else {
-        tracing::warn!(discarded, "grace period over: messages still queued were discarded");
+    match (drained, discarded) {
+        (_, 0) => tracing::info!("all queues drained"),
+        (true, _) => tracing::warn!(
+            discarded,
+            "queues drained; the backlogs of consumer groups without members were discarded"
+        ),
+        (false, _) => tracing::warn!(discarded, "grace period over: messages still queued were discarded"),
     }
     let _ = stop_grpc.send(());
     match tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT, grpc_task).await {
@@ -178,11 +181,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     Ok(())
 }
 
-/// Waits until every queue is empty or `grace` has passed; true if drained.
+/// Waits until nothing that can drain is left or `grace` has passed; true
+/// if drained.
 async fn drain(broker: &Broker, grace: Duration) -> bool {
     let deadline = Instant::now() + grace;
     loop {
-        if broker.queued() == 0 {
+        if broker.drainable() == 0 {
             return true;
         }
         if Instant::now() >= deadline {

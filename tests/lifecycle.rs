@@ -245,3 +245,32 @@ fn json_logs_are_one_object_per_line() {
     assert!(value["grpc_addr"].as_str().unwrap().starts_with("127.0.0.1:"), "{line}");
     assert_eq!(value["consumer_capacity"], 1024);
 }
+
+#[tokio::test]
+async fn a_memberless_groups_backlog_does_not_hold_shutdown_for_the_grace_period() {
+    timeout(async {
+        let broker = start_with(Config {
+            shutdown_grace: Duration::from_secs(30),
+            ..config()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let (member, _) = open(&mut client, member_request(&["idle.>"], "sleepers", false, 0)).await;
+        drop(member);
+        wait_until("the member has left", || async {
+            broker.group("sleepers").await.is_some_and(|g| g.members == 0)
+        })
+        .await;
+        for i in 0..3 {
+            client
+                .publish(publish_request(&format!("idle.{i}"), "x"))
+                .await
+                .unwrap();
+        }
+        assert_eq!(broker.group("sleepers").await.unwrap().backlog, 3);
+        // Nothing can drain that backlog, so shutdown must not wait 30 s for it.
+        let stopped = tokio::time::timeout(Duration::from_secs(10), broker.stop()).await;
+        assert!(stopped.is_ok(), "shutdown waited for a backlog no member can take");
+    })
+    .await
+}

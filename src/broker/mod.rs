@@ -755,6 +755,23 @@ impl Broker {
 
     /// Ends every subscription stream and empties every group. Returns the
     /// messages still undelivered, which are counted as discarded on shutdown.
+    /// What shutdown waits for: messages that can still reach a subscriber,
+    /// that is every subscription queue and the backlogs of groups that have
+    /// members. A memberless group's backlog cannot drain, so waiting for
+    /// it would only spend the whole grace period.
+    pub fn drainable(&self) -> usize {
+        let now = tokio::time::Instant::now();
+        let queues: usize = self.subscriptions().iter().map(|s| s.queue_depth()).sum();
+        let backlogs: usize = self
+            .groups()
+            .iter()
+            .map(|g| g.snapshot(now))
+            .filter(|s| s.members > 0)
+            .map(|s| s.backlog)
+            .sum();
+        queues + backlogs
+    }
+
     pub fn close_all(&self) -> usize {
         let queued: usize = self
             .subscriptions()
@@ -940,6 +957,7 @@ mod tests {
             6,
             "3 queued for the subscriber, 3 in the group backlog"
         );
+        assert_eq!(broker.drainable(), 3, "the memberless group's backlog cannot drain");
         broker.begin_shutdown();
         assert!(matches!(
             broker.publish(message("t"), None),
