@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -129,7 +129,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
                 .with_shutdown_grace(config.shutdown_grace)
                 .into_server(),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), async {
+        // tonic applies `tcp_nodelay` only to listeners it binds itself; an
+        // incoming stream needs it set here, or Nagle holds back small writes.
+        .serve_with_incoming_shutdown(TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)), async {
             let _ = grpc_stopped.await;
         });
     let grpc_task = tokio::spawn(grpc_server);
