@@ -143,10 +143,10 @@ pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
     );
     out.push_str("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|\n");
     let mut notes = Vec::new();
-    // The plain 1→3 256 B run, for the stalled workload's comparison.
-    let plain: Vec<(Variant, Summary)> = cases
+    // The stalled run's baseline: the same live subscribers, none stalled.
+    let baseline: Vec<(Variant, Summary)> = cases
         .iter()
-        .filter(|(c, _)| c.id == "fanout-3-256")
+        .filter(|(c, _)| matches!(c.spec, Spec::Stalled { stalled: false, .. }))
         .flat_map(|(_, runs)| runs.iter().map(|r| (r.variant, Summary::of(r))))
         .collect();
     for (case, runs) in cases {
@@ -187,13 +187,13 @@ pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
                 };
                 note.push(format!("{what} {yes}/{of}"));
             }
-            if matches!(case.spec, Spec::Stalled { .. }) {
-                let base = plain
+            if matches!(case.spec, Spec::Stalled { stalled: true, .. }) {
+                let base = baseline
                     .iter()
                     .find(|(v, _)| *v == r.variant)
                     .map(|(_, p)| p.per_subscriber);
                 if let Some(k) = ratio(s.per_subscriber, base.flatten()) {
-                    note.push(format!("live subs kept {:.0} % of plain 1→3", k * 100.0));
+                    note.push(format!("live subs kept {:.0} % of baseline", k * 100.0));
                 }
             }
             if s.ok < s.rounds {

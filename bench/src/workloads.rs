@@ -55,10 +55,12 @@ pub enum Spec {
         size: usize,
         messages: u64,
     },
+    /// `live` subscribers, plus one that never reads when `stalled`.
     Stalled {
         live: usize,
         size: usize,
         messages: u64,
+        stalled: bool,
     },
     Idle {
         subs: usize,
@@ -98,7 +100,7 @@ fn v(kind: Kind) -> Variant {
 }
 
 fn size_label(size: usize) -> String {
-    if size >= 1024 && size % 1024 == 0 {
+    if size >= 1024 && size.is_multiple_of(1024) {
         format!("{} KiB", size / 1024)
     } else {
         format!("{size} B")
@@ -164,16 +166,25 @@ pub fn cases(messages: u64, idle_subs: usize, with_redis: bool) -> Vec<Case> {
             v(Kind::Nats),
         ],
     });
-    out.push(Case {
-        id: "stalled".into(),
-        label: "1 stalled + 2 live, 256 B".into(),
-        spec: Spec::Stalled {
-            live: 2,
-            size: 256,
-            messages: messages.max(20_000),
-        },
-        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
-    });
+    // The stalled run is compared with the same run without the stalled subscriber.
+    for stalled in [false, true] {
+        out.push(Case {
+            id: if stalled { "stalled" } else { "stalled-baseline" }.into(),
+            label: if stalled {
+                "2 live + 1 stalled, 256 B"
+            } else {
+                "2 live, none stalled (baseline), 256 B"
+            }
+            .into(),
+            spec: Spec::Stalled {
+                live: 2,
+                size: 256,
+                messages: messages.max(20_000),
+                stalled,
+            },
+            variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+        });
+    }
     out.push(Case {
         id: "idle".into(),
         label: format!("{idle_subs} idle subscriptions"),
@@ -291,7 +302,12 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
             size,
             messages,
         } => (members, size, messages, None, true, false),
-        Spec::Stalled { live, size, messages } => (live, size, messages, None, false, true),
+        Spec::Stalled {
+            live,
+            size,
+            messages,
+            stalled,
+        } => (live, size, messages, None, false, stalled),
         Spec::Idle { .. } => unreachable!("idle runs are not messaging runs"),
     };
     let server = Server::start(kind, &settings.bins, &tinybroker_env(settings, live + 1, true)).await?;
