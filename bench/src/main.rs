@@ -78,10 +78,23 @@ async fn main() -> ExitCode {
             }
         },
         // Dropping `run` kills and reaps every server it started.
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("tinybroker-bench: interrupted");
+        signal = interrupted() => {
+            eprintln!("tinybroker-bench: {signal}, servers stopped");
             ExitCode::from(130)
         }
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        eprintln!("tinybroker-bench: cannot listen for SIGINT/SIGTERM; interrupting may leave servers behind");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "interrupted",
+        _ = term.recv() => "terminated",
     }
 }
 
