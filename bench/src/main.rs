@@ -1,0 +1,214 @@
+//! tinybroker-bench: runs the same workloads against tinybroker, NATS core
+//! and Redis pub/sub on this machine, several rounds alternating systems,
+//! and prints one Markdown table of medians with the ratio tinybroker/NATS.
+//!
+//! Exits non-zero when a tinybroker run loses a message its contract says
+//! must arrive, or when a run fails.
+
+mod measure;
+mod nats;
+mod redis_pubsub;
+mod report;
+mod systems;
+mod tb;
+mod workloads;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use report::Runs;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use systems::{Binaries, Kind};
+use workloads::{Case, Settings};
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "Benchmark tinybroker against NATS core and Redis pub/sub on 127.0.0.1"
+)]
+struct Cli {
+    /// Messages of the fan-out 1→3 and group workloads (1→30 gets a tenth,
+    /// 4 KiB payloads a quarter, the 20k msg/s latency run at most 100k).
+    #[arg(long)]
+    messages: Option<u64>,
+    /// Rounds; each round runs every system once per workload, alternating.
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Only workloads whose id or label contains this (repeatable):
+    /// fanout-3-16, fanout-3-256, fanout-3-4096, fanout-30-…, latency, group, stalled, idle.
+    #[arg(long)]
+    only: Vec<String>,
+    /// Tiny configuration for CI: 3000 messages, 1 round, 1000 idle subscriptions.
+    #[arg(long)]
+    quick: bool,
+    /// Leave Redis out.
+    #[arg(long)]
+    skip_redis: bool,
+    /// Idle subscriptions of the idle workload.
+    #[arg(long)]
+    idle_subscriptions: Option<usize>,
+    /// Flow-control window: most messages the publisher keeps ahead of the
+    /// slowest live subscriber (or group).
+    #[arg(long, default_value_t = 2048)]
+    window: u64,
+    /// tinybroker's TINYBROKER_CONSUMER_CAPACITY (per-subscription queue slots).
+    #[arg(long, default_value_t = 4096)]
+    consumer_capacity: usize,
+    /// Also write the table to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, default_value = "target/release/tinybroker")]
+    tinybroker_bin: PathBuf,
+    #[arg(long, default_value = "nats-server")]
+    nats_bin: PathBuf,
+    #[arg(long, default_value = "redis-server")]
+    redis_bin: PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tokio::select! {
+        r = run(cli) => match r {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("tinybroker-bench: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        // Dropping `run` kills and reaps every server it started.
+        signal = interrupted() => {
+            eprintln!("tinybroker-bench: {signal}, servers stopped");
+            ExitCode::from(130)
+        }
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        eprintln!("tinybroker-bench: cannot listen for SIGINT/SIGTERM; interrupting may leave servers behind");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "interrupted",
+        _ = term.recv() => "terminated",
+    }
+}
+
+/// Runs everything; Ok(false) when a run failed or lost what must arrive.
+async fn run(cli: Cli) -> Result<bool> {
+    measure::epoch();
+    let messages = cli.messages.unwrap_or(if cli.quick { 3000 } else { 500_000 });
+    let rounds = cli.rounds.unwrap_or(if cli.quick { 1 } else { 3 }).max(1);
+    let idle = cli.idle_subscriptions.unwrap_or(if cli.quick { 1000 } else { 10_000 });
+    if cli.window as usize > cli.consumer_capacity {
+        bail!(
+            "--window {} must fit in --consumer-capacity {} (half of it is comfortable)",
+            cli.window,
+            cli.consumer_capacity
+        );
+    }
+    let tinybroker = std::fs::canonicalize(&cli.tinybroker_bin).with_context(|| {
+        format!(
+            "no tinybroker binary at {} (build it with `cargo build --release -p tinybroker`, or pass --tinybroker-bin)",
+            cli.tinybroker_bin.display()
+        )
+    })?;
+    let log_dir = std::env::temp_dir().join(format!("tinybroker-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
+    let settings = Settings {
+        bins: Binaries {
+            tinybroker,
+            nats: cli.nats_bin.clone(),
+            redis: cli.redis_bin.clone(),
+            log_dir: log_dir.clone(),
+        },
+        window: cli.window,
+        consumer_capacity: cli.consumer_capacity,
+    };
+    let selected: Vec<Case> = workloads::cases(messages, idle, !cli.skip_redis)
+        .into_iter()
+        .filter(|c| cli.only.is_empty() || cli.only.iter().any(|o| c.id.contains(o) || c.label.contains(o)))
+        .collect();
+    if selected.is_empty() {
+        bail!("--only {:?} matches no workload", cli.only);
+    }
+    eprintln!(
+        "tinybroker-bench: {} workloads, {rounds} round(s), {messages} messages (1→3), window {}, tinybroker consumer capacity {}; server logs in {}",
+        selected.len(),
+        cli.window,
+        cli.consumer_capacity,
+        log_dir.display()
+    );
+
+    eprintln!(
+        "versions: {} | {} | {}",
+        systems::version_of(&settings.bins.tinybroker, "--version"),
+        systems::version_of(&settings.bins.nats, "--version"),
+        systems::version_of(&settings.bins.redis, "--version"),
+    );
+
+    let mut all_ok = true;
+    let mut table: Vec<(Case, Vec<Runs>)> = Vec::new();
+    for case in selected {
+        let mut runs: Vec<Runs> = case
+            .variants
+            .iter()
+            .map(|&variant| Runs {
+                variant,
+                results: Vec::new(),
+            })
+            .collect();
+        for round in 1..=rounds {
+            // A/B/A/B: every system once per round, in the same order.
+            for r in runs.iter_mut() {
+                let outcome = workloads::run(&case, r.variant, &settings).await;
+                match &outcome {
+                    Ok(res) => {
+                        eprintln!(
+                            "[{round}/{rounds}] {} / {}: delivered/s {:.0}, lost {}, dup {}{}",
+                            case.id,
+                            r.variant,
+                            res.delivered_per_s.unwrap_or(0.0),
+                            res.lost,
+                            res.dup,
+                            res.rss_per_sub_bytes
+                                .map(|b| format!(", RSS/sub {b:.0} B"))
+                                .unwrap_or_default()
+                        );
+                        if let Some(v) = &res.violation {
+                            eprintln!("  CONTRACT VIOLATION: {v}");
+                            all_ok = false;
+                        }
+                        if res.lost > 0 && r.variant.kind != Kind::Tinybroker {
+                            eprintln!("  note: {} lost {} messages", r.variant, res.lost);
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("[{round}/{rounds}] {} / {}: FAILED: {e:#}", case.id, r.variant);
+                        all_ok = false;
+                    }
+                }
+                r.results.push(outcome.map_err(|e| format!("{e:#}")));
+            }
+        }
+        table.push((case, runs));
+    }
+    let text = report::render(&table);
+    println!("{text}");
+    if let Some(path) = &cli.out {
+        std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if all_ok {
+        let _ = std::fs::remove_dir_all(&log_dir);
+    } else {
+        eprintln!(
+            "tinybroker-bench: some runs failed or lost messages; server logs kept in {}",
+            log_dir.display()
+        );
+    }
+    Ok(all_ok)
+}

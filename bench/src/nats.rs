@@ -1,0 +1,173 @@
+//! NATS core adapter (async-nats): one client connection per subscriber, a
+//! queue group as the consumer-group peer, and a raw-socket stalled
+//! subscriber (async-nats always reads its socket and drops messages on the
+//! client side, which would hide the back-pressure we want the server to see).
+
+use crate::measure::{Delivery, Recorder, Tally, drive};
+use crate::systems::{Server, http_get, varz_field, within};
+use anyhow::{Context, Result, bail};
+use async_nats::{Client, ConnectOptions, Subject};
+use bytes::Bytes;
+use futures::StreamExt;
+use std::convert::Infallible;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpSocket;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const NET: Duration = Duration::from_secs(10);
+/// Receive buffer of the stalled subscriber's socket.
+const STALLED_RCVBUF: u32 = 64 * 1024;
+pub const QUEUE_GROUP: &str = "bench-workers";
+
+impl Delivery for async_nats::Message {
+    fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+}
+
+pub async fn connect(server: &Server) -> Result<Client> {
+    let opts = ConnectOptions::new()
+        .connection_timeout(NET)
+        .request_timeout(Some(NET))
+        .max_reconnects(Some(1));
+    within(NET, "connecting to NATS", opts.connect(server.addr.to_string()))
+        .await?
+        .with_context(|| format!("connecting to NATS at {}", server.addr))
+}
+
+/// A round trip through the server: once it returns, the server has
+/// processed everything this client sent before (SUB, PUB).
+pub async fn round_trip(client: &Client) -> Result<()> {
+    let subject = format!("_bench.ping.{}", client.new_inbox().replace('.', "_"));
+    match within(NET, "a NATS round trip", client.request(subject, Bytes::new())).await? {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => Ok(()),
+        Err(e) => Err(e).context("NATS round trip"),
+    }
+}
+
+/// Opens a subscriber (in `queue` if given) on its own connection and starts its receive loop.
+pub async fn subscribe(
+    server: &Server,
+    pattern: &str,
+    queue: Option<&str>,
+    rec: Recorder,
+    stop: CancellationToken,
+) -> Result<JoinHandle<Tally>> {
+    let client = connect(server).await?;
+    let sub = match queue {
+        Some(q) => {
+            within(
+                NET,
+                "queue-subscribing",
+                client.queue_subscribe(pattern.to_owned(), q.to_owned()),
+            )
+            .await?
+        }
+        None => within(NET, "subscribing", client.subscribe(pattern.to_owned())).await?,
+    }
+    .context("NATS subscribe")?;
+    round_trip(&client).await?;
+    Ok(tokio::spawn(async move {
+        let _client = client;
+        drive(sub.map(Ok::<_, Infallible>), rec, stop, |_: &async_nats::Message| {}).await
+    }))
+}
+
+/// A subscriber that subscribes and then never reads its socket.
+pub async fn stalled(server: &Server, pattern: &str) -> Result<Box<dyn Send>> {
+    within(NET, "opening the stalled NATS subscriber", async {
+        let socket = TcpSocket::new_v4().context("creating a socket")?;
+        socket
+            .set_recv_buffer_size(STALLED_RCVBUF)
+            .context("setting SO_RCVBUF")?;
+        let mut s = socket.connect(server.addr).await.context("connecting to NATS")?;
+        s.write_all(
+            format!(
+                "CONNECT {{\"verbose\":false,\"pedantic\":false,\"protocol\":1,\"name\":\"stalled\"}}\r\nSUB {pattern} 1\r\nPING\r\n"
+            )
+            .as_bytes(),
+        )
+        .await?;
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("PONG\r\n") {
+            let n = s.read(&mut buf).await?;
+            if n == 0 {
+                bail!("NATS closed the stalled subscriber's connection: {}", String::from_utf8_lossy(&seen));
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        anyhow::Ok(Box::new(s) as Box<dyn Send>)
+    })
+    .await?
+}
+
+/// `count` idle subscriptions on distinct literal subjects, `per_conn` per connection.
+pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let conns = count.div_ceil(per_conn);
+    let opened = futures::future::try_join_all((0..conns).map(|c| async move {
+        let client = connect(server).await?;
+        let mut subs = Vec::with_capacity(per_conn);
+        for i in c * per_conn..((c + 1) * per_conn).min(count) {
+            subs.push(
+                within(NET, "subscribing", client.subscribe(format!("idle.{i}")))
+                    .await?
+                    .context("NATS subscribe")?,
+            );
+        }
+        round_trip(&client).await?;
+        anyhow::Ok((client, subs))
+    }))
+    .await?;
+    Ok(Box::new(opened))
+}
+
+/// The server's `/varz` document.
+pub async fn varz(server: &Server) -> Result<String> {
+    let http = server.http.context("NATS runs without a monitoring port")?;
+    let (code, body) = http_get(http, "/varz").await?;
+    if code != 200 {
+        bail!("GET /varz answered {code}");
+    }
+    Ok(body)
+}
+
+pub async fn varz_number(server: &Server, field: &str) -> Result<u64> {
+    let body = varz(server).await?;
+    varz_field(&body, field).with_context(|| format!("no {field} in /varz"))
+}
+
+pub struct Publisher {
+    client: Client,
+    subject: Subject,
+}
+
+impl Publisher {
+    pub async fn new(server: &Server, topic: &str) -> Result<Publisher> {
+        Ok(Publisher {
+            client: connect(server).await?,
+            subject: Subject::from(topic),
+        })
+    }
+
+    pub async fn send(&mut self, payload: Bytes) -> Result<()> {
+        within(
+            NET,
+            "publishing to NATS",
+            self.client.publish(self.subject.clone(), payload),
+        )
+        .await?
+        .context("NATS publish")
+    }
+
+    /// Flushes and waits until the server has processed every message.
+    pub async fn finish(self, _sent: u64) -> Result<()> {
+        within(NET, "flushing NATS", self.client.flush())
+            .await?
+            .context("NATS flush")?;
+        round_trip(&self.client).await
+    }
+}

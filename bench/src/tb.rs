@@ -1,0 +1,255 @@
+//! tinybroker client adapter: one tonic `Channel` (one HTTP/2 connection)
+//! per subscriber, `PublishStream` for the publisher, batched unary `Ack`s
+//! for manual-ack group members.
+
+use crate::measure::{Delivery, Recorder, Tally, drive};
+use crate::systems::{Server, http_get, prom_sum, within};
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tinybroker::pb;
+use tinybroker::pb::broker_client::BrokerClient;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::codec::Streaming;
+use tonic::transport::{Channel, Endpoint};
+
+const NET: Duration = Duration::from_secs(10);
+/// Group members' `max_in_flight` (unacked or queued messages per member).
+pub const MAX_IN_FLIGHT: u32 = 1024;
+/// Most sequences in one `Ack` call, and how many calls a member keeps in flight.
+pub const ACK_BATCH: usize = 256;
+pub const ACKS_IN_FLIGHT: usize = 4;
+/// HTTP/2 receive windows of the stalled subscriber's connection: small, so
+/// the broker's queue, not the client's buffers, takes the back-pressure.
+const STALLED_WINDOW: u32 = 64 * 1024;
+
+impl Delivery for pb::Message {
+    fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+}
+
+/// How a subscriber joins.
+#[derive(Debug, Clone, Copy)]
+pub enum Mode {
+    Broadcast,
+    Group { manual: bool, member: usize },
+}
+
+pub async fn connect(server: &Server, window: Option<u32>) -> Result<BrokerClient<Channel>> {
+    let mut ep = Endpoint::from_shared(format!("http://{}", server.addr))
+        .context("building the tinybroker endpoint")?
+        .connect_timeout(NET)
+        .tcp_nodelay(true);
+    if let Some(w) = window {
+        ep = ep.initial_stream_window_size(w).initial_connection_window_size(w);
+    }
+    let channel = within(NET, "connecting to tinybroker", ep.connect())
+        .await?
+        .with_context(|| format!("connecting to tinybroker at {}", server.addr))?;
+    Ok(BrokerClient::new(channel))
+}
+
+fn request(pattern: &str, mode: Mode) -> pb::OpenSubscriptionRequest {
+    match mode {
+        Mode::Broadcast => pb::OpenSubscriptionRequest {
+            topic_patterns: vec![pattern.to_owned()],
+            mode: pb::DeliveryMode::Multi as i32,
+            ..Default::default()
+        },
+        Mode::Group { manual, member } => pb::OpenSubscriptionRequest {
+            topic_patterns: vec![pattern.to_owned()],
+            mode: pb::DeliveryMode::Single as i32,
+            subscription_id: format!("bench-member-{member}"),
+            consumer_group: "bench-workers".into(),
+            ack_mode: if manual {
+                pb::AckMode::Manual as i32
+            } else {
+                pb::AckMode::Auto as i32
+            },
+            max_in_flight: MAX_IN_FLIGHT,
+            ack_deadline_ms: 0,
+        },
+    }
+}
+
+async fn open(client: &mut BrokerClient<Channel>, req: pb::OpenSubscriptionRequest) -> Result<Streaming<pb::Message>> {
+    // The broker registers the subscription before it answers with headers,
+    // so once this returns every later publish reaches it.
+    let resp = within(NET, "opening a tinybroker subscription", client.open_subscription(req))
+        .await?
+        .context("OpenSubscription")?;
+    Ok(resp.into_inner())
+}
+
+/// Opens a subscriber on its own connection and starts its receive loop.
+pub async fn subscribe(
+    server: &Server,
+    pattern: &str,
+    mode: Mode,
+    rec: Recorder,
+    stop: CancellationToken,
+) -> Result<JoinHandle<Tally>> {
+    let mut client = connect(server, None).await?;
+    let req = request(pattern, mode);
+    let id = req.subscription_id.clone();
+    let stream = open(&mut client, req).await?;
+    Ok(match mode {
+        Mode::Group { manual: true, .. } => {
+            let (tx, rx) = mpsc::unbounded_channel::<u64>();
+            let acker = tokio::spawn(acker(client, id.clone(), rx));
+            tokio::spawn(async move {
+                let tally = drive(stream, rec, stop, move |m: &pb::Message| {
+                    let _ = tx.send(m.sequence);
+                })
+                .await;
+                // The loop dropped the sender: the acker sends what is left and stops.
+                match within(NET, "sending the last acks", acker).await {
+                    Ok(Ok(Ok(()))) => {}
+                    Ok(Ok(Err(e))) => eprintln!("warning: acks of {id}: {e:#}"),
+                    Ok(Err(e)) => eprintln!("warning: ack task of {id} failed: {e}"),
+                    Err(e) => eprintln!("warning: {e:#}"),
+                }
+                tally
+            })
+        }
+        _ => tokio::spawn(async move {
+            // The client lives as long as its stream, so its connection does too.
+            let _client = client;
+            drive(stream, rec, stop, |_: &pb::Message| {}).await
+        }),
+    })
+}
+
+/// Acks in batches: whatever sequences have arrived (up to [`ACK_BATCH`]) go
+/// in one `Ack` call, with up to [`ACKS_IN_FLIGHT`] calls at once.
+async fn acker(client: BrokerClient<Channel>, id: String, mut rx: mpsc::UnboundedReceiver<u64>) -> Result<()> {
+    let slots = Arc::new(Semaphore::new(ACKS_IN_FLIGHT));
+    let failures = Arc::new(AtomicU64::new(0));
+    let mut batch = Vec::with_capacity(ACK_BATCH);
+    while rx.recv_many(&mut batch, ACK_BATCH).await > 0 {
+        let permit = slots.clone().acquire_owned().await.context("ack slots closed")?;
+        let sequences = std::mem::replace(&mut batch, Vec::with_capacity(ACK_BATCH));
+        let mut client = client.clone();
+        let id = id.clone();
+        let failures = failures.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let call = client.ack(pb::AckRequest {
+                subscription_id: id,
+                sequences,
+            });
+            if !matches!(tokio::time::timeout(NET, call).await, Ok(Ok(_))) {
+                failures.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    }
+    let _all = slots
+        .acquire_many(ACKS_IN_FLIGHT as u32)
+        .await
+        .context("ack slots closed")?;
+    match failures.load(Ordering::Relaxed) {
+        0 => Ok(()),
+        n => bail!("{n} Ack calls failed or timed out (their messages get redelivered)"),
+    }
+}
+
+/// A subscriber that opens its stream and never reads it.
+pub async fn stalled(server: &Server, pattern: &str) -> Result<Box<dyn Send>> {
+    let mut client = connect(server, Some(STALLED_WINDOW)).await?;
+    let stream = open(&mut client, request(pattern, Mode::Broadcast)).await?;
+    Ok(Box::new((client, stream)))
+}
+
+/// `count` idle subscriptions on distinct literal topics, `per_conn` per connection.
+pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let conns = count.div_ceil(per_conn);
+    let opened = futures::future::try_join_all((0..conns).map(|c| async move {
+        let mut client = connect(server, None).await?;
+        let mut streams = Vec::with_capacity(per_conn);
+        for i in c * per_conn..((c + 1) * per_conn).min(count) {
+            streams.push(open(&mut client, request(&format!("idle.{i}"), Mode::Broadcast)).await?);
+        }
+        anyhow::Ok((client, streams))
+    }))
+    .await?;
+    Ok(Box::new(opened))
+}
+
+async fn metrics(server: &Server) -> Result<String> {
+    let http = server.http.context("tinybroker has no metrics address")?;
+    let (code, body) = http_get(http, "/metrics").await?;
+    if code != 200 {
+        bail!("GET /metrics answered {code}");
+    }
+    Ok(body)
+}
+
+/// Open subscriptions, from the `tinybroker_subscriptions` gauge.
+pub async fn subscriptions(server: &Server) -> Result<u64> {
+    Ok(prom_sum(&metrics(server).await?, "tinybroker_subscriptions") as u64)
+}
+
+/// Evictions so far, from `tinybroker_evictions_total`.
+pub async fn evictions(server: &Server) -> Result<u64> {
+    Ok(prom_sum(&metrics(server).await?, "tinybroker_evictions_total") as u64)
+}
+
+/// The publisher: one long `PublishStream`.
+pub struct Publisher {
+    tx: mpsc::Sender<pb::PublishRequest>,
+    call: JoinHandle<Result<tonic::Response<pb::PublishStreamResponse>, tonic::Status>>,
+    topic: String,
+}
+
+impl Publisher {
+    pub async fn new(server: &Server, topic: &str) -> Result<Publisher> {
+        let mut client = connect(server, None).await?;
+        let (tx, rx) = mpsc::channel(1024);
+        let call = tokio::spawn(async move { client.publish_stream(ReceiverStream::new(rx)).await });
+        Ok(Publisher {
+            tx,
+            call,
+            topic: topic.to_owned(),
+        })
+    }
+
+    pub async fn send(&mut self, payload: Bytes) -> Result<()> {
+        let req = pb::PublishRequest {
+            topic: self.topic.clone(),
+            payload,
+            headers: Default::default(),
+        };
+        match within(NET, "handing a message to PublishStream", self.tx.send(req)).await? {
+            Ok(()) => Ok(()),
+            // The call ended early: its status says why.
+            Err(_) => match within(NET, "reading the PublishStream status", &mut self.call).await? {
+                Ok(Err(status)) => bail!("PublishStream failed: {status}"),
+                _ => bail!("PublishStream ended before all messages were sent"),
+            },
+        }
+    }
+
+    /// Ends the stream and checks the broker accepted every message.
+    pub async fn finish(self, sent: u64) -> Result<()> {
+        drop(self.tx);
+        let resp = within(
+            Duration::from_secs(60),
+            "waiting for the PublishStream response",
+            self.call,
+        )
+        .await?
+        .context("PublishStream task")?
+        .context("PublishStream")?
+        .into_inner();
+        if resp.accepted != sent {
+            bail!("PublishStream accepted {} of {sent} messages", resp.accepted);
+        }
+        Ok(())
+    }
+}
