@@ -1,0 +1,155 @@
+//! Child processes for the fault and soak tests: the real broker binary
+//! (whose RSS can be read) and `tinybroker subscribe` clients to kill. Every
+//! child is SIGKILLed and reaped when its guard drops, so a failing test
+//! leaves nothing behind.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Receiver;
+use std::time::Duration;
+
+/// A child process, killed (SIGKILL) and reaped on drop.
+pub struct ChildGuard {
+    pub child: Child,
+    /// Lines of stdout, read by a thread.
+    pub stdout: Option<Receiver<String>>,
+}
+
+impl ChildGuard {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (`STOP`, `CONT`, `TERM`, `KILL`).
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{name}"), self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} {}", self.pid());
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn lines(reader: impl std::io::Read + Send + 'static) -> Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// `tinybroker subscribe ARGS... --addr URL`, stdout piped to a line reader.
+pub fn spawn_cli_subscriber(url: &str, args: &[&str]) -> ChildGuard {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+        .env_remove("TINYBROKER_AUTH_TOKEN")
+        .env("RUST_LOG", "warn")
+        .arg("subscribe")
+        .args(args)
+        .args(["--addr", url])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn tinybroker subscribe");
+    let stdout = child.stdout.take().map(lines);
+    ChildGuard { child, stdout }
+}
+
+/// The real broker binary on ephemeral ports.
+pub struct BrokerProcess {
+    pub guard: ChildGuard,
+    pub grpc_addr: String,
+    pub metrics_addr: std::net::SocketAddr,
+    /// stderr lines after the start-up line.
+    pub log: Receiver<String>,
+}
+
+impl BrokerProcess {
+    /// Starts `tinybroker serve` with `env` on top of a clean environment and
+    /// waits for its `tinybroker started` line.
+    pub fn spawn(env: &[(String, String)]) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+        command
+            .env_clear()
+            .env("RUST_LOG", "info")
+            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+            .arg("serve")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("spawn tinybroker serve");
+        let log = lines(child.stderr.take().expect("stderr"));
+        let guard = ChildGuard { child, stdout: None };
+        let started = loop {
+            let line = log
+                .recv_timeout(Duration::from_secs(30))
+                .expect("the broker logs `tinybroker started` within 30 s");
+            if line.contains("tinybroker started") {
+                break line;
+            }
+        };
+        let field = |name: &str| {
+            let start = started
+                .find(&format!("{name}="))
+                .unwrap_or_else(|| panic!("{name} in {started}"))
+                + name.len()
+                + 1;
+            started[start..].split_whitespace().next().expect("a value").to_owned()
+        };
+        Self {
+            grpc_addr: field("grpc_addr"),
+            metrics_addr: field("metrics_addr").parse().expect("metrics_addr"),
+            guard,
+            log,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc_addr)
+    }
+
+    /// Resident set size of the broker, in KiB (VmRSS of /proc/PID/status).
+    pub fn rss_kib(&self) -> u64 {
+        rss_kib(self.guard.pid())
+    }
+}
+
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/PID/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS in /proc/PID/status")
+}
+
+/// Sum of every sample of metric `name` in a Prometheus text exposition.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['{', ' '])))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
