@@ -157,6 +157,13 @@ requests = {
     "open-group-wildcard": open_sub(["a"], mode=2, group="*"),
     "open-group-max-in-flight-max": open_sub(["a"], mode=2, group="g", ack=2, mif=(1 << 32) - 1, deadline=(1 << 32) - 1),
     "open-gt-not-last": open_sub(["a.>.b"]),
+    # Regression: the FAILED_PRECONDITION for a member whose patterns differ
+    # lists both full sets (2 x 64 x 256 bytes): over a real connection the
+    # grpc-message trailer is too large and the client gets INTERNAL "h2
+    # protocol error" instead.
+    "regression-group-mismatch-64-long-patterns": open_sub(
+        [("%03d" % i) + "a" * 250 for i in range(64)], mode=2, group="g", ack=2
+    ),
     "ack-empty-id": ack("", [1]),
     "ack-no-sequences": field_len(1, "s1"),
     "ack-unknown": ack("nope", [1, 2, 3]),
