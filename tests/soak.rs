@@ -733,28 +733,39 @@ async fn round(
     let mut members = JoinSet::new();
     let mut group_logs = Vec::new();
     let mut group_killers = JoinSet::new();
-    for (i, (group, pattern, _)) in GROUPS.iter().enumerate() {
+    for (i, &(group, pattern, _)) in GROUPS.iter().enumerate() {
         let log: GroupLog = Arc::default();
         for _ in 0..2 {
-            members.spawn(member(
-                ctl.clone(),
-                group_channel.clone(),
-                *group,
-                *pattern,
-                log.clone(),
-            ));
+            members.spawn(member(ctl.clone(), group_channel.clone(), group, pattern, log.clone()));
         }
         group_killers.spawn(kill_group_clis(
             ctl.clone(),
             url.clone(),
             admin_channel.clone(),
-            (*group, *pattern),
+            (group, pattern),
             s.kills,
             log.clone(),
             0x9e37_79b9 + i as u64 + 7 * seed,
         ));
         group_logs.push(log);
     }
+    // A group exists once a member has joined: publishing starts after that,
+    // so that every group message has somewhere to go.
+    let joined = poll_until(Duration::from_secs(30), || {
+        let mut admin = admin.clone();
+        async move {
+            let groups = admin
+                .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+                .await
+                .map(|r| r.into_inner().groups)
+                .unwrap_or_default();
+            GROUPS
+                .iter()
+                .all(|(name, _, _)| groups.iter().any(|g| g.name == *name && g.members >= 2))
+        }
+    })
+    .await;
+    assert!(joined, "the in-test group members did not join");
     let broadcast_killer = tokio::spawn(kill_broadcast_clis(
         ctl.clone(),
         url.clone(),
@@ -829,11 +840,10 @@ async fn round(
     // Subscribers: keep `subscribers` open, each leaving after a random
     // lifetime and replaced; a few stall.
     let mut rng = Rng(0xdead_beef ^ seed);
-    let stall_every = if s.stalls == 0 {
-        u64::MAX
-    } else {
-        (s.subscribers / s.stalls).max(1) as u64
-    };
+    let stall_every = s
+        .subscribers
+        .checked_div(s.stalls)
+        .map_or(u64::MAX, |n| n.max(1) as u64);
     let mut spawned = 0u64;
     let mut stalled_planned = 0usize;
     let plan = |rng: &mut Rng, spawned: &mut u64, stalled_planned: &mut usize| {
@@ -845,7 +855,7 @@ async fn round(
         } else {
             (format!("soak.{t}"), vec![t])
         };
-        let stall = *stalled_planned < s.stalls && *spawned % stall_every == 0;
+        let stall = *stalled_planned < s.stalls && spawned.is_multiple_of(stall_every);
         if stall {
             *stalled_planned += 1;
         }
