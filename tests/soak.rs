@@ -22,7 +22,8 @@
 //! warm-up round (which has already grown the allocator's pools to the
 //! workload's size, so what remains is a leak). The figures are printed.
 //!
-//! Sizing: `SOAK_SECONDS` (60), `SOAK_WARM_UP_SECONDS` (25),
+//! Sizing: `SOAK_SECONDS` (60), `SOAK_WARM_UP_SECONDS` (25), `SOAK_ROUNDS`
+//! (main rounds, 1),
 //! `SOAK_SUBSCRIBERS` (1000), `SOAK_CONNECTIONS`
 //! (25), `SOAK_RATE` (messages per second per topic, 10), `SOAK_CAPACITY`
 //! (the broker's consumer capacity, 256), `SOAK_STALLS` (20), `SOAK_KILLS`
@@ -59,6 +60,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 struct Settings {
     seconds: u64,
     warm_up_seconds: u64,
+    rounds: u64,
     subscribers: usize,
     connections: usize,
     rate: u64,
@@ -80,6 +82,7 @@ impl Settings {
         Self {
             seconds: env_or("SOAK_SECONDS", 60),
             warm_up_seconds: env_or("SOAK_WARM_UP_SECONDS", 25),
+            rounds: env_or("SOAK_ROUNDS", 1u64).max(1),
             subscribers: env_or("SOAK_SUBSCRIBERS", 1000),
             connections: env_or("SOAK_CONNECTIONS", 25usize).max(1),
             rate: env_or("SOAK_RATE", 10u64).max(1),
@@ -568,7 +571,7 @@ async fn connect(url: &str, narrow: bool) -> Channel {
 #[ignore = "soak test: minutes long; run with --ignored (sized by SOAK_* variables)"]
 async fn soak() {
     let settings = Settings::from_env();
-    let limit = Duration::from_secs(settings.seconds + settings.warm_up_seconds + 400);
+    let limit = Duration::from_secs((settings.seconds + 200) * settings.rounds + settings.warm_up_seconds + 200);
     tokio::time::timeout(limit, run(settings))
         .await
         .expect("the soak test timed out");
@@ -612,15 +615,28 @@ async fn run(s: Settings) {
     let warm = round(&s, &broker, &channels, warm_up, &mut stalled_so_far, 1).await;
     let rss_before = broker.rss_kib();
     println!("soak: broker pid {pid}: RSS {rss_start} KiB at start, {rss_before} KiB after a warm-up round: {warm}");
-    let main = round(
-        &s,
-        &broker,
-        &channels,
-        Duration::from_secs(s.seconds),
-        &mut stalled_so_far,
-        2,
-    )
-    .await;
+    // More main rounds (`SOAK_ROUNDS`) show whether what remains grows.
+    let mut main = None;
+    for r in 0..s.rounds {
+        let figures = round(
+            &s,
+            &broker,
+            &channels,
+            Duration::from_secs(s.seconds),
+            &mut stalled_so_far,
+            2 + r,
+        )
+        .await;
+        if r + 1 < s.rounds {
+            println!(
+                "soak: main round {}: {figures}; RSS after it {} KiB",
+                r + 1,
+                broker.rss_kib()
+            );
+        }
+        main = Some(figures);
+    }
+    let main = main.expect("at least one main round");
 
     // RSS returns near its value after the warm-up round.
     let allowed = rss_before + rss_before * s.rss_margin_pct / 100 + 2048;
@@ -1017,16 +1033,27 @@ async fn round(
         stalled_so_far.len() as f64
     );
     // A stalled stream still ends cleanly once read: OK status, no error.
-    for (stream, id) in &mut stalled {
+    // All are read at once: stalled streams share their connections' window,
+    // so reading one at a time could wait on another's unread data.
+    let drains = stalled.iter_mut().map(|(stream, id)| async move {
         let mut read = 0;
         loop {
-            match tokio::time::timeout(Duration::from_secs(20), stream.message()).await {
-                Ok(Ok(Some(_))) => read += 1,
-                Ok(Ok(None)) => break,
-                Ok(Err(status)) => panic!("evicted {id} ended with {status:?} after {read} buffered messages"),
-                Err(_) => panic!("evicted {id} did not end within 20 s after {read} buffered messages"),
+            match stream.message().await {
+                Ok(Some(_)) => read += 1,
+                Ok(None) => return Ok(()),
+                Err(status) => {
+                    return Err(format!(
+                        "evicted {id} ended with {status:?} after {read} buffered messages"
+                    ));
+                }
             }
         }
+    });
+    let drained = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(drains))
+        .await
+        .expect("evicted streams end within 30 s once read");
+    for result in drained {
+        result.unwrap_or_else(|e| panic!("{e}"));
     }
 
     // Everything closes: zero left over.
