@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::process::{Process, field};
+use common::process::BrokerProcess;
 use common::*;
 use std::process::Command;
 use std::time::Duration;
@@ -173,16 +173,15 @@ async fn idle_publish_streams_end_when_shutdown_begins() {
 #[tokio::test]
 async fn sigterm_ends_streams_and_the_binary_exits_zero() {
     timeout(async {
-        let mut process = Process::spawn(&[("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "5")]);
-        let started = process.line_containing("tinybroker started");
-        let url = format!("http://{}", field(&started, "grpc_addr"));
+        let mut process = BrokerProcess::spawn(&[("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "5")]);
+        let url = process.url();
         let mut client = pb::broker_client::BrokerClient::connect(url).await.unwrap();
         let (mut stream, _) = subscribe(&mut client, &["t.>"]).await;
         client.publish(publish_request("t.1", "before")).await.unwrap();
         assert_eq!(&stream.message().await.unwrap().unwrap().payload[..], b"before");
 
         let status = Command::new("kill")
-            .args(["-TERM", &process.child.id().to_string()])
+            .args(["-TERM", &process.guard.pid().to_string()])
             .status()
             .unwrap();
         assert!(status.success());
@@ -237,9 +236,9 @@ fn an_address_in_use_is_named_at_start_up() {
 
 #[test]
 fn json_logs_are_one_object_per_line() {
-    let process = Process::spawn(&[("TINYBROKER_LOG_FORMAT", "json")]);
-    let line = process.line_containing("tinybroker started");
-    let value: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    let process = BrokerProcess::spawn(&[("TINYBROKER_LOG_FORMAT", "json")]);
+    let line = &process.started;
+    let value: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(value["level"], "INFO");
     assert_eq!(value["message"], "tinybroker started");
     assert!(value["grpc_addr"].as_str().unwrap().starts_with("127.0.0.1:"), "{line}");

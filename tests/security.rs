@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::process::{Process, field};
+use common::process::BrokerProcess;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -199,9 +199,8 @@ async fn without_a_token_every_call_is_open() {
 #[tokio::test]
 async fn the_cli_sends_the_token_and_the_broker_never_logs_it() {
     timeout(async {
-        let process = Process::spawn(&[("TINYBROKER_AUTH_TOKEN", TOKEN), ("RUST_LOG", "trace")]);
-        let started = process.line_containing("tinybroker started");
-        let url = format!("http://{}", field(&started, "grpc_addr"));
+        let process = BrokerProcess::spawn(&[("TINYBROKER_AUTH_TOKEN", TOKEN), ("RUST_LOG", "trace")]);
+        let url = process.url();
         let cli_url = url.clone();
         let publish = move |token: Option<&str>| {
             let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
@@ -470,13 +469,8 @@ fn quick_keepalive() -> ConnectionLimits {
 
 async fn subscription_ids(broker: &TestBroker) -> Vec<String> {
     broker
-        .admin()
+        .subscriptions()
         .await
-        .list_subscriptions(pb::ListSubscriptionsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .subscriptions
         .into_iter()
         .map(|s| s.subscription_id)
         .collect()

@@ -871,8 +871,28 @@ fn check_group_name(name: &str) -> Result<(), BrokerError> {
     })
 }
 
+/// A pattern set for an error message, bounded so that two of them fit a
+/// `grpc-message` trailer with room to spare: at most 8 patterns of at
+/// most 64 bytes each are named, then how many more there are.
 fn pattern_list(patterns: &[TopicPattern]) -> String {
-    let names: Vec<&str> = patterns.iter().map(TopicPattern::as_str).collect();
+    const SHOWN: usize = 8;
+    const SHOWN_BYTES: usize = 64;
+    let mut names: Vec<String> = patterns
+        .iter()
+        .take(SHOWN)
+        .map(|p| {
+            let p = p.as_str();
+            if p.len() > SHOWN_BYTES {
+                // Patterns are ASCII, so any byte index is a char boundary.
+                format!("{}...", &p[..SHOWN_BYTES])
+            } else {
+                p.to_owned()
+            }
+        })
+        .collect();
+    if patterns.len() > SHOWN {
+        names.push(format!("... and {} more", patterns.len() - SHOWN));
+    }
     format!("[{}]", names.join(", "))
 }
 
@@ -936,6 +956,19 @@ mod tests {
         let names: Vec<String> = broker.groups().iter().map(|g| g.name().to_owned()).collect();
         assert_eq!(names, ["first"]);
         assert_eq!(broker.publish(message("x"), None).unwrap().matched_groups, 1);
+    }
+
+    #[test]
+    fn pattern_lists_in_errors_are_bounded() {
+        let patterns: Vec<TopicPattern> = (0..64)
+            .map(|i| TopicPattern::parse(&format!("{i:03}{}", "a".repeat(250))).unwrap())
+            .collect();
+        let listed = pattern_list(&patterns);
+        assert!(listed.len() < 1024, "{} bytes", listed.len());
+        assert!(listed.contains("... and 56 more"), "{listed}");
+        assert!(listed.starts_with("[000aaa"), "{listed}");
+        let short = [TopicPattern::parse("a.*").unwrap(), TopicPattern::parse("b.>").unwrap()];
+        assert_eq!(pattern_list(&short), "[a.*, b.>]");
     }
 
     #[test]

@@ -104,6 +104,17 @@ impl TestBroker {
         AdminClient::new(self.channel().await)
     }
 
+    /// Every open subscription as the Admin API lists it.
+    pub async fn subscriptions(&self) -> Vec<pb::SubscriptionInfo> {
+        self.admin()
+            .await
+            .list_subscriptions(pb::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions
+    }
+
     /// The consumer group `name` as the Admin API lists it.
     pub async fn group(&self, name: &str) -> Option<pb::ConsumerGroupInfo> {
         let groups = self

@@ -1,0 +1,1097 @@
+//! Soak and fault test against the real broker binary (ignored by default):
+//!
+//!     cargo test --test soak -- --ignored --nocapture
+//!
+//! Publishers run continuously (one PublishStream on topics 0 and 1, unary
+//! Publish on topics 2 and 3, each message carrying its per-topic number)
+//! while `SOAK_SUBSCRIBERS` broadcast subscribers, spread over
+//! `SOAK_CONNECTIONS` connections, join and leave at random. Some stall (stop
+//! reading, on their own narrow-window connections) and must be evicted;
+//! `tinybroker subscribe` processes are SIGKILLed mid-stream, broadcast ones
+//! and manual-ack members of two consumer groups (frozen with SIGSTOP first so
+//! that they die holding unacked messages, which must go to other members).
+//!
+//! It runs two rounds on one broker: a warm-up round of `SOAK_WARM_UP_SECONDS`
+//! and the main round of `SOAK_SECONDS`. At the end of each: every surviving
+//! subscriber got every message published after its subscription was
+//! acknowledged, in order, without gaps or duplicates; every group message was
+//! acked (redelivery duplicates allowed); only stalled subscribers were
+//! evicted; Admin and `/metrics` agree with the survivors and reach zero once
+//! they close. After the main round the broker's RSS must be back within
+//! `SOAK_RSS_MARGIN_PCT` (default 10 %) plus 2 MiB of its value after the
+//! warm-up round (which has already grown the allocator's pools to the
+//! workload's size, so what remains is a leak). The figures are printed.
+//!
+//! Sizing: `SOAK_SECONDS` (60), `SOAK_WARM_UP_SECONDS` (25), `SOAK_ROUNDS`
+//! (main rounds, 1),
+//! `SOAK_SUBSCRIBERS` (1000), `SOAK_CONNECTIONS`
+//! (25), `SOAK_RATE` (messages per second per topic, 10), `SOAK_CAPACITY`
+//! (the broker's consumer capacity, 256), `SOAK_STALLS` (20), `SOAK_KILLS`
+//! (CLI processes killed per kind, 3), `SOAK_BROKER_ENV` (extra broker
+//! environment, `K=V,K=V`, e.g. `MALLOC_ARENA_MAX=2`).
+
+mod common;
+
+use common::process::{BrokerProcess, ChildGuard, metric_sum, spawn_cli_subscriber};
+use common::{publish_request, subscribe_request};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tinybroker::pb;
+use tinybroker::pb::admin_client::AdminClient;
+use tinybroker::pb::broker_client::BrokerClient;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+const TOPICS: usize = 4;
+const PAD: usize = 160;
+/// Manual-ack consumer groups: (name, pattern, topics it gets).
+const GROUPS: [(&str, &str, &[usize]); 2] = [("soak-a", "soak.0", &[0]), ("soak-b", "soak.>", &[0, 1, 2, 3])];
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+struct Settings {
+    seconds: u64,
+    warm_up_seconds: u64,
+    rounds: u64,
+    subscribers: usize,
+    connections: usize,
+    rate: u64,
+    capacity: usize,
+    stalls: usize,
+    kills: usize,
+    rss_margin_pct: u64,
+    broker_env: Vec<(String, String)>,
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        let broker_env = std::env::var("SOAK_BROKER_ENV")
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+            .collect();
+        Self {
+            seconds: env_or("SOAK_SECONDS", 60),
+            warm_up_seconds: env_or("SOAK_WARM_UP_SECONDS", 25),
+            rounds: env_or("SOAK_ROUNDS", 1u64).max(1),
+            subscribers: env_or("SOAK_SUBSCRIBERS", 1000),
+            connections: env_or("SOAK_CONNECTIONS", 25usize).max(1),
+            rate: env_or("SOAK_RATE", 10u64).max(1),
+            capacity: env_or("SOAK_CAPACITY", 256),
+            stalls: env_or("SOAK_STALLS", 20),
+            kills: env_or("SOAK_KILLS", 3),
+            rss_margin_pct: env_or("SOAK_RSS_MARGIN_PCT", 10),
+            broker_env,
+        }
+    }
+}
+
+/// A small deterministic generator (no extra dependency, reproducible runs).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below(to - from + 1))
+    }
+}
+
+/// State shared by every task of the run.
+#[derive(Default)]
+struct Shared {
+    /// Publishes started, per topic: message n of topic t is the (n+1)th.
+    started: [AtomicU64; TOPICS],
+    opened: AtomicU64,
+    delivered: AtomicU64,
+    left: AtomicU64,
+    kills: AtomicU64,
+    errors: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    fn error(&self, e: String) {
+        let mut errors = self.errors.lock();
+        if errors.len() < 50 {
+            errors.push(e);
+        }
+    }
+
+    fn marks(&self) -> [u64; TOPICS] {
+        std::array::from_fn(|t| self.started[t].load(Ordering::SeqCst))
+    }
+}
+
+fn payload(t: usize, n: u64) -> String {
+    format!("{t}:{n}:{}", "x".repeat(PAD))
+}
+
+/// (topic index, number) from a message, checking that topic and payload agree.
+fn parse(topic: &str, payload: &[u8]) -> Result<(usize, u64), String> {
+    let text = std::str::from_utf8(payload).map_err(|e| format!("payload not UTF-8: {e}"))?;
+    let mut parts = text.splitn(3, ':');
+    let t: usize = parts.next().and_then(|p| p.parse().ok()).ok_or("no topic index")?;
+    let n: u64 = parts.next().and_then(|p| p.parse().ok()).ok_or("no number")?;
+    if topic != format!("soak.{t}") {
+        return Err(format!("payload of topic {t} arrived on {topic}"));
+    }
+    Ok((t, n))
+}
+
+/// Per-topic order check for one broadcast subscriber.
+struct Order {
+    /// Publishes started when the subscription was acknowledged.
+    marks: [u64; TOPICS],
+    /// Next number expected, per topic (None before the first message).
+    next: [Option<u64>; TOPICS],
+    /// Per topic: concurrent publishers (topics 0-1 and 2-3) are not
+    /// ordered against each other, so neither are their sequences.
+    last_sequence: [u64; TOPICS],
+    received: u64,
+}
+
+impl Order {
+    fn new(marks: [u64; TOPICS]) -> Self {
+        Self {
+            marks,
+            next: [None; TOPICS],
+            last_sequence: [0; TOPICS],
+            received: 0,
+        }
+    }
+
+    fn take(&mut self, t: usize, n: u64, sequence: u64) -> Result<(), String> {
+        if sequence <= self.last_sequence[t] {
+            return Err(format!(
+                "topic {t}: sequence {sequence} after {}",
+                self.last_sequence[t]
+            ));
+        }
+        self.last_sequence[t] = sequence;
+        match self.next[t] {
+            None if n > self.marks[t] => {
+                return Err(format!(
+                    "first message of topic {t} is #{n}, but #{} was published after the subscription was acknowledged",
+                    self.marks[t]
+                ));
+            }
+            Some(expected) if n != expected => {
+                return Err(format!(
+                    "topic {t}: got #{n}, expected #{expected} (gap, duplicate or reorder)"
+                ));
+            }
+            _ => {}
+        }
+        self.next[t] = Some(n + 1);
+        self.received += 1;
+        Ok(())
+    }
+
+    /// Has every message of `topics` up to `finals`.
+    fn complete(&self, topics: &[usize], finals: &[u64; TOPICS]) -> bool {
+        topics
+            .iter()
+            .all(|&t| self.next[t].map_or(self.marks[t] >= finals[t], |next| next >= finals[t]))
+    }
+}
+
+struct Plan {
+    channel: Channel,
+    pattern: String,
+    topics: Vec<usize>,
+    lifetime: Duration,
+    stall_after: Option<Duration>,
+}
+
+enum Outcome {
+    Left,
+    Survivor(tonic::Streaming<pb::Message>, String),
+    Stalled(tonic::Streaming<pb::Message>, String),
+    Failed,
+}
+
+struct Ctl {
+    shared: Arc<Shared>,
+    /// Churn stops: subscribers stop leaving and read to the end.
+    stop: CancellationToken,
+    /// Final per-topic counts, once publishing has stopped.
+    finals: tokio::sync::watch::Receiver<Option<[u64; TOPICS]>>,
+    /// Everything is checked: stalled subscribers hand back their streams.
+    end: CancellationToken,
+}
+
+async fn subscriber(ctl: Arc<Ctl>, plan: Plan) -> Outcome {
+    let shared = &ctl.shared;
+    let mut client = BrokerClient::new(plan.channel);
+    let request = subscribe_request(&[plan.pattern.as_str()]);
+    let response = match tokio::time::timeout(Duration::from_secs(30), client.open_subscription(request)).await {
+        Ok(Ok(r)) => r,
+        other => {
+            shared.error(format!("subscribe {}: {other:?}", plan.pattern));
+            return Outcome::Failed;
+        }
+    };
+    let marks = shared.marks();
+    let id = response
+        .metadata()
+        .get("tinybroker-subscription-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    shared.opened.fetch_add(1, Ordering::Relaxed);
+    let mut stream = response.into_inner();
+    let mut order = Order::new(marks);
+    let started = tokio::time::Instant::now();
+    let leave_at = started + plan.lifetime;
+    let stall_at = plan.stall_after.map(|d| started + d);
+    let mut finals = ctl.finals.clone();
+    let mut draining = false;
+    loop {
+        if draining
+            && let Some(f) = *finals.borrow()
+            && order.complete(&plan.topics, &f)
+        {
+            shared.delivered.fetch_add(order.received, Ordering::Relaxed);
+            return Outcome::Survivor(stream, id);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(leave_at), if !draining && !ctl.stop.is_cancelled() => {
+                shared.delivered.fetch_add(order.received, Ordering::Relaxed);
+                shared.left.fetch_add(1, Ordering::Relaxed);
+                return Outcome::Left;
+            }
+            _ = tokio::time::sleep_until(stall_at.unwrap_or(leave_at)), if stall_at.is_some() => {
+                // Stop reading (the stream is handed back unread); the
+                // broker must evict this subscription.
+                shared.delivered.fetch_add(order.received, Ordering::Relaxed);
+                return Outcome::Stalled(stream, id);
+            }
+            _ = ctl.stop.cancelled(), if !draining && stall_at.is_none() => draining = true,
+            _ = finals.changed(), if draining => {}
+            m = stream.message() => match m {
+                Ok(Some(m)) => {
+                    let checked = parse(&m.topic, &m.payload).and_then(|(t, n)| order.take(t, n, m.sequence));
+                    if let Err(e) = checked {
+                        shared.error(format!("subscriber {id} ({}): {e}", plan.pattern));
+                        return Outcome::Failed;
+                    }
+                }
+                Ok(None) => {
+                    shared.error(format!(
+                        "live subscriber {id} ({}) was evicted after {} messages although it kept reading",
+                        plan.pattern, order.received
+                    ));
+                    return Outcome::Failed;
+                }
+                Err(status) => {
+                    shared.error(format!("subscriber {id}: {status:?}"));
+                    return Outcome::Failed;
+                }
+            }
+        }
+    }
+}
+
+/// What group members (in-test and CLI) received: (topic, n) -> attempts seen.
+type GroupLog = Arc<Mutex<BTreeMap<(usize, u64), Vec<u32>>>>;
+
+/// An in-test manual-ack member: acks every message; hands its stream back
+/// at the end so that Admin can be checked with it still open.
+async fn member(
+    ctl: Arc<Ctl>,
+    channel: Channel,
+    group: &'static str,
+    pattern: &'static str,
+    log: GroupLog,
+) -> Option<(tonic::Streaming<pb::Message>, String)> {
+    let mut client = BrokerClient::new(channel);
+    let request = common::member_request(&[pattern], group, true, 0);
+    let response = tokio::time::timeout(Duration::from_secs(30), client.open_subscription(request))
+        .await
+        .ok()?
+        .ok()?;
+    let id = response
+        .metadata()
+        .get("tinybroker-subscription-id")?
+        .to_str()
+        .ok()?
+        .to_owned();
+    let mut stream = response.into_inner();
+    loop {
+        let m = tokio::select! {
+            _ = ctl.end.cancelled() => return Some((stream, id)),
+            m = stream.message() => m,
+        };
+        let m = match m {
+            Ok(Some(m)) => m,
+            other => {
+                ctl.shared
+                    .error(format!("group member {id} of {group}: stream ended: {other:?}"));
+                return None;
+            }
+        };
+        match parse(&m.topic, &m.payload) {
+            Ok(key) => log.lock().entry(key).or_default().push(m.delivery_attempt),
+            Err(e) => ctl.shared.error(format!("group {group}: {e}")),
+        }
+        let ack = pb::AckRequest {
+            subscription_id: id.clone(),
+            sequences: vec![m.sequence],
+        };
+        match tokio::time::timeout(Duration::from_secs(10), client.ack(ack)).await {
+            Ok(Ok(r)) if r.get_ref().acked == 1 => {}
+            other => ctl.shared.error(format!("ack of {} by {id}: {other:?}", m.sequence)),
+        }
+    }
+}
+
+async fn admin_subscriptions(mut admin: AdminClient<Channel>) -> Vec<pb::SubscriptionInfo> {
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        admin.list_subscriptions(pb::ListSubscriptionsRequest {}),
+    )
+    .await
+    .expect("ListSubscriptions in time")
+    .expect("ListSubscriptions")
+    .into_inner()
+    .subscriptions
+}
+
+async fn listed(admin: AdminClient<Channel>, id: &str) -> Option<pb::SubscriptionInfo> {
+    admin_subscriptions(admin)
+        .await
+        .into_iter()
+        .find(|s| s.subscription_id == id)
+}
+
+/// Waits until `id` is listed by Admin (or, with `present` false, no longer
+/// is) and `also` holds for it; false after `limit`.
+async fn wait_listed(
+    admin: &AdminClient<Channel>,
+    id: &str,
+    present: bool,
+    limit: Duration,
+    also: impl Fn(&pb::SubscriptionInfo) -> bool,
+) -> bool {
+    poll_until(limit, || {
+        let (admin, also) = (admin.clone(), &also);
+        async move {
+            match listed(admin, id).await {
+                Some(info) => present && also(&info),
+                None => !present,
+            }
+        }
+    })
+    .await
+}
+
+/// Polls `check` every 50 ms until it holds; false after `limit`.
+async fn poll_until<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Reads what a killed CLI printed (`--json`): (topic, n, attempt,
+/// sequence) per line, up to the end of its output.
+async fn cli_lines(child: &mut ChildGuard) -> Vec<(usize, u64, u32, u64)> {
+    let Some(rx) = child.stdout.take() else {
+        return Vec::new();
+    };
+    let lines = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::task::spawn_blocking(move || rx.iter().collect::<Vec<String>>()),
+    )
+    .await
+    .expect("the killed CLI's output ends")
+    .expect("reader");
+    lines
+        .into_iter()
+        .filter_map(|line| {
+            let v: serde_json::Value = serde_json::from_str(&line).ok()?;
+            let (t, n) = parse(v["topic"].as_str()?, v["payload"].as_str()?.as_bytes()).ok()?;
+            Some((t, n, v["delivery_attempt"].as_u64()? as u32, v["sequence"].as_u64()?))
+        })
+        .collect()
+}
+
+/// Broadcast CLI subscribers on `soak.*`, each SIGKILLed mid-stream; what
+/// they printed must be in order without gaps, and they must be reaped.
+async fn kill_broadcast_clis(ctl: Arc<Ctl>, url: String, admin_channel: Channel, kills: usize, seed: u64) {
+    let mut rng = Rng(seed);
+    let admin = AdminClient::new(admin_channel);
+    for k in 0..kills {
+        tokio::time::sleep(rng.millis(1000, 4000)).await;
+        if ctl.stop.is_cancelled() {
+            return;
+        }
+        let id = format!("cli-b-{k}");
+        let mut child = spawn_cli_subscriber(&url, &["soak.*", "--json", "--id", &id]);
+        if !wait_listed(&admin, &id, true, Duration::from_secs(20), |_| true).await {
+            ctl.shared.error(format!("{id} never subscribed"));
+            return;
+        }
+        let marks = ctl.shared.marks();
+        tokio::time::sleep(rng.millis(1000, 4000)).await;
+        child.kill();
+        ctl.shared.kills.fetch_add(1, Ordering::Relaxed);
+        let mut order = Order::new(marks);
+        // Subscribed before `marks` was read: nothing published since was missed.
+        for (t, n, _, seq) in cli_lines(&mut child).await {
+            if let Err(e) = order.take(t, n, seq) {
+                ctl.shared.error(format!("{id}: {e}"));
+                break;
+            }
+        }
+        if order.received == 0 {
+            ctl.shared.error(format!("{id} printed nothing before it was killed"));
+        }
+        if !wait_listed(&admin, &id, false, Duration::from_secs(30), |_| true).await {
+            ctl.shared.error(format!("killed {id} was not reaped within 30 s"));
+        }
+    }
+}
+
+/// Manual-ack CLI members of `group`: each is frozen (SIGSTOP) until the
+/// broker has streamed it 3 more messages it therefore cannot ack, then
+/// SIGKILLed; those must be redelivered to the other members.
+async fn kill_group_clis(
+    ctl: Arc<Ctl>,
+    url: String,
+    admin_channel: Channel,
+    (group, pattern): (&'static str, &'static str),
+    kills: usize,
+    log: GroupLog,
+    seed: u64,
+) -> u64 {
+    let mut rng = Rng(seed);
+    let admin = AdminClient::new(admin_channel);
+    let mut stranded = 0;
+    for k in 0..kills {
+        tokio::time::sleep(rng.millis(500, 3000)).await;
+        if ctl.stop.is_cancelled() {
+            break;
+        }
+        let id = format!("cli-{group}-{k}");
+        let mut child = spawn_cli_subscriber(
+            &url,
+            &[pattern, "--group", group, "--manual-ack", "--json", "--id", &id],
+        );
+        if !wait_listed(&admin, &id, true, Duration::from_secs(20), |_| true).await {
+            ctl.shared.error(format!("{id} never joined"));
+            break;
+        }
+        tokio::time::sleep(rng.millis(500, 3000)).await;
+        if ctl.stop.is_cancelled() {
+            // Publishing is over: nothing more would reach it while frozen.
+            child.kill();
+            for (t, n, attempt, _) in cli_lines(&mut child).await {
+                log.lock().entry((t, n)).or_default().push(attempt);
+            }
+            break;
+        }
+        child.signal("STOP");
+        let before = listed(admin.clone(), &id).await.map_or(0, |s| s.delivered);
+        let streamed = wait_listed(&admin, &id, true, Duration::from_secs(20), |s| {
+            s.delivered >= before + 3
+        })
+        .await;
+        if !streamed {
+            ctl.shared.error(format!("{id}: nothing streamed to it while frozen"));
+        }
+        stranded += 3;
+        child.kill();
+        ctl.shared.kills.fetch_add(1, Ordering::Relaxed);
+        for (t, n, attempt, _) in cli_lines(&mut child).await {
+            log.lock().entry((t, n)).or_default().push(attempt);
+        }
+        if !wait_listed(&admin, &id, false, Duration::from_secs(30), |_| true).await {
+            ctl.shared
+                .error(format!("killed member {id} was not reaped within 30 s"));
+        }
+    }
+    stranded
+}
+
+async fn metrics(addr: std::net::SocketAddr) -> String {
+    tokio::time::timeout(Duration::from_secs(20), common::http_get(addr, "/metrics"))
+        .await
+        .expect("/metrics in time")
+        .1
+}
+
+async fn connect(url: &str, narrow: bool) -> Channel {
+    let mut endpoint = Endpoint::from_shared(url.to_owned())
+        .expect("url")
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(10));
+    if narrow {
+        // A subscriber that stops reading stops the broker's writes after
+        // 64 KiB, so its queue fills and it is evicted.
+        endpoint = endpoint
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535);
+    }
+    tokio::time::timeout(Duration::from_secs(20), endpoint.connect())
+        .await
+        .expect("connect in time")
+        .expect("connect")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "soak test: minutes long; run with --ignored (sized by SOAK_* variables)"]
+async fn soak() {
+    let settings = Settings::from_env();
+    let limit = Duration::from_secs((settings.seconds + 200) * settings.rounds + settings.warm_up_seconds + 200);
+    tokio::time::timeout(limit, run(settings))
+        .await
+        .expect("the soak test timed out");
+}
+
+async fn run(s: Settings) {
+    let run_started = Instant::now();
+    let mut env = vec![
+        // `tinybroker started` (which names the ports) is logged at INFO.
+        ("RUST_LOG".to_owned(), "warn,tinybroker::server=info".to_owned()),
+        ("TINYBROKER_CONSUMER_CAPACITY".to_owned(), s.capacity.to_string()),
+        ("TINYBROKER_METRICS_PER_SUBSCRIPTION".to_owned(), "false".to_owned()),
+        (
+            "TINYBROKER_MAX_SUBSCRIPTIONS".to_owned(),
+            (s.subscribers * 2 + 100).to_string(),
+        ),
+    ];
+    env.extend(s.broker_env.iter().cloned());
+    let broker = BrokerProcess::spawn(&env);
+    let url = broker.url();
+    let pid = broker.guard.pid();
+    let rss_start = broker.rss_kib();
+    let admin_channel = connect(&url, false).await;
+    let mut live_channels = Vec::new();
+    for _ in 0..s.connections {
+        live_channels.push(connect(&url, false).await);
+    }
+    let mut stall_channels = Vec::new();
+    for _ in 0..4 {
+        stall_channels.push(connect(&url, true).await);
+    }
+
+    let channels = Channels {
+        url: url.clone(),
+        admin: admin_channel,
+        live: live_channels,
+        stall: stall_channels,
+    };
+    let mut stalled_so_far = HashSet::new();
+    let warm_up = Duration::from_secs(s.warm_up_seconds);
+    let warm = round(&s, &broker, &channels, warm_up, &mut stalled_so_far, 1).await;
+    let rss_before = broker.rss_kib();
+    println!("soak: broker pid {pid}: RSS {rss_start} KiB at start, {rss_before} KiB after a warm-up round: {warm}");
+    // More main rounds (`SOAK_ROUNDS`) show whether what remains grows.
+    let mut main = None;
+    for r in 0..s.rounds {
+        let figures = round(
+            &s,
+            &broker,
+            &channels,
+            Duration::from_secs(s.seconds),
+            &mut stalled_so_far,
+            2 + r,
+        )
+        .await;
+        if r + 1 < s.rounds {
+            println!(
+                "soak: main round {}: {figures}; RSS after it {} KiB",
+                r + 1,
+                broker.rss_kib()
+            );
+        }
+        main = Some(figures);
+    }
+    let main = main.expect("at least one main round");
+
+    // RSS returns near its value after the warm-up round.
+    let allowed = rss_before + rss_before * s.rss_margin_pct / 100 + 2048;
+    let settled = poll_until(Duration::from_secs(10), || async {
+        common::process::rss_kib(pid) <= allowed
+    })
+    .await;
+    let rss_after = broker.rss_kib();
+    let m = metrics(broker.metrics_addr).await;
+    println!(
+        "soak: main round: {main}\nsoak: {:.0} s in all; broker totals: published {}, delivered {}, evictions {}; \
+         broker RSS KiB: start {rss_start}, before {rss_before}, peak {}, after {rss_after} (allowed {allowed}){}",
+        run_started.elapsed().as_secs_f64(),
+        metric_sum(&m, "tinybroker_messages_published_total"),
+        metric_sum(&m, "tinybroker_messages_delivered_total"),
+        metric_sum(&m, "tinybroker_evictions_total"),
+        main.peak_rss,
+        if s.broker_env.is_empty() {
+            String::new()
+        } else {
+            format!("; broker env {:?}", s.broker_env)
+        },
+    );
+    assert!(
+        settled,
+        "broker RSS did not return: {rss_after} KiB after, {rss_before} KiB before (allowed {allowed})"
+    );
+}
+
+struct Channels {
+    url: String,
+    admin: Channel,
+    live: Vec<Channel>,
+    stall: Vec<Channel>,
+}
+
+/// What one round did.
+struct Figures {
+    seconds: f64,
+    opened: u64,
+    left: u64,
+    survived: usize,
+    stalled: usize,
+    kills: u64,
+    finals: [u64; TOPICS],
+    checked: u64,
+    group_messages: u64,
+    redelivered: usize,
+    peak_rss: u64,
+}
+
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.0} s, subscribers opened {} ({} left early, {} survived, {} stalled and evicted), \
+             CLI processes SIGKILLed {}, published per topic {:?}, deliveries checked {}, \
+             group messages {} (redeliveries seen {}), peak RSS {} KiB",
+            self.seconds,
+            self.opened,
+            self.left,
+            self.survived,
+            self.stalled,
+            self.kills,
+            self.finals,
+            self.checked,
+            self.group_messages,
+            self.redelivered,
+            self.peak_rss
+        )
+    }
+}
+
+/// One round of the soak: churn, stalls, kills for `run_for`, then every
+/// check. The broker is left with no subscription open.
+async fn round(
+    s: &Settings,
+    broker: &BrokerProcess,
+    channels: &Channels,
+    run_for: Duration,
+    stalled_so_far: &mut HashSet<String>,
+    seed: u64,
+) -> Figures {
+    let round_started = Instant::now();
+    let (url, pid) = (channels.url.clone(), broker.guard.pid());
+    let admin_channel = channels.admin.clone();
+    let mut admin = AdminClient::new(admin_channel.clone());
+    let (live_channels, stall_channels) = (&channels.live, &channels.stall);
+    let rss_before = broker.rss_kib();
+    let (finals_tx, finals_rx) = tokio::sync::watch::channel(None);
+    let ctl = Arc::new(Ctl {
+        shared: Arc::new(Shared::default()),
+        stop: CancellationToken::new(),
+        finals: finals_rx,
+        end: CancellationToken::new(),
+    });
+    let shared = ctl.shared.clone();
+
+    // RSS sampler.
+    let peak = Arc::new(AtomicU64::new(rss_before));
+    let sampler = {
+        let (peak, end) = (peak.clone(), ctl.end.clone());
+        tokio::spawn(async move {
+            while !end.is_cancelled() {
+                peak.fetch_max(common::process::rss_kib(pid), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    };
+
+    // Consumer groups: two in-test members each, plus killed CLI members.
+    let group_channel = connect(&url, false).await;
+    let mut members = JoinSet::new();
+    let mut group_logs = Vec::new();
+    let mut group_killers = JoinSet::new();
+    for (i, &(group, pattern, _)) in GROUPS.iter().enumerate() {
+        let log: GroupLog = Arc::default();
+        for _ in 0..2 {
+            members.spawn(member(ctl.clone(), group_channel.clone(), group, pattern, log.clone()));
+        }
+        group_killers.spawn(kill_group_clis(
+            ctl.clone(),
+            url.clone(),
+            admin_channel.clone(),
+            (group, pattern),
+            s.kills,
+            log.clone(),
+            0x9e37_79b9 + i as u64 + 7 * seed,
+        ));
+        group_logs.push(log);
+    }
+    // A group exists once a member has joined: publishing starts after that,
+    // so that every group message has somewhere to go.
+    let joined = poll_until(Duration::from_secs(30), || {
+        let mut admin = admin.clone();
+        async move {
+            let groups = admin
+                .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+                .await
+                .map(|r| r.into_inner().groups)
+                .unwrap_or_default();
+            GROUPS
+                .iter()
+                .all(|(name, _, _)| groups.iter().any(|g| g.name == *name && g.members >= 2))
+        }
+    })
+    .await;
+    assert!(joined, "the in-test group members did not join");
+    let broadcast_killer = tokio::spawn(kill_broadcast_clis(
+        ctl.clone(),
+        url.clone(),
+        admin_channel.clone(),
+        s.kills,
+        0x1234_5678 + seed,
+    ));
+
+    // Publishers: a PublishStream on topics 0 and 1, unary on 2 and 3.
+    let period = Duration::from_micros(1_000_000 / s.rate);
+    let stream_publisher = {
+        let (ctl, channel) = (ctl.clone(), connect(&url, false).await);
+        tokio::spawn(async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            let mut client = BrokerClient::new(channel);
+            let call = tokio::spawn(async move {
+                client
+                    .publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await
+                    .map(|r| r.into_inner())
+            });
+            let mut tick = tokio::time::interval(period);
+            while !ctl.stop.is_cancelled() {
+                tick.tick().await;
+                for t in 0..2 {
+                    let n = ctl.shared.started[t].fetch_add(1, Ordering::SeqCst);
+                    if tx
+                        .send(publish_request(&format!("soak.{t}"), &payload(t, n)))
+                        .await
+                        .is_err()
+                    {
+                        ctl.shared.error("the publish stream ended early".into());
+                        return;
+                    }
+                }
+            }
+            drop(tx);
+            match tokio::time::timeout(Duration::from_secs(30), call).await {
+                Ok(Ok(Ok(r))) => {
+                    let sent: u64 = (0..2).map(|t| ctl.shared.started[t].load(Ordering::SeqCst)).sum();
+                    if r.accepted != sent {
+                        ctl.shared
+                            .error(format!("PublishStream accepted {} of {sent}", r.accepted));
+                    }
+                }
+                other => ctl.shared.error(format!("PublishStream: {other:?}")),
+            }
+        })
+    };
+    let unary_publisher = {
+        let (ctl, channel) = (ctl.clone(), connect(&url, false).await);
+        tokio::spawn(async move {
+            let mut client = BrokerClient::new(channel);
+            let mut tick = tokio::time::interval(period);
+            while !ctl.stop.is_cancelled() {
+                tick.tick().await;
+                for t in 2..4 {
+                    let n = ctl.shared.started[t].fetch_add(1, Ordering::SeqCst);
+                    let request = publish_request(&format!("soak.{t}"), &payload(t, n));
+                    match tokio::time::timeout(Duration::from_secs(10), client.publish(request)).await {
+                        Ok(Ok(_)) => {}
+                        other => {
+                            ctl.shared.error(format!("Publish #{n} to soak.{t}: {other:?}"));
+                            return;
+                        }
+                    }
+                }
+            }
+        })
+    };
+
+    // Subscribers: keep `subscribers` open, each leaving after a random
+    // lifetime and replaced; a few stall.
+    let mut rng = Rng(0xdead_beef ^ seed);
+    let stall_every = s
+        .subscribers
+        .checked_div(s.stalls)
+        .map_or(u64::MAX, |n| n.max(1) as u64);
+    let mut spawned = 0u64;
+    let mut stalled_planned = 0usize;
+    let plan = |rng: &mut Rng, spawned: &mut u64, stalled_planned: &mut usize| {
+        *spawned += 1;
+        let wildcard = rng.below(10) == 0;
+        let t = rng.below(TOPICS as u64) as usize;
+        let (pattern, topics) = if wildcard {
+            ("soak.*".to_owned(), (0..TOPICS).collect())
+        } else {
+            (format!("soak.{t}"), vec![t])
+        };
+        let stall = *stalled_planned < s.stalls && spawned.is_multiple_of(stall_every);
+        if stall {
+            *stalled_planned += 1;
+        }
+        Plan {
+            channel: if stall {
+                stall_channels[*spawned as usize % stall_channels.len()].clone()
+            } else {
+                live_channels[*spawned as usize % live_channels.len()].clone()
+            },
+            // Stalled ones subscribe to everything, so they fill up sooner.
+            pattern: if stall { "soak.*".to_owned() } else { pattern },
+            topics: if stall { (0..TOPICS).collect() } else { topics },
+            lifetime: if stall {
+                run_for * 10
+            } else {
+                rng.millis(2_000, run_for.as_millis() as u64 * 2)
+            },
+            stall_after: stall.then(|| rng.millis(500, 3_000)),
+        }
+    };
+    let mut subscribers = JoinSet::new();
+    for _ in 0..s.subscribers {
+        subscribers.spawn(subscriber(
+            ctl.clone(),
+            plan(&mut rng, &mut spawned, &mut stalled_planned),
+        ));
+    }
+    let churn_until = tokio::time::Instant::now() + run_for;
+    let mut outcomes = Vec::new();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(churn_until) => break,
+            done = subscribers.join_next() => match done {
+                Some(Ok(Outcome::Left)) => {
+                    subscribers.spawn(subscriber(ctl.clone(), plan(&mut rng, &mut spawned, &mut stalled_planned)));
+                }
+                Some(Ok(outcome)) => outcomes.push(outcome),
+                Some(Err(e)) => panic!("subscriber task: {e}"),
+                None => break,
+            }
+        }
+    }
+
+    // Stop: churn ends, publishing ends, survivors read to the end.
+    ctl.stop.cancel();
+    stream_publisher.await.expect("stream publisher");
+    unary_publisher.await.expect("unary publisher");
+    let finals = shared.marks();
+    finals_tx.send(Some(finals)).expect("finals");
+    broadcast_killer.await.expect("broadcast killer");
+    let mut stranded = 0;
+    while let Some(done) = group_killers.join_next().await {
+        stranded += done.expect("group killer");
+    }
+    while let Some(done) = tokio::time::timeout(Duration::from_secs(120), subscribers.join_next())
+        .await
+        .expect("survivors read everything within 120 s")
+    {
+        outcomes.push(done.expect("subscriber task"));
+    }
+    let mut survivors = Vec::new();
+    let mut stalled = Vec::new();
+    for outcome in outcomes {
+        match outcome {
+            Outcome::Survivor(stream, id) => survivors.push((stream, id)),
+            Outcome::Stalled(stream, id) => stalled.push((stream, id)),
+            Outcome::Left | Outcome::Failed => {}
+        }
+    }
+
+    // Every group message is acked (redelivered ones may arrive twice).
+    let groups_done = poll_until(Duration::from_secs(60), || {
+        let mut admin = admin.clone();
+        async move {
+            let groups = admin
+                .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+                .await
+                .map(|r| r.into_inner().groups)
+                .unwrap_or_default();
+            groups.len() == GROUPS.len() && groups.iter().all(|g| g.backlog == 0 && g.in_flight == 0)
+        }
+    })
+    .await;
+    assert!(groups_done, "consumer groups did not drain");
+    let groups = admin
+        .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .groups;
+    let mut group_messages = 0;
+    let mut redelivered_seen = 0;
+    for ((name, _, topics), log) in GROUPS.iter().zip(&group_logs) {
+        let log = log.lock();
+        for &t in *topics {
+            for n in 0..finals[t] {
+                if !log.contains_key(&(t, n)) {
+                    shared.error(format!("group {name}: soak.{t} #{n} was never delivered"));
+                }
+            }
+            group_messages += finals[t];
+        }
+        redelivered_seen += log.values().flatten().filter(|a| **a > 1).count();
+        let info = groups.iter().find(|g| g.name == *name).expect("group listed");
+        assert_eq!((info.dropped, info.dead_lettered), (0, 0), "{info:?}");
+    }
+    assert!(
+        redelivered_seen as u64 >= stranded,
+        "{stranded} messages were stranded on killed members, only {redelivered_seen} redeliveries seen"
+    );
+
+    // Admin and metrics agree with the survivors and the in-test members.
+    ctl.end.cancel();
+    let mut member_streams = Vec::new();
+    while let Some(done) = members.join_next().await {
+        if let Some(m) = done.expect("member task") {
+            member_streams.push(m);
+        }
+    }
+    let mut expected: BTreeSet<String> = survivors.iter().map(|(_, id)| id.clone()).collect();
+    expected.extend(member_streams.iter().map(|(_, id)| id.clone()));
+    let listed: BTreeSet<String> = admin_subscriptions(admin.clone())
+        .await
+        .into_iter()
+        .map(|s| s.subscription_id)
+        .collect();
+    let stalled_ids: HashSet<String> = stalled.iter().map(|(_, id)| id.clone()).collect();
+    if listed != expected {
+        let extra: Vec<_> = listed.difference(&expected).collect();
+        let missing: Vec<_> = expected.difference(&listed).collect();
+        let extra_stalled = extra.iter().filter(|id| stalled_ids.contains(id.as_str())).count();
+        panic!(
+            "Admin lists {} subscriptions, expected {}: {} extra ({extra_stalled} stalled but not evicted) {:?}, missing {:?}",
+            listed.len(),
+            expected.len(),
+            extra.len(),
+            &extra[..extra.len().min(5)],
+            &missing[..missing.len().min(5)]
+        );
+    }
+    let m = metrics(broker.metrics_addr).await;
+    assert_eq!(metric_sum(&m, "tinybroker_subscriptions"), expected.len() as f64);
+    let evictions = admin
+        .list_evictions(pb::ListEvictionsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .evictions;
+    stalled_so_far.extend(stalled_ids.iter().cloned());
+    let evicted: HashSet<String> = evictions.iter().map(|e| e.subscription_id.clone()).collect();
+    for id in &evicted {
+        assert!(stalled_so_far.contains(id), "{id} was evicted but never stalled");
+    }
+    for id in &stalled_ids {
+        assert!(evicted.contains(id), "stalled {id} was not evicted");
+    }
+    assert_eq!(
+        metric_sum(&m, "tinybroker_evictions_total"),
+        stalled_so_far.len() as f64
+    );
+    // A stalled stream still ends cleanly once read: OK status, no error.
+    // All are read at once: stalled streams share their connections' window,
+    // so reading one at a time could wait on another's unread data.
+    let drains = stalled.iter_mut().map(|(stream, id)| async move {
+        let mut read = 0;
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => read += 1,
+                Ok(None) => return Ok(()),
+                Err(status) => {
+                    return Err(format!(
+                        "evicted {id} ended with {status:?} after {read} buffered messages"
+                    ));
+                }
+            }
+        }
+    });
+    let drained = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(drains))
+        .await
+        .expect("evicted streams end within 30 s once read");
+    for result in drained {
+        result.unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    // Everything closes: zero left over.
+    let survivor_count = survivors.len();
+    drop(survivors);
+    drop(member_streams);
+    drop(stalled);
+    let empty = poll_until(Duration::from_secs(30), || {
+        let admin = admin.clone();
+        let addr = broker.metrics_addr;
+        async move {
+            if !admin_subscriptions(admin).await.is_empty() {
+                return false;
+            }
+            let m = metrics(addr).await;
+            metric_sum(&m, "tinybroker_subscriptions") == 0.0
+                && metric_sum(&m, "tinybroker_consumer_group_members") == 0.0
+        }
+    })
+    .await;
+    assert!(empty, "subscriptions or group members left over after everyone closed");
+
+    ctl.end.cancel();
+    sampler.await.expect("sampler");
+    let errors = shared.errors.lock().clone();
+    assert!(errors.is_empty(), "soak errors: {errors:#?}");
+    Figures {
+        seconds: round_started.elapsed().as_secs_f64(),
+        opened: shared.opened.load(Ordering::Relaxed),
+        left: shared.left.load(Ordering::Relaxed),
+        survived: survivor_count,
+        stalled: stalled_ids.len(),
+        kills: shared.kills.load(Ordering::Relaxed),
+        finals,
+        checked: shared.delivered.load(Ordering::Relaxed),
+        group_messages,
+        redelivered: redelivered_seen,
+        peak_rss: peak.load(Ordering::Relaxed),
+    }
+}
