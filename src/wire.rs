@@ -51,16 +51,37 @@ impl SubscriberFields {
     }
 }
 
+/// Fields 1 to 5 of `Message`, encoded as prost would encode them, straight
+/// from the published message (no copy of its topic or headers first).
 fn shared_part(message: &Published) -> Bytes {
-    let shared = pb::Message {
-        topic: message.topic.clone(),
-        payload: message.payload.clone(),
-        headers: message.headers.clone(),
-        sequence: message.sequence,
-        publish_time: Some(prost_types::Timestamp::from(message.publish_time)),
-        ..Default::default()
-    };
-    prost::Message::encode_to_vec(&shared).into()
+    use prost::encoding::{bytes, hash_map, message as nested, string, uint64};
+    let publish_time = prost_types::Timestamp::from(message.publish_time);
+    let len = string::encoded_len(1, &message.topic)
+        + bytes::encoded_len(2, &message.payload)
+        + hash_map::encoded_len(string::encoded_len, string::encoded_len, 3, &message.headers)
+        + uint64::encoded_len(4, &message.sequence)
+        + nested::encoded_len(5, &publish_time);
+    let mut buf = Vec::with_capacity(len);
+    if !message.topic.is_empty() {
+        string::encode(1, &message.topic, &mut buf);
+    }
+    if !message.payload.is_empty() {
+        bytes::encode(2, &message.payload, &mut buf);
+    }
+    hash_map::encode(
+        string::encode,
+        string::encoded_len,
+        string::encode,
+        string::encoded_len,
+        3,
+        &message.headers,
+        &mut buf,
+    );
+    if message.sequence != 0 {
+        uint64::encode(4, &message.sequence, &mut buf);
+    }
+    nested::encode(5, &publish_time, &mut buf);
+    Bytes::from(buf)
 }
 
 impl prost::Message for EncodedMessage {

@@ -253,10 +253,10 @@ impl ConsumerGroup {
 
     /// An auto-ack member's stream took a message: it is done, and the
     /// member has room for another.
-    pub(crate) fn streamed(&self, member: u64, now: Instant) {
+    pub(crate) fn streamed(&self, member: u64, count: u32, now: Instant) {
         let mut state = self.state.lock();
         if let Some(slot) = state.members.iter_mut().find(|m| m.key == member) {
-            slot.held = slot.held.saturating_sub(1);
+            slot.held = slot.held.saturating_sub(count);
         }
         state.dispatch(now);
     }
@@ -269,10 +269,13 @@ impl ConsumerGroup {
         let (mut acked, mut unknown) = (0, 0);
         for seq in sequences {
             if state.in_flight.get(seq).is_some_and(|f| f.member == member) {
-                state.in_flight.remove(seq);
+                let flight = state.in_flight.remove(seq);
                 // A redelivery to the same member may still wait in its
-                // queue: the ack covers it too.
-                if let Some(slot) = state.members.iter().find(|m| m.key == member) {
+                // queue: the ack covers it too. A first delivery cannot (the
+                // member has seen it), which spares the common case the scan.
+                if flight.is_some_and(|f| f.attempt > 1)
+                    && let Some(slot) = state.members.iter().find(|m| m.key == member)
+                {
                     slot.subscription.queue.remove(*seq);
                 }
                 state.release(member);
@@ -545,7 +548,7 @@ mod tests {
         g.join(m.clone(), settings(AckMode::Auto, 2), now);
         assert_eq!(g.snapshot(now).backlog, 1, "only max_in_flight handed out");
         assert_eq!(pop(&m).unwrap().message.sequence, 1);
-        g.streamed(1, now);
+        g.streamed(1, 1, now);
         assert_eq!(g.snapshot(now).backlog, 0);
     }
 
@@ -685,7 +688,7 @@ mod tests {
                                 on_stream.push(d.message.sequence);
                             } else {
                                 prop_assert!(done.insert(d.message.sequence), "delivered twice");
-                                g.streamed(sub.key, now);
+                                g.streamed(sub.key, 1, now);
                             }
                         }
                     }

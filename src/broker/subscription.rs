@@ -141,14 +141,36 @@ pub struct SubscriptionStream {
     /// Deliveries not yet added to the broker-wide counter; flushed when the
     /// queue runs dry and on drop, so busy streams don't contend on it.
     unflushed: u64,
+    /// Auto-ack group members: messages streamed but not yet reported to
+    /// the group (which then counts the member as having room for them).
+    /// Reported every [`Self::report_every`] and whenever the queue runs
+    /// dry, so the group's lock is taken once per run, not per message.
+    unreported: u32,
+    report_every: u32,
 }
 
 impl SubscriptionStream {
     pub(crate) fn new(broker: Broker, subscription: Arc<Subscription>) -> Self {
+        let report_every = subscription
+            .membership
+            .as_ref()
+            .map_or(1, |m| (m.settings.max_in_flight / 4).clamp(1, 64));
         Self {
             broker,
             subscription,
             unflushed: 0,
+            unreported: 0,
+            report_every,
+        }
+    }
+
+    fn report_streamed(&mut self) {
+        if self.unreported > 0 {
+            if let Some(m) = &self.subscription.membership {
+                m.group
+                    .streamed(self.subscription.key, self.unreported, tokio::time::Instant::now());
+            }
+            self.unreported = 0;
         }
     }
 
@@ -192,17 +214,30 @@ impl Stream for SubscriptionStream {
                 sub.delivered.fetch_add(1, Ordering::Relaxed);
                 sub.last_delivered_sequence
                     .store(delivery.message.sequence, Ordering::Relaxed);
-                if let Some(m) = &sub.membership
-                    && m.settings.ack_mode == AckMode::Auto
+                if sub
+                    .membership
+                    .as_ref()
+                    .is_some_and(|m| m.settings.ack_mode == AckMode::Auto)
                 {
-                    m.group.streamed(sub.key, tokio::time::Instant::now());
+                    self.unreported += 1;
+                    if self.unreported >= self.report_every {
+                        self.report_streamed();
+                    }
                 }
                 self.unflushed += 1;
                 if self.unflushed >= FLUSH_EVERY {
                     self.flush_delivered();
                 }
             }
-            Poll::Ready(None) | Poll::Pending => self.flush_delivered(),
+            Poll::Ready(None) => self.flush_delivered(),
+            Poll::Pending => {
+                self.flush_delivered();
+                if self.unreported > 0 {
+                    // The group refills this member now; its pushes wake the
+                    // waker `poll_pop` just left.
+                    self.report_streamed();
+                }
+            }
         }
         polled
     }
