@@ -64,6 +64,20 @@ def api_env_vars() -> list[str]:
     return names
 
 
+def readme_env_vars() -> set[str]:
+    """Variables in README.md's Configuration table: API.md's, plus the
+    settings tinybroker adds where API.md is silent (keepalive, streams per
+    connection)."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^## Configuration$(.*?)(?=^## )", text, flags=re.M | re.S)
+    assert m, "README.md has no Configuration section"
+    names = set()
+    for line in m.group(1).splitlines():
+        if line.startswith("|") and not line.startswith("|--") and "variable" not in line:
+            names.update(re.findall(r"`([A-Z][A-Z0-9_]+)`", line.split("|")[1]))
+    return names
+
+
 def api_metric_names() -> set[str]:
     section = api_section("Metrics")
     return set(re.findall(r"^\| `(tinybroker_[a-z0-9_]+)`", section, flags=re.M))
@@ -171,6 +185,9 @@ def test_every_api_md_variable_can_be_set_from_values():
             "metricsPerSubscription": False,
             "logFormat": "json",
             "rustLog": "debug,h2=info",
+            "keepaliveIntervalSeconds": 21,
+            "keepaliveTimeoutSeconds": 22,
+            "maxStreamsPerConnection": 23,
         },
         "auth": {"enabled": True, "token": "t0ken"},
         "tls": {"enabled": True, "cert": "CERT", "key": "KEY"},
@@ -208,8 +225,17 @@ def test_every_api_md_variable_can_be_set_from_values():
             assert base64.b64decode(secret["data"][ref["key"]]).decode() == "t0ken"
         else:
             assert env[name].get("value") == expected_values[name], name
-    unknown = {n for n in env if n.startswith("TINYBROKER_")} - set(api_env_vars())
-    assert not unknown, f"TINYBROKER_* variables not in API.md: {unknown}"
+    extensions = {
+        "TINYBROKER_KEEPALIVE_INTERVAL_SECONDS": "21",
+        "TINYBROKER_KEEPALIVE_TIMEOUT_SECONDS": "22",
+        "TINYBROKER_MAX_STREAMS_PER_CONNECTION": "23",
+    }
+    for name, value in extensions.items():
+        assert name in readme_env_vars(), f"{name} is not documented in README.md's Configuration table"
+        assert env[name].get("value") == value, name
+    known = set(api_env_vars()) | set(extensions)
+    unknown = {n for n in env if n.startswith("TINYBROKER_")} - known
+    assert not unknown, f"TINYBROKER_* variables in neither API.md nor README.md: {unknown}"
 
 
 def test_fallback_env_list_matches_api_md():
