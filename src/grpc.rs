@@ -3,8 +3,8 @@
 //! [`BrokerError`]s to status codes, and turns deliveries into messages.
 
 use crate::broker::{
-    AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, PublishOutcome, RouteCache, SubscribeRequest,
-    SubscriptionStream, WakeBatch,
+    AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, PublishOutcome, PublishTime, RouteCache,
+    SubscribeRequest, SubscriptionStream, WakeBatch,
 };
 use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
@@ -49,19 +49,19 @@ impl BrokerService {
         Self { broker, metrics }
     }
 
-    /// Publishes one message, timing it for `tinybroker_publish_duration_seconds`.
-    /// With tracing on, in a `publish` span whose parent is the caller's
-    /// `traceparent`, and the span's own context goes into the message's
-    /// headers (unless the publisher set one) so consumers can continue it.
+    /// Publishes one message. With tracing on, in a `publish` span whose
+    /// parent is the caller's `traceparent`, and the span's own context goes
+    /// into the message's headers (unless the publisher set one) so consumers
+    /// can continue it.
     fn publish_one(
         &self,
         mut request: pb::PublishRequest,
         parent: Option<&opentelemetry::Context>,
         cache: Option<&mut RouteCache>,
-        timer: &mut LocalObserver,
+        at: PublishTime,
     ) -> Result<PublishOutcome, Status> {
         let Some(parent) = parent else {
-            return self.publish_timed(request, cache, timer);
+            return self.broker.publish_at(new_message(request), cache, at).map_err(status);
         };
         let span = tracing::info_span!(
             "publish",
@@ -75,23 +75,11 @@ impl BrokerService {
         if !request.headers.contains_key(TRACEPARENT) {
             telemetry::inject(&span.context(), &mut request.headers);
         }
-        let outcome = span.in_scope(|| self.publish_timed(request, cache, timer));
+        let outcome = span.in_scope(|| self.broker.publish_at(new_message(request), cache, at).map_err(status));
         if let Ok(o) = &outcome {
             span.record("messaging.message.id", o.sequence);
         }
         outcome
-    }
-
-    fn publish_timed(
-        &self,
-        request: pb::PublishRequest,
-        cache: Option<&mut RouteCache>,
-        timer: &mut LocalObserver,
-    ) -> Result<PublishOutcome, Status> {
-        let started = std::time::Instant::now();
-        let outcome = self.broker.publish(new_message(request), cache).map_err(status)?;
-        timer.observe(started.elapsed().as_secs_f64());
-        Ok(outcome)
     }
 
     /// The tonic server for this service, with the decoding limit derived
@@ -121,8 +109,11 @@ fn new_message(request: pb::PublishRequest) -> NewMessage {
 impl pb::broker_server::Broker for BrokerService {
     async fn publish(&self, request: Request<pb::PublishRequest>) -> Result<Response<pb::PublishResponse>, Status> {
         let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
-        let mut timer = self.metrics.publish_duration();
-        let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None, &mut timer)?;
+        let at = PublishTime::now();
+        let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None, at)?;
+        self.metrics
+            .publish_duration()
+            .observe(at.monotonic.elapsed().as_secs_f64());
         Ok(Response::new(pb::PublishResponse {
             sequence: outcome.sequence,
             matched_subscriptions: outcome.matched_subscriptions,
@@ -159,35 +150,55 @@ impl pb::broker_server::Broker for BrokerService {
             };
             // Route what has already arrived as one batch: each subscriber
             // is woken once for it, at the end, and writes it in one go.
+            // Received together, published together: one reading of the
+            // clocks for the batch, its duration shared among its messages
+            // (decoding included) for tinybroker_publish_duration_seconds.
+            let at = PublishTime::now();
             let batch = WakeBatch::begin();
             let mut routed = 0;
+            // Set when the stream ends inside the batch (its last message, or
+            // an error): returned once the batch is accounted for.
+            let mut ended = None;
             loop {
-                match self.publish_one(next, parent.as_ref(), Some(&mut cache), &mut timer) {
+                match self.publish_one(next, parent.as_ref(), Some(&mut cache), at) {
                     Ok(outcome) => {
                         if response.accepted == 0 {
                             response.first_sequence = outcome.sequence;
                         }
                         response.last_sequence = outcome.sequence;
                         response.accepted += 1;
+                        routed += 1;
                     }
-                    Err(error) => return Err(with_accepted(error, response.accepted)),
+                    Err(error) => {
+                        ended = Some(Err(with_accepted(error, response.accepted)));
+                        break;
+                    }
                 }
-                routed += 1;
                 if routed == PUBLISH_BATCH {
                     break;
                 }
                 next = match stream.message().now_or_never() {
                     Some(Ok(Some(request))) => request,
-                    Some(Ok(None)) => return Ok(Response::new(response)),
+                    Some(Ok(None)) => {
+                        ended = Some(Ok(Response::new(response)));
+                        break;
+                    }
                     Some(Err(error)) => {
-                        return Err(with_accepted(oversized_to_exhausted(error), response.accepted));
+                        ended = Some(Err(with_accepted(oversized_to_exhausted(error), response.accepted)));
+                        break;
                     }
                     // Nothing more buffered: end the batch and wait.
                     None => break,
                 };
             }
             drop(batch);
-            timer.flush();
+            if routed > 0 {
+                timer.observe_many(at.monotonic.elapsed().as_secs_f64() / routed as f64, routed);
+                timer.flush();
+            }
+            if let Some(result) = ended {
+                return result;
+            }
             if routed == PUBLISH_BATCH {
                 // Let the subscribers just woken (queued behind this task on
                 // its worker) run before routing the next batch.

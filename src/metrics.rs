@@ -129,6 +129,13 @@ impl LocalObserver {
         }
     }
 
+    /// Observes `seconds` `count` times.
+    pub fn observe_many(&mut self, seconds: f64, count: usize) {
+        for _ in 0..count {
+            self.observe(seconds);
+        }
+    }
+
     pub fn flush(&mut self) {
         if self.unflushed > 0 {
             self.local.flush();

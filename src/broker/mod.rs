@@ -73,6 +73,23 @@ impl Published {
     }
 }
 
+/// When a message was published: the wall clock for its `publish_time`, the
+/// monotonic clock for its group's ack deadlines.
+#[derive(Debug, Clone, Copy)]
+pub struct PublishTime {
+    pub wall: SystemTime,
+    pub monotonic: tokio::time::Instant,
+}
+
+impl PublishTime {
+    pub fn now() -> Self {
+        Self {
+            wall: SystemTime::now(),
+            monotonic: tokio::time::Instant::now(),
+        }
+    }
+}
+
 /// One message on its way to one subscriber.
 #[derive(Debug, Clone)]
 pub struct Delivery {
@@ -281,14 +298,25 @@ impl Broker {
 
     /// Validates and routes one message to every matching subscription.
     pub fn publish(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> Result<PublishOutcome, BrokerError> {
+        self.publish_at(message, cache, PublishTime::now())
+    }
+
+    /// [`Broker::publish`] with the publish time read by the caller, so a
+    /// burst of messages received together reads the clocks once.
+    pub fn publish_at(
+        &self,
+        message: NewMessage,
+        cache: Option<&mut RouteCache>,
+        at: PublishTime,
+    ) -> Result<PublishOutcome, BrokerError> {
         self.check_open()?;
         self.validate_message(&message)?;
-        Ok(self.route(message, cache))
+        Ok(self.route(message, cache, at))
     }
 
     /// Assigns the sequence and hands the message to every matching
     /// subscription and group. Never waits.
-    fn route(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> PublishOutcome {
+    fn route(&self, message: NewMessage, cache: Option<&mut RouteCache>, at: PublishTime) -> PublishOutcome {
         let routes = match cache {
             Some(cache) => self.routes_cached(&message.topic, cache),
             None => self.shared.routes.read().matches(&message.topic),
@@ -299,7 +327,7 @@ impl Broker {
             payload: message.payload,
             headers: message.headers,
             sequence,
-            publish_time: SystemTime::now(),
+            publish_time: at.wall,
             encoded: OnceLock::new(),
         });
         let stats = &self.shared.stats;
@@ -327,7 +355,7 @@ impl Broker {
                 }
                 Route::Group(group) => {
                     outcome.matched_groups += 1;
-                    if group.offer(published.clone(), tokio::time::Instant::now()) {
+                    if group.offer(published.clone(), at.monotonic) {
                         stats.dropped_group_overflow.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -358,6 +386,7 @@ impl Broker {
                     headers,
                 },
                 None,
+                PublishTime::now(),
             );
         }
     }
