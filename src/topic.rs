@@ -33,9 +33,8 @@ impl fmt::Display for TopicError {
             Kind::Topic => "topic",
             Kind::Pattern => "topic pattern",
         };
-        // `{:?}` escapes control characters and quotes, so the value is safe
-        // to print in a status message or a log line.
-        write!(f, "invalid {what} {:?}: {}", self.value, self.reason)
+        // The value is already escaped (see `truncate_for_error`).
+        write!(f, "invalid {what} \"{}\": {}", self.value, self.reason)
     }
 }
 
@@ -139,17 +138,18 @@ fn check(value: &str, kind: Kind) -> Result<(), String> {
     Ok(())
 }
 
-/// Keeps error messages bounded when a client sends a huge value.
+/// The value as an error message shows it: escaped as `{:?}` would (control
+/// characters, quotes and backslashes), so it is safe in a status message or
+/// a log line, then cut to at most 300 characters, so a huge or hostile value
+/// cannot make the message large.
 fn truncate_for_error(value: &str) -> String {
     const SHOWN: usize = 300;
-    if value.len() <= SHOWN {
-        return value.to_owned();
+    let mut escaped: String = value.escape_debug().take(SHOWN + 1).collect();
+    if escaped.chars().count() > SHOWN {
+        escaped.pop();
+        escaped.push('…');
     }
-    let mut end = SHOWN;
-    while !value.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &value[..end])
+    escaped
 }
 
 #[cfg(test)]
@@ -249,5 +249,12 @@ mod tests {
         let huge = "é".repeat(10_000);
         let err = validate_topic(&huge).unwrap_err().to_string();
         assert!(err.len() < 1_000, "{}", err.len());
+        // Escaping happens before the cut: control characters cannot grow it.
+        let hostile = "\u{1}".repeat(10_000);
+        let err = validate_topic(&hostile).unwrap_err().to_string();
+        assert!(err.len() < 600, "{}", err.len());
+        assert!(err.starts_with("invalid topic \"\\u{1}\\u{1}"), "{err}");
+        let err = validate_topic("a\tb").unwrap_err().to_string();
+        assert!(err.starts_with("invalid topic \"a\\tb\""), "{err}");
     }
 }
