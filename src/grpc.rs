@@ -111,9 +111,7 @@ impl pb::broker_server::Broker for BrokerService {
         let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
         let at = PublishTime::now();
         let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None, at)?;
-        self.metrics
-            .publish_duration()
-            .observe(at.monotonic.elapsed().as_secs_f64());
+        self.metrics.observe_publish(at.monotonic.elapsed().as_secs_f64());
         Ok(Response::new(pb::PublishResponse {
             sequence: outcome.sequence,
             matched_subscriptions: outcome.matched_subscriptions,

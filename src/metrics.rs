@@ -81,8 +81,14 @@ impl Metrics {
         }
     }
 
+    /// One observation of `tinybroker_publish_duration_seconds` (a unary
+    /// Publish; streams use [`Metrics::publish_duration`]).
+    pub fn observe_publish(&self, seconds: f64) {
+        self.publish_duration.observe(seconds);
+    }
+
     /// A private view of `tinybroker_publish_duration_seconds` for one
-    /// publisher (see [`LocalObserver`]).
+    /// publishing stream (see [`LocalObserver`]).
     pub fn publish_duration(&self) -> LocalObserver {
         LocalObserver::new(self.publish_duration.local())
     }

@@ -775,27 +775,27 @@ impl Broker {
 
     /// Messages waiting to be delivered: in subscription queues and group
     /// backlogs.
-    pub fn queued(&self) -> usize {
-        let now = tokio::time::Instant::now();
-        let queues: usize = self.subscriptions().iter().map(|s| s.queue_depth()).sum();
-        let backlogs: usize = self.groups().iter().map(|g| g.snapshot(now).backlog).sum();
-        queues + backlogs
+    #[cfg(test)]
+    fn queued(&self) -> usize {
+        self.waiting(true)
     }
 
-    /// Ends every subscription stream and empties every group. Returns the
-    /// messages still undelivered, which are counted as discarded on shutdown.
     /// What shutdown waits for: messages that can still reach a subscriber,
     /// that is every subscription queue and the backlogs of groups that have
     /// members. A memberless group's backlog cannot drain, so waiting for
     /// it would only spend the whole grace period.
     pub fn drainable(&self) -> usize {
+        self.waiting(false)
+    }
+
+    fn waiting(&self, memberless_groups: bool) -> usize {
         let now = tokio::time::Instant::now();
         let queues: usize = self.subscriptions().iter().map(|s| s.queue_depth()).sum();
         let backlogs: usize = self
             .groups()
             .iter()
             .map(|g| g.snapshot(now))
-            .filter(|s| s.members > 0)
+            .filter(|s| memberless_groups || s.members > 0)
             .map(|s| s.backlog)
             .sum();
         queues + backlogs
@@ -974,6 +974,35 @@ mod tests {
             topic: topic.into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn an_auto_ack_member_reports_what_it_streamed_when_its_queue_runs_dry() {
+        use futures::StreamExt;
+        use std::task::{Context, Poll, Waker};
+        let broker = Broker::new(Limits::default());
+        // max_in_flight 8: streamed messages are reported two at a time.
+        let mut stream = broker
+            .subscribe(SubscribeRequest {
+                max_in_flight: 8,
+                ..member("", "g", "t")
+            })
+            .unwrap();
+        let mut cx = Context::from_waker(Waker::noop());
+        for _ in 0..3 {
+            broker.publish(message("t"), None).unwrap();
+        }
+        for _ in 0..3 {
+            assert!(matches!(stream.poll_next_unpin(&mut cx), Poll::Ready(Some(_))));
+        }
+        // The third is reported when the queue runs dry, not left counted
+        // against the member's room.
+        assert!(stream.poll_next_unpin(&mut cx).is_pending());
+        for _ in 0..8 {
+            broker.publish(message("t"), None).unwrap();
+        }
+        let group = broker.groups().into_iter().next().unwrap();
+        assert_eq!(group.snapshot(tokio::time::Instant::now()).backlog, 0, "all 8 fit");
     }
 
     #[test]

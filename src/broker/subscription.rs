@@ -143,10 +143,11 @@ pub struct SubscriptionStream {
     unflushed: u64,
     /// Auto-ack group members: messages streamed but not yet reported to
     /// the group (which then counts the member as having room for them).
-    /// Reported every [`Self::report_every`] and whenever the queue runs
-    /// dry, so the group's lock is taken once per run, not per message.
+    /// Reported every `report_every` and whenever the queue runs dry, so the
+    /// group's lock is taken once per run, not per message.
     unreported: u32,
-    report_every: u32,
+    /// `Some` for auto-ack group members only.
+    report_every: Option<u32>,
 }
 
 impl SubscriptionStream {
@@ -154,7 +155,8 @@ impl SubscriptionStream {
         let report_every = subscription
             .membership
             .as_ref()
-            .map_or(1, |m| (m.settings.max_in_flight / 4).clamp(1, 64));
+            .filter(|m| m.settings.ack_mode == AckMode::Auto)
+            .map(|m| (m.settings.max_in_flight / 4).clamp(1, 64));
         Self {
             broker,
             subscription,
@@ -214,13 +216,9 @@ impl Stream for SubscriptionStream {
                 sub.delivered.fetch_add(1, Ordering::Relaxed);
                 sub.last_delivered_sequence
                     .store(delivery.message.sequence, Ordering::Relaxed);
-                if sub
-                    .membership
-                    .as_ref()
-                    .is_some_and(|m| m.settings.ack_mode == AckMode::Auto)
-                {
+                if let Some(every) = self.report_every {
                     self.unreported += 1;
-                    if self.unreported >= self.report_every {
+                    if self.unreported >= every {
                         self.report_streamed();
                     }
                 }
@@ -232,11 +230,9 @@ impl Stream for SubscriptionStream {
             Poll::Ready(None) => self.flush_delivered(),
             Poll::Pending => {
                 self.flush_delivered();
-                if self.unreported > 0 {
-                    // The group refills this member now; its pushes wake the
-                    // waker `poll_pop` just left.
-                    self.report_streamed();
-                }
+                // The group refills this member now; its pushes wake the
+                // waker `poll_pop` just left.
+                self.report_streamed();
             }
         }
         polled
