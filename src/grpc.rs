@@ -327,7 +327,7 @@ pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Respo
     response
 }
 
-/// A subscription's deliveries as `Message`s for tonic, pre-encoded.
+/// A subscription's deliveries as `Message`s for tonic (see [`crate::wire`]).
 pub struct MessageStream {
     inner: SubscriptionStream,
     subscription_id: String,
@@ -362,7 +362,7 @@ impl MessageStream {
             );
             let _ = span.set_parent(telemetry::extract_headers(&m.headers));
         }
-        EncodedMessage::new(m, &self.fields, delivery.attempt)
+        EncodedMessage::new(delivery.message, &self.fields, delivery.attempt)
     }
 }
 

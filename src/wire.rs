@@ -1,16 +1,23 @@
-//! Pre-encoded `tinybroker.v1.Message`s for subscription streams. Protobuf
-//! parses concatenated encodings as one message, so a delivery is written
-//! as three pieces: the part every subscriber shares (topic, payload,
-//! headers, sequence, publish time), encoded once per published message;
-//! the subscription's own fields (id, group), encoded once per
-//! subscription; and the delivery attempt. A fan-out to N subscribers thus
-//! encodes the message once instead of N times and allocates nothing per
-//! delivery.
+//! Deliveries for subscription streams, encoded straight from the published
+//! message. Protobuf parses concatenated encodings as one message, so a
+//! delivery is written as three pieces: the published message's fields
+//! (topic, payload, headers, sequence, publish time), read from the one
+//! `Arc<Published>` every subscriber shares; the subscription's own fields
+//! (id, group), encoded once per subscription; and the delivery attempt.
+//! Nothing is allocated or copied per delivery before tonic's encode buffer:
+//! the payload is copied once, into that buffer.
+//!
+//! (An earlier version encoded the shared fields once per published message
+//! into their own buffer and copied that into each subscriber's. The extra
+//! allocation and copy cost more than the few varints it saved, and a
+//! consumer group, with one receiver per message, gained nothing from it;
+//! see BENCHMARKS.md.)
 
 use crate::broker::Published;
 use crate::pb;
 use bytes::{BufMut, Bytes};
 use prost::encoding::{DecodeContext, WireType};
+use std::sync::Arc;
 
 /// Field number of `Message.delivery_attempt` in `broker.proto`.
 const DELIVERY_ATTEMPT_FIELD: u32 = 8;
@@ -18,21 +25,51 @@ const DELIVERY_ATTEMPT_FIELD: u32 = 8;
 /// One delivery on the wire, byte for byte a `tinybroker.v1.Message`. The
 /// server only sends it: the generated server code refers to it in place of
 /// `pb::Message` (see `build.rs`); clients decode [`pb::Message`].
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct EncodedMessage {
-    shared: Bytes,
+    /// `None` only for `Default` (which prost requires): an empty message.
+    message: Option<Arc<Published>>,
+    /// `publish_time` as protobuf has it, converted once per delivery.
+    publish_time: prost_types::Timestamp,
     subscriber: Bytes,
     delivery_attempt: u32,
 }
 
 impl EncodedMessage {
-    pub fn new(message: &Published, subscriber: &SubscriberFields, delivery_attempt: u32) -> Self {
-        let shared = message.encoded.get_or_init(|| shared_part(message)).clone();
+    pub fn new(message: Arc<Published>, subscriber: &SubscriberFields, delivery_attempt: u32) -> Self {
         Self {
-            shared,
+            publish_time: prost_types::Timestamp::from(message.publish_time),
+            message: Some(message),
             subscriber: subscriber.0.clone(),
             delivery_attempt,
         }
+    }
+
+    /// Encoded length of fields 1 to 5.
+    fn published_len(&self) -> usize {
+        use prost::encoding::{bytes, hash_map, message as nested, string, uint64};
+        let Some(m) = &self.message else { return 0 };
+        let headers = if m.headers.is_empty() {
+            0
+        } else {
+            hash_map::encoded_len(string::encoded_len, string::encoded_len, 3, &m.headers)
+        };
+        let topic = if m.topic.is_empty() {
+            0
+        } else {
+            string::encoded_len(1, &m.topic)
+        };
+        let payload = if m.payload.is_empty() {
+            0
+        } else {
+            bytes::encoded_len(2, &m.payload)
+        };
+        let sequence = if m.sequence != 0 {
+            uint64::encoded_len(4, &m.sequence)
+        } else {
+            0
+        };
+        topic + payload + headers + sequence + nested::encoded_len(5, &self.publish_time)
     }
 }
 
@@ -51,42 +88,34 @@ impl SubscriberFields {
     }
 }
 
-/// Fields 1 to 5 of `Message`, encoded as prost would encode them, straight
-/// from the published message (no copy of its topic or headers first).
-fn shared_part(message: &Published) -> Bytes {
-    use prost::encoding::{bytes, hash_map, message as nested, string, uint64};
-    let publish_time = prost_types::Timestamp::from(message.publish_time);
-    let len = string::encoded_len(1, &message.topic)
-        + bytes::encoded_len(2, &message.payload)
-        + hash_map::encoded_len(string::encoded_len, string::encoded_len, 3, &message.headers)
-        + uint64::encoded_len(4, &message.sequence)
-        + nested::encoded_len(5, &publish_time);
-    let mut buf = Vec::with_capacity(len);
-    if !message.topic.is_empty() {
-        string::encode(1, &message.topic, &mut buf);
-    }
-    if !message.payload.is_empty() {
-        bytes::encode(2, &message.payload, &mut buf);
-    }
-    hash_map::encode(
-        string::encode,
-        string::encoded_len,
-        string::encode,
-        string::encoded_len,
-        3,
-        &message.headers,
-        &mut buf,
-    );
-    if message.sequence != 0 {
-        uint64::encode(4, &message.sequence, &mut buf);
-    }
-    nested::encode(5, &publish_time, &mut buf);
-    Bytes::from(buf)
-}
-
 impl prost::Message for EncodedMessage {
+    /// Fields 1 to 5 as prost encodes them (the same order, the same
+    /// defaults skipped), then the subscription's fields and the attempt.
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.shared);
+        use prost::encoding::{bytes, hash_map, message as nested, string, uint64};
+        if let Some(m) = &self.message {
+            if !m.topic.is_empty() {
+                string::encode(1, &m.topic, buf);
+            }
+            if !m.payload.is_empty() {
+                bytes::encode(2, &m.payload, buf);
+            }
+            if !m.headers.is_empty() {
+                hash_map::encode(
+                    string::encode,
+                    string::encoded_len,
+                    string::encode,
+                    string::encoded_len,
+                    3,
+                    &m.headers,
+                    buf,
+                );
+            }
+            if m.sequence != 0 {
+                uint64::encode(4, &m.sequence, buf);
+            }
+            nested::encode(5, &self.publish_time, buf);
+        }
         buf.put_slice(&self.subscriber);
         if self.delivery_attempt != 0 {
             prost::encoding::uint32::encode(DELIVERY_ATTEMPT_FIELD, &self.delivery_attempt, buf);
@@ -99,7 +128,7 @@ impl prost::Message for EncodedMessage {
         } else {
             0
         };
-        self.shared.len() + self.subscriber.len() + attempt
+        self.published_len() + self.subscriber.len() + attempt
     }
 
     /// Never called by the server, which only sends these; decoding one is
@@ -128,42 +157,65 @@ mod tests {
     use super::*;
     use prost::Message as _;
     use std::collections::HashMap;
+    use std::time::{Duration, SystemTime};
+
+    /// What prost itself encodes for `published` delivered to `fields`.
+    fn expected(published: &Published, id: &str, group: &str, attempt: u32) -> pb::Message {
+        pb::Message {
+            topic: published.topic.clone(),
+            payload: published.payload.clone(),
+            headers: published.headers.clone(),
+            sequence: published.sequence,
+            publish_time: Some(prost_types::Timestamp::from(published.publish_time)),
+            subscription_id: id.into(),
+            consumer_group: group.into(),
+            delivery_attempt: attempt,
+        }
+    }
 
     #[test]
-    fn decodes_as_the_message_it_stands_for() {
-        let mut published = Published::for_test("deploy.rollout", 42);
-        published.payload = Bytes::from_static(b"v42 is out");
-        published.headers = HashMap::from([("team".to_string(), "web".to_string())]);
-        let fields = SubscriberFields::new("sub-1", "workers");
-        let encoded = EncodedMessage::new(&published, &fields, 3);
-        let bytes = encoded.encode_to_vec();
-        assert_eq!(bytes.len(), encoded.encoded_len());
-        let decoded = pb::Message::decode(bytes.as_slice()).unwrap();
-        let expected = pb::Message {
-            topic: "deploy.rollout".into(),
-            payload: Bytes::from_static(b"v42 is out"),
-            headers: published.headers.clone(),
-            sequence: 42,
-            publish_time: Some(prost_types::Timestamp::from(published.publish_time)),
-            subscription_id: "sub-1".into(),
-            consumer_group: "workers".into(),
-            delivery_attempt: 3,
-        };
-        assert_eq!(decoded, expected);
-        assert_eq!(
-            bytes,
-            expected.encode_to_vec(),
-            "the same bytes as prost's own encoding"
-        );
+    fn encodes_the_bytes_prost_encodes() {
+        let mut full = Published::for_test("deploy.rollout", 42);
+        full.payload = Bytes::from_static(b"v42 is out");
+        full.headers = HashMap::from([
+            ("team".to_string(), "web".to_string()),
+            ("traceparent".to_string(), "00-abc-def-01".to_string()),
+        ]);
+        let mut bare = Published::for_test("a", 0);
+        bare.publish_time = SystemTime::UNIX_EPOCH - Duration::from_millis(1500);
+        let mut big = Published::for_test("metrics.cpu.host-1", u64::MAX);
+        big.payload = Bytes::from(vec![7u8; 70_000]);
+        for published in [full, bare, big] {
+            let published = Arc::new(published);
+            for (id, group, attempt) in [("sub-1", "workers", 3), ("s", "", 1), ("", "", 0)] {
+                let encoded = EncodedMessage::new(published.clone(), &SubscriberFields::new(id, group), attempt);
+                let bytes = encoded.encode_to_vec();
+                assert_eq!(bytes.len(), encoded.encoded_len());
+                let want = expected(&published, id, group, attempt);
+                if published.headers.len() < 2 {
+                    // A map of several entries may come out in any order.
+                    assert_eq!(bytes, want.encode_to_vec(), "the same bytes as prost's own encoding");
+                }
+                assert_eq!(pb::Message::decode(bytes.as_slice()).unwrap(), want);
+            }
+        }
+    }
 
-        // The shared part is made once and reused by the next subscriber.
-        let other = EncodedMessage::new(&published, &SubscriberFields::new("sub-2", ""), 1);
-        assert_eq!(other.shared.as_ptr(), encoded.shared.as_ptr());
-        let decoded = pb::Message::decode(other.encode_to_vec().as_slice()).unwrap();
-        assert_eq!(
-            (decoded.subscription_id.as_str(), decoded.consumer_group.as_str()),
-            ("sub-2", "")
-        );
+    #[test]
+    fn deliveries_share_the_published_message() {
+        let published = Arc::new(Published::for_test("deploy.rollout", 7));
+        let a = EncodedMessage::new(published.clone(), &SubscriberFields::new("a", ""), 1);
+        let b = EncodedMessage::new(published.clone(), &SubscriberFields::new("b", ""), 1);
+        assert_eq!(Arc::strong_count(&published), 3, "no copy per delivery");
+        drop((a, b));
+        assert_eq!(Arc::strong_count(&published), 1);
+    }
+
+    #[test]
+    fn is_send_only() {
+        let published = Arc::new(Published::for_test("deploy.rollout", 7));
+        let bytes = EncodedMessage::new(published, &SubscriberFields::new("a", ""), 1).encode_to_vec();
         assert!(EncodedMessage::decode(bytes.as_slice()).is_err(), "send-only");
+        assert!(EncodedMessage::default().encode_to_vec().is_empty());
     }
 }

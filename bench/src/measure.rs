@@ -160,7 +160,9 @@ impl Recorder {
 
     /// Counts one received payload.
     pub fn record(&mut self, p: &[u8]) {
-        let now = now_ns();
+        // One clock reading per message serves both the latency and `last_at`.
+        let at = Instant::now();
+        let now = at.duration_since(epoch()).as_nanos() as u64;
         self.tally.received += 1;
         match decode(p) {
             Some((number, sent)) => {
@@ -171,7 +173,7 @@ impl Recorder {
                 self.domain.stray.fetch_add(1, Ordering::Relaxed);
             }
         }
-        self.tally.last_at = Some(Instant::now());
+        self.tally.last_at = Some(at);
     }
 
     /// The stream ended without being asked to (eviction, error).
@@ -309,6 +311,63 @@ impl Flow {
             }
             let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
         }
+    }
+}
+
+/// A plain thread of the bench process that sleeps [`StallWatch::NAP`] at a
+/// time and notes how late it wakes. A wake-up over [`StallWatch::THRESHOLD`]
+/// late is a moment when the machine left a ready thread of this process
+/// waiting; a receiver waiting likewise adds that delay to every message in
+/// flight, whatever the broker did. Reported beside the latency run so its
+/// tail can be read.
+pub struct StallWatch {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Stalls>>,
+}
+
+/// What a [`StallWatch`] saw.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stalls {
+    pub count: u64,
+    pub longest: Duration,
+}
+
+impl StallWatch {
+    pub const NAP: Duration = Duration::from_micros(200);
+    pub const THRESHOLD: Duration = Duration::from_millis(1);
+
+    pub fn start() -> StallWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("stall-watch".into())
+            .spawn(move || {
+                let mut seen = Stalls::default();
+                while !flag.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    std::thread::sleep(Self::NAP);
+                    let late = t.elapsed().saturating_sub(Self::NAP);
+                    if late > Self::THRESHOLD {
+                        seen.count += 1;
+                        seen.longest = seen.longest.max(late);
+                    }
+                }
+                seen
+            })
+            .ok();
+        StallWatch { stop, thread }
+    }
+
+    /// Stops the thread; None if it could not be started.
+    pub fn finish(mut self) -> Option<Stalls> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take()?.join().ok()
+    }
+}
+
+impl Drop for StallWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 

@@ -4,7 +4,7 @@
 //! client side, which would hide the back-pressure we want the server to see).
 
 use crate::measure::{Delivery, Recorder, Tally, drive};
-use crate::systems::{Server, http_get, varz_field, within};
+use crate::systems::{Server, before, http_get, varz_field, within};
 use anyhow::{Context, Result, bail};
 use async_nats::{Client, ConnectOptions, Subject};
 use bytes::Bytes;
@@ -153,9 +153,9 @@ impl Publisher {
         })
     }
 
-    pub async fn send(&mut self, payload: Bytes) -> Result<()> {
-        within(
-            NET,
+    pub async fn send(&mut self, payload: Bytes, deadline: tokio::time::Instant) -> Result<()> {
+        before(
+            deadline,
             "publishing to NATS",
             self.client.publish(self.subject.clone(), payload),
         )

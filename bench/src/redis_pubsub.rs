@@ -3,7 +3,7 @@
 //! that keeps many PUBLISH commands in flight (redis-rs pipelines them).
 
 use crate::measure::{Delivery, Recorder, Tally, drive};
-use crate::systems::{Server, within};
+use crate::systems::{Server, before, within};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -79,16 +79,16 @@ impl Publisher {
         })
     }
 
-    async fn settle_one(&mut self) -> Result<()> {
-        if let Some(r) = within(NET, "waiting for a PUBLISH reply", self.in_flight.next()).await? {
+    async fn settle_one(&mut self, deadline: tokio::time::Instant) -> Result<()> {
+        if let Some(r) = before(deadline, "waiting for a PUBLISH reply", self.in_flight.next()).await? {
             r.context("Redis PUBLISH")?;
         }
         Ok(())
     }
 
-    pub async fn send(&mut self, payload: Bytes) -> Result<()> {
+    pub async fn send(&mut self, payload: Bytes, deadline: tokio::time::Instant) -> Result<()> {
         while self.in_flight.len() >= PUBLISH_IN_FLIGHT {
-            self.settle_one().await?;
+            self.settle_one(deadline).await?;
         }
         let mut con = self.con.clone();
         let cmd = redis::cmd("PUBLISH").arg(&self.topic).arg(&payload[..]).clone();
@@ -104,7 +104,7 @@ impl Publisher {
     /// Waits for every PUBLISH reply: then Redis has sent every message.
     pub async fn finish(mut self, _sent: u64) -> Result<()> {
         while !self.in_flight.is_empty() {
-            self.settle_one().await?;
+            self.settle_one(tokio::time::Instant::now() + NET).await?;
         }
         Ok(())
     }

@@ -29,6 +29,14 @@ pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>
         .map_err(|_| anyhow!("timed out after {limit:?} while {what}"))
 }
 
+/// [`within`] with a deadline the caller computed, for hot loops: it reads
+/// no clock (a timeout made per message would read it once per message).
+pub async fn before<T>(deadline: tokio::time::Instant, what: &str, fut: impl Future<Output = T>) -> Result<T> {
+    tokio::time::timeout_at(deadline, fut)
+        .await
+        .map_err(|_| anyhow!("timed out while {what}"))
+}
+
 /// The systems compared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {

@@ -3,7 +3,7 @@
 //! for manual-ack group members.
 
 use crate::measure::{Delivery, Recorder, Tally, drive};
-use crate::systems::{Server, http_get, prom_sum, within};
+use crate::systems::{Server, before, http_get, prom_sum, within};
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use std::sync::Arc;
@@ -219,13 +219,13 @@ impl Publisher {
         })
     }
 
-    pub async fn send(&mut self, payload: Bytes) -> Result<()> {
+    pub async fn send(&mut self, payload: Bytes, deadline: tokio::time::Instant) -> Result<()> {
         let req = pb::PublishRequest {
             topic: self.topic.clone(),
             payload,
             headers: Default::default(),
         };
-        match within(NET, "handing a message to PublishStream", self.tx.send(req)).await? {
+        match before(deadline, "handing a message to PublishStream", self.tx.send(req)).await? {
             Ok(()) => Ok(()),
             // The call ended early: its status says why.
             Err(_) => match within(NET, "reading the PublishStream status", &mut self.call).await? {

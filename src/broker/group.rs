@@ -8,7 +8,6 @@
 //! (streamed in auto mode, acked, dead-lettered, or dropped and counted).
 //! Time is passed in (`now`), so the logic is tested without a clock.
 
-use super::queue::Push;
 use super::{Delivery, Published, Subscription};
 use crate::topic::TopicPattern;
 use parking_lot::Mutex;
@@ -398,16 +397,18 @@ impl GroupState {
                 return;
             };
             let slot = &mut self.members[index];
+            let attempt = pending.attempts + 1;
+            // Only a manual-ack member's message is also kept in flight; an
+            // auto-ack delivery hands over the group's only reference.
+            let kept = (slot.settings.ack_mode == AckMode::Manual).then(|| pending.message.clone());
             let delivery = Delivery {
                 message: pending.message,
-                attempt: pending.attempts + 1,
+                attempt,
             };
-            let message = delivery.message.clone();
-            let attempt = delivery.attempt;
-            match slot.subscription.queue.push(delivery) {
-                Push::Queued => {
+            match slot.subscription.queue.push_or_return(delivery) {
+                Ok(()) => {
                     slot.held += 1;
-                    if slot.settings.ack_mode == AckMode::Manual {
+                    if let Some(message) = kept {
                         let (member, deadline) = (slot.key, now + slot.settings.ack_deadline);
                         self.in_flight.insert(
                             message.sequence,
@@ -421,12 +422,12 @@ impl GroupState {
                         );
                     }
                 }
-                Push::Full { .. } | Push::Closed => {
+                Err(delivery) => {
                     // The member is leaving (its `leave` is on the way): take
                     // it out of the rotation and keep the message.
                     self.members.remove(index);
                     self.backlog.push_front(Pending {
-                        message,
+                        message: delivery.message,
                         attempts: attempt - 1,
                         avoid: pending.avoid,
                     });

@@ -21,8 +21,8 @@ use queue::{Push, Queue};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
 
@@ -53,10 +53,6 @@ pub struct Published {
     pub headers: HashMap<String, String>,
     pub sequence: u64,
     pub publish_time: SystemTime,
-    /// The message's wire form, made by the first stream that sends it and
-    /// shared by every other subscriber's stream, so a fan-out encodes once.
-    /// The core never reads it; the gRPC layer fills it.
-    pub encoded: OnceLock<Bytes>,
 }
 
 impl Published {
@@ -68,7 +64,6 @@ impl Published {
             headers: HashMap::new(),
             sequence,
             publish_time: SystemTime::now(),
-            encoded: OnceLock::new(),
         }
     }
 }
@@ -328,7 +323,6 @@ impl Broker {
             headers: message.headers,
             sequence,
             publish_time: at.wall,
-            encoded: OnceLock::new(),
         });
         let stats = &self.shared.stats;
         stats.published.fetch_add(1, Ordering::Relaxed);

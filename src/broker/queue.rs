@@ -121,15 +121,24 @@ impl Queue {
 
     /// Queues `item` unless the queue is full or closed. Never waits.
     pub(crate) fn push(&self, item: Delivery) -> Push {
+        self.try_push(item)
+            .map_or_else(|(refused, _)| refused, |()| Push::Queued)
+    }
+
+    /// [`Queue::push`] that hands back a refused item (full or closed queue).
+    pub(crate) fn push_or_return(&self, item: Delivery) -> Result<(), Delivery> {
+        self.try_push(item).map_err(|(_, item)| item)
+    }
+
+    fn try_push(&self, item: Delivery) -> Result<(), (Push, Delivery)> {
         let waker = {
             let mut state = self.state.lock();
             if state.closed.is_some() {
-                return Push::Closed;
+                return Err((Push::Closed, item));
             }
             if state.items.len() >= self.capacity {
-                return Push::Full {
-                    depth: state.items.len(),
-                };
+                let depth = state.items.len();
+                return Err((Push::Full { depth }, item));
             }
             state.items.push_back(item);
             // Taken, so a burst of pushes yields one wake-up until the stream
@@ -139,7 +148,7 @@ impl Queue {
         if let Some(waker) = waker {
             wake(waker);
         }
-        Push::Queued
+        Ok(())
     }
 
     /// The next message; `Ready(None)` once the queue is closed. A closed
