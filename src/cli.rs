@@ -99,10 +99,42 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
     }
 }
 
+/// Most worker threads `TOKIO_WORKER_THREADS` may ask for.
+const MAX_WORKER_THREADS: usize = 1024;
+
+/// The runtime's worker threads from `TOKIO_WORKER_THREADS`, checked here:
+/// tokio itself would panic on a bad value. `None`: one per CPU this process
+/// may use (tokio's default, which honours a cgroup CPU quota).
+fn worker_threads() -> Result<Option<usize>, String> {
+    const VAR: &str = "TOKIO_WORKER_THREADS";
+    let bad = |value: &dyn std::fmt::Debug| {
+        format!("{VAR}={value:?} is not a number of worker threads (a whole number from 1 to {MAX_WORKER_THREADS})")
+    };
+    match std::env::var(VAR) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(value)) => Err(bad(&value)),
+        Ok(value) => match value.parse::<usize>() {
+            Ok(n) if (1..=MAX_WORKER_THREADS).contains(&n) => Ok(Some(n)),
+            _ => Err(bad(&value)),
+        },
+    }
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    match worker_threads() {
+        Ok(Some(n)) => {
+            builder.worker_threads(n);
+        }
+        Ok(None) => {}
+        Err(e) => {
+            eprintln!("tinybroker: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tinybroker: cannot start the async runtime: {e}");

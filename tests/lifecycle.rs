@@ -221,6 +221,46 @@ fn a_bad_variable_stops_start_up_with_one_line_naming_it() {
 }
 
 #[test]
+fn a_bad_worker_thread_count_stops_start_up_with_one_line_naming_it() {
+    for value in ["0", "two", "-1", "100000"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+            .env("TOKIO_WORKER_THREADS", value)
+            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(2), "{value}: {:?}", output.status);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{value}: {stderr}");
+        assert!(
+            stderr.contains(&format!("TOKIO_WORKER_THREADS=\"{value}\"")),
+            "{value}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{value}: {stderr}");
+    }
+}
+
+#[tokio::test]
+async fn one_worker_thread_serves() {
+    timeout(async {
+        let process = BrokerProcess::spawn(&[("TOKIO_WORKER_THREADS", "1")]);
+        let url = process.url();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+                .args(["publish", "deploy.one", "hello", "--addr", &url])
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.starts_with("sequence=1"), "{stdout}");
+    })
+    .await
+}
+
+#[test]
 fn an_address_in_use_is_named_at_start_up() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();

@@ -394,14 +394,18 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     }
     let after = server.stats()?;
     if let Some(stalls) = watch.and_then(StallWatch::finish) {
-        remarks.push(format!(
-            "a bench thread sleeping {} µs at a time woke over {} ms late {} times (at worst {:.1} ms late): \
-             this machine left a ready thread of the bench waiting that long, whatever the server did",
-            StallWatch::NAP.as_micros(),
-            StallWatch::THRESHOLD.as_millis(),
-            stalls.count,
-            stalls.longest.as_secs_f64() * 1e3
-        ));
+        let (nap, threshold) = (StallWatch::NAP.as_micros(), StallWatch::THRESHOLD.as_millis());
+        remarks.push(if stalls.count == 0 {
+            format!("a bench thread sleeping {nap} µs at a time never woke over {threshold} ms late")
+        } else {
+            format!(
+                "a bench thread sleeping {nap} µs at a time woke over {threshold} ms late {} times \
+                 (at worst {:.1} ms late): this machine left a ready thread of the bench waiting \
+                 that long, whatever the server did",
+                stalls.count,
+                stalls.longest.as_secs_f64() * 1e3
+            )
+        });
     }
     stop.cancel();
     let mut tallies = Vec::with_capacity(receivers.len());
