@@ -216,6 +216,23 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // With BENCH_TERM_WAIT_MS set (for a profiler that writes its data
+        // when the process exits, such as callgrind), SIGTERM first and wait
+        // up to that long for the server to exit by itself.
+        let wait = std::env::var("BENCH_TERM_WAIT_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok());
+        if let (Some(ms), Ok(pid)) = (wait, libc::pid_t::try_from(self.child.id())) {
+            // SAFETY: kill(2) with our own child's pid, which is not reaped yet.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_millis(ms);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         // SIGKILL and reap: a benchmark has nothing to drain.
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -236,11 +236,14 @@ pub(crate) enum Route {
 
 /// A publisher's own memo of topic → routes, valid while the broker's route
 /// generation is unchanged. Lets a long `PublishStream` skip the shared trie
-/// (and its locks) for topics it has seen.
+/// (and its locks) for topics it has seen. Hashed with foldhash (randomly
+/// seeded, a fraction of SipHash's cost per lookup); the cache is the
+/// stream's own and bounded, so colliding topics could only slow their
+/// own publisher.
 #[derive(Default)]
 pub struct RouteCache {
     generation: u64,
-    routes: HashMap<String, Arc<[Route]>>,
+    routes: HashMap<String, Arc<[Route]>, foldhash::fast::RandomState>,
 }
 
 impl RouteCache {
