@@ -100,6 +100,13 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Whether `--system` keeps the variant named `name` (as the table's system
+/// column shows it): no filter keeps all, else any case-insensitive substring.
+fn selects(filters: &[String], name: &str) -> bool {
+    let name = name.to_lowercase();
+    filters.is_empty() || filters.iter().any(|f| name.contains(&f.to_lowercase()))
+}
+
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM.
 async fn interrupted() -> &'static str {
     use tokio::signal::unix::{SignalKind, signal};
@@ -148,10 +155,7 @@ async fn run(cli: Cli) -> Result<bool> {
         .into_iter()
         .filter(|c| cli.only.is_empty() || cli.only.iter().any(|o| c.id.contains(o) || c.label.contains(o)))
         .map(|mut c| {
-            c.variants.retain(|v| {
-                let name = v.to_string().to_lowercase();
-                cli.system.is_empty() || cli.system.iter().any(|s| name.contains(&s.to_lowercase()))
-            });
+            c.variants.retain(|v| selects(&cli.system, &v.to_string()));
             c
         })
         .filter(|c| !c.variants.is_empty())
@@ -234,4 +238,20 @@ async fn run(cli: Cli) -> Result<bool> {
         );
     }
     Ok(all_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::selects;
+
+    #[test]
+    fn system_filter_matches_the_table_names() {
+        let f = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(selects(&[], "NATS"));
+        assert!(selects(&f(&["nats"]), "NATS"));
+        assert!(!selects(&f(&["nats"]), "tinybroker"));
+        assert!(selects(&f(&["manual"]), "tinybroker MANUAL ack"));
+        assert!(!selects(&f(&["manual"]), "tinybroker"));
+        assert!(selects(&f(&["redis", "tinybroker"]), "tinybroker MANUAL ack"));
+    }
 }

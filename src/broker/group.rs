@@ -8,6 +8,7 @@
 //! (streamed in auto mode, acked, dead-lettered, or dropped and counted).
 //! Time is passed in (`now`), so the logic is tested without a clock.
 
+use super::queue::Push;
 use super::{Delivery, Published, Subscription};
 use crate::topic::TopicPattern;
 use parking_lot::Mutex;
@@ -405,8 +406,8 @@ impl GroupState {
                 message: pending.message,
                 attempt,
             };
-            match slot.subscription.queue.push_or_return(delivery) {
-                Ok(()) => {
+            match slot.subscription.queue.push(delivery) {
+                Push::Queued => {
                     slot.held += 1;
                     if let Some(message) = kept {
                         let (member, deadline) = (slot.key, now + slot.settings.ack_deadline);
@@ -422,7 +423,7 @@ impl GroupState {
                         );
                     }
                 }
-                Err(delivery) => {
+                Push::Full { item: delivery, .. } | Push::Closed(delivery) => {
                     // The member is leaving (its `leave` is on the way): take
                     // it out of the rotation and keep the message.
                     self.members.remove(index);

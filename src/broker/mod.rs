@@ -346,8 +346,8 @@ impl Broker {
                     };
                     match sub.queue.push(delivery) {
                         Push::Queued => outcome.matched_subscriptions += 1,
-                        Push::Full { depth } => self.evict(sub, depth),
-                        Push::Closed => {}
+                        Push::Full { depth, .. } => self.evict(sub, depth),
+                        Push::Closed(_) => {}
                     }
                 }
                 Route::Group(group) => {

@@ -79,13 +79,15 @@ pub enum CloseReason {
     Shutdown,
 }
 
+/// What became of a pushed delivery; a refused one is handed back.
 pub(crate) enum Push {
     Queued,
     /// The queue held `depth` messages already; nothing was queued.
     Full {
         depth: usize,
+        item: Delivery,
     },
-    Closed,
+    Closed(Delivery),
 }
 
 pub(crate) struct Queue {
@@ -121,24 +123,14 @@ impl Queue {
 
     /// Queues `item` unless the queue is full or closed. Never waits.
     pub(crate) fn push(&self, item: Delivery) -> Push {
-        self.try_push(item)
-            .map_or_else(|(refused, _)| refused, |()| Push::Queued)
-    }
-
-    /// [`Queue::push`] that hands back a refused item (full or closed queue).
-    pub(crate) fn push_or_return(&self, item: Delivery) -> Result<(), Delivery> {
-        self.try_push(item).map_err(|(_, item)| item)
-    }
-
-    fn try_push(&self, item: Delivery) -> Result<(), (Push, Delivery)> {
         let waker = {
             let mut state = self.state.lock();
             if state.closed.is_some() {
-                return Err((Push::Closed, item));
+                return Push::Closed(item);
             }
             if state.items.len() >= self.capacity {
                 let depth = state.items.len();
-                return Err((Push::Full { depth }, item));
+                return Push::Full { depth, item };
             }
             state.items.push_back(item);
             // Taken, so a burst of pushes yields one wake-up until the stream
@@ -148,7 +140,7 @@ impl Queue {
         if let Some(waker) = waker {
             wake(waker);
         }
-        Ok(())
+        Push::Queued
     }
 
     /// The next message; `Ready(None)` once the queue is closed. A closed
@@ -228,7 +220,7 @@ mod tests {
         let q = Queue::new(2);
         assert!(matches!(q.push(delivery(1)), Push::Queued));
         assert!(matches!(q.push(delivery(2)), Push::Queued));
-        assert!(matches!(q.push(delivery(3)), Push::Full { depth: 2 }));
+        assert!(matches!(q.push(delivery(3)), Push::Full { depth: 2, .. }));
         assert_eq!(q.len(), 2);
         let mut cx = Context::from_waker(Waker::noop());
         match q.poll_pop(&mut cx) {
@@ -285,7 +277,7 @@ mod tests {
         assert!(q.close(CloseReason::Shutdown).is_none(), "second close is a no-op");
         assert_eq!(q.len(), 0);
         assert!(matches!(q.poll_pop(&mut cx), Poll::Ready(None)));
-        assert!(matches!(q.push(delivery(3)), Push::Closed));
+        assert!(matches!(q.push(delivery(3)), Push::Closed(_)));
         assert_eq!(q.close_reason(), Some(CloseReason::Evicted));
     }
 }
