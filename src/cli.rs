@@ -163,6 +163,28 @@ async fn serve() -> anyhow::Result<()> {
         files.load()?;
     }
     let telemetry = crate::telemetry::init(config.log_format)?;
+    let names: Vec<String> = std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .collect();
+    for (name, closest) in crate::config::unknown_variables(names.iter().map(String::as_str)) {
+        match closest {
+            Some(closest) => {
+                tracing::warn!(variable = %name, "{name} is not a tinybroker setting and is ignored; did you mean {closest}?")
+            }
+            None => tracing::warn!(variable = %name, "{name} is not a tinybroker setting and is ignored"),
+        }
+    }
+    // Each connection takes a descriptor: room for max_connections of them
+    // plus the broker's own (listeners, metrics scrapes, logs).
+    match crate::connections::raise_fd_limit() {
+        Ok(limit) if limit < config.connections.max_connections as u64 + 64 => tracing::warn!(
+            fd_limit = limit,
+            max_connections = config.connections.max_connections,
+            "the open-files limit is below TINYBROKER_MAX_CONNECTIONS + 64: connections beyond it will be refused by the kernel, not counted; raise the limit or lower TINYBROKER_MAX_CONNECTIONS"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+    }
     let listeners = Listeners::bind(&config).await?;
     let result = server::run(config, listeners, shutdown_signal()).await;
     // Flushes spans in the exporter's own thread; keep the runtime free.

@@ -34,6 +34,11 @@ pub struct ConnectionLimits {
     /// SETTINGS_MAX_CONCURRENT_STREAMS: open calls (subscriptions included)
     /// on one connection; a client opening more waits for a free slot.
     pub max_streams_per_connection: u32,
+    /// Open gRPC connections in all; one more is closed at once.
+    pub max_connections: usize,
+    /// Time a new connection has to complete the TLS handshake (when TLS is
+    /// on) and send the HTTP/2 preface.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
@@ -42,6 +47,8 @@ impl Default for ConnectionLimits {
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
             max_streams_per_connection: 1024,
+            max_connections: 10_000,
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -58,6 +65,13 @@ pub struct Limits {
     pub group_idle_ttl: Duration,
     pub max_message_bytes: usize,
     pub max_subscriptions: usize,
+    /// Bytes one broadcast subscription's queue may hold before it is evicted.
+    pub consumer_max_bytes: usize,
+    /// Bytes one group's backlog may hold before its oldest message is dropped.
+    pub group_max_bytes: usize,
+    /// Bytes of messages and incoming requests the whole broker may hold;
+    /// None: no limit (no container limit was found and none was set).
+    pub max_memory_bytes: Option<usize>,
 }
 
 impl Default for Limits {
@@ -71,6 +85,9 @@ impl Default for Limits {
             group_idle_ttl: Duration::from_secs(300),
             max_message_bytes: 1_048_576,
             max_subscriptions: 10_000,
+            consumer_max_bytes: 64 << 20,
+            group_max_bytes: 128 << 20,
+            max_memory_bytes: None,
         }
     }
 }
@@ -104,6 +121,37 @@ impl TlsFiles {
             )
         })?;
         Ok(tonic::transport::Identity::from_pem(cert, key))
+    }
+}
+
+impl TlsFiles {
+    /// The TLS settings of the gRPC listener: this certificate and key,
+    /// HTTP/2 offered through ALPN.
+    pub fn server_config(&self) -> Result<tokio_rustls::rustls::ServerConfig, ConfigError> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        use tokio_rustls::rustls;
+        self.load()?;
+        let cert = read_pem(&self.cert, "TLS_CERT")?;
+        let key = read_pem(&self.key, "TLS_KEY")?;
+        let certs = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_error("TLS_CERT", &self.cert, &format!("is not valid PEM ({e})")))?;
+        let key = PrivateKeyDer::from_pem_slice(&key)
+            .map_err(|e| pem_error("TLS_KEY", &self.key, &format!("holds no usable PEM private key: {e}")))?;
+        let mut config =
+            rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key))
+                .map_err(|e| {
+                    ConfigError(format!(
+                        "{PREFIX}TLS_CERT={:?} and {PREFIX}TLS_KEY={:?} are not a usable certificate and key: {e}",
+                        self.cert.display().to_string(),
+                        self.key.display().to_string()
+                    ))
+                })?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
     }
 }
 
@@ -195,18 +243,63 @@ struct RawEnv {
     keepalive_interval_seconds: Option<String>,
     keepalive_timeout_seconds: Option<String>,
     max_streams_per_connection: Option<String>,
+    consumer_max_bytes: Option<String>,
+    group_max_bytes: Option<String>,
+    max_memory_bytes: Option<String>,
+    max_connections: Option<String>,
+    handshake_timeout_seconds: Option<String>,
 }
+
+/// Every variable [`RawEnv`] reads, without the prefix: a `TINYBROKER_*`
+/// variable not in this list is reported at start-up (a misspelling would
+/// otherwise be ignored without a word).
+pub const VARIABLES: &[&str] = &[
+    "GRPC_ADDR",
+    "METRICS_ADDR",
+    "CONSUMER_CAPACITY",
+    "GROUP_CAPACITY",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_ACK_DEADLINE_MS",
+    "MAX_DELIVERY_ATTEMPTS",
+    "GROUP_IDLE_TTL_SECONDS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_SUBSCRIPTIONS",
+    "SHUTDOWN_GRACE_SECONDS",
+    "AUTH_TOKEN",
+    "TLS_CERT",
+    "TLS_KEY",
+    "METRICS_PER_SUBSCRIPTION",
+    "LOG_FORMAT",
+    "KEEPALIVE_INTERVAL_SECONDS",
+    "KEEPALIVE_TIMEOUT_SECONDS",
+    "MAX_STREAMS_PER_CONNECTION",
+    "CONSUMER_MAX_BYTES",
+    "GROUP_MAX_BYTES",
+    "MAX_MEMORY_BYTES",
+    "MAX_CONNECTIONS",
+    "HANDSHAKE_TIMEOUT_SECONDS",
+];
 
 const PREFIX: &str = "TINYBROKER_";
 
 impl Config {
-    /// Reads the process environment.
+    /// Reads the process environment; `TINYBROKER_MAX_MEMORY_BYTES` defaults
+    /// from this process's container memory limit.
     pub fn from_env() -> Result<Self, ConfigError> {
-        Self::from_vars(std::env::vars())
+        Self::from_vars_in(std::env::vars(), crate::memory::container_memory_limit())
     }
 
-    /// Reads the given variables (tests pass their own).
+    /// Reads the given variables (tests pass their own), as outside any
+    /// container.
     pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        Self::from_vars_in(vars, None)
+    }
+
+    /// Reads the given variables in a container with this memory limit.
+    pub fn from_vars_in(
+        vars: impl IntoIterator<Item = (String, String)>,
+        container_memory_limit: Option<u64>,
+    ) -> Result<Self, ConfigError> {
         let raw: RawEnv = envy::prefixed(PREFIX)
             .from_iter(vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)))
             .map_err(|e| ConfigError(format!("could not read the {PREFIX}* environment: {e}")))?;
@@ -239,6 +332,12 @@ impl Config {
             )?),
             max_message_bytes: positive(&raw.max_message_bytes, "MAX_MESSAGE_BYTES", d.max_message_bytes)?,
             max_subscriptions: positive(&raw.max_subscriptions, "MAX_SUBSCRIPTIONS", d.max_subscriptions)?,
+            consumer_max_bytes: positive(&raw.consumer_max_bytes, "CONSUMER_MAX_BYTES", d.consumer_max_bytes)?,
+            group_max_bytes: positive(&raw.group_max_bytes, "GROUP_MAX_BYTES", d.group_max_bytes)?,
+            max_memory_bytes: match raw.max_memory_bytes {
+                None => crate::memory::default_limit(container_memory_limit),
+                Some(_) => Some(positive(&raw.max_memory_bytes, "MAX_MEMORY_BYTES", 1usize)?),
+            },
         };
         // The gRPC decoder must be able to hold a maximal message plus framing.
         const MESSAGE_BYTES_CEILING: usize = 1 << 30;
@@ -267,12 +366,17 @@ impl Config {
             }
         };
         let auth_token = match raw.auth_token {
-            Some(t) if t.trim().is_empty() && !t.is_empty() => {
+            // An empty token would quietly turn authentication off.
+            Some(t) if t.is_empty() => {
+                return Err(ConfigError(format!(
+                    "{PREFIX}AUTH_TOKEN=\"\" is empty, which would leave the broker open to anyone: set a token, or unset the variable to run without authentication"
+                )));
+            }
+            Some(t) if t.trim().is_empty() => {
                 return Err(ConfigError(format!(
                     "{PREFIX}AUTH_TOKEN is only whitespace: expected a non-blank token, or leave it unset"
                 )));
             }
-            Some(t) if t.is_empty() => None,
             other => other,
         };
         let c = &defaults.connections;
@@ -292,6 +396,12 @@ impl Config {
                 "MAX_STREAMS_PER_CONNECTION",
                 c.max_streams_per_connection,
             )?,
+            max_connections: positive(&raw.max_connections, "MAX_CONNECTIONS", c.max_connections)?,
+            handshake_timeout: Duration::from_secs(positive(
+                &raw.handshake_timeout_seconds,
+                "HANDSHAKE_TIMEOUT_SECONDS",
+                c.handshake_timeout.as_secs(),
+            )?),
         };
         Ok(Config {
             connections,
@@ -320,6 +430,45 @@ impl Config {
             },
         })
     }
+}
+
+/// The `TINYBROKER_*` variables among `names` that the broker does not know,
+/// each with the known variable it most likely meant, if one is close.
+/// Kubernetes' service links for a Service named `tinybroker`
+/// (`TINYBROKER_SERVICE_HOST`, `TINYBROKER_PORT_50051_TCP`, ...) are not
+/// reported.
+pub fn unknown_variables<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<(String, Option<String>)> {
+    names
+        .into_iter()
+        .filter_map(|name| name.strip_prefix(PREFIX))
+        .filter(|rest| !VARIABLES.contains(rest))
+        .filter(|rest| !(rest.starts_with("SERVICE_") || *rest == "PORT" || rest.starts_with("PORT_")))
+        .map(|rest| {
+            let closest = VARIABLES
+                .iter()
+                .map(|known| (edit_distance(rest, known), known))
+                .filter(|(distance, known)| *distance <= 3.max(known.len() / 4))
+                .min_by_key(|(distance, _)| *distance)
+                .map(|(_, known)| format!("{PREFIX}{known}"));
+            (format!("{PREFIX}{rest}"), closest)
+        })
+        .collect()
+}
+
+/// Levenshtein distance between two short ASCII names.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1).min(row[j] + 1).min(diagonal + usize::from(ca != cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
 }
 
 fn invalid(name: &str, value: &str, expected: &str) -> ConfigError {
@@ -391,6 +540,11 @@ mod tests {
         assert_eq!(c.limits.group_idle_ttl, Duration::from_secs(300));
         assert_eq!(c.limits.max_message_bytes, 1_048_576);
         assert_eq!(c.limits.max_subscriptions, 10_000);
+        assert_eq!(c.limits.consumer_max_bytes, 64 << 20);
+        assert_eq!(c.limits.group_max_bytes, 128 << 20);
+        assert_eq!(c.limits.max_memory_bytes, None, "no container limit");
+        assert_eq!(c.connections.max_connections, 10_000);
+        assert_eq!(c.connections.handshake_timeout, Duration::from_secs(10));
         assert_eq!(c.shutdown_grace, Duration::from_secs(10));
         assert!(c.metrics_per_subscription);
         assert_eq!(c.log_format, LogFormat::Text);
@@ -418,6 +572,11 @@ mod tests {
             ("TINYBROKER_KEEPALIVE_INTERVAL_SECONDS", "12"),
             ("TINYBROKER_KEEPALIVE_TIMEOUT_SECONDS", "13"),
             ("TINYBROKER_MAX_STREAMS_PER_CONNECTION", "14"),
+            ("TINYBROKER_CONSUMER_MAX_BYTES", "15"),
+            ("TINYBROKER_GROUP_MAX_BYTES", "16"),
+            ("TINYBROKER_MAX_MEMORY_BYTES", "17"),
+            ("TINYBROKER_MAX_CONNECTIONS", "18"),
+            ("TINYBROKER_HANDSHAKE_TIMEOUT_SECONDS", "19"),
         ]))
         .unwrap();
         assert_eq!(c.grpc_addr.port(), 1);
@@ -442,7 +601,13 @@ mod tests {
                 keepalive_interval: Duration::from_secs(12),
                 keepalive_timeout: Duration::from_secs(13),
                 max_streams_per_connection: 14,
+                max_connections: 18,
+                handshake_timeout: Duration::from_secs(19),
             }
+        );
+        assert_eq!(
+            (l.consumer_max_bytes, l.group_max_bytes, l.max_memory_bytes),
+            (15, 16, Some(17))
         );
         assert!(!format!("{c:?}").contains("s3cret"), "Debug must redact the token");
     }
@@ -468,6 +633,12 @@ mod tests {
             ("TINYBROKER_KEEPALIVE_INTERVAL_SECONDS", "0", "greater than 0"),
             ("TINYBROKER_KEEPALIVE_TIMEOUT_SECONDS", "1m", "greater than 0"),
             ("TINYBROKER_MAX_STREAMS_PER_CONNECTION", "4294967296", "greater than 0"),
+            ("TINYBROKER_CONSUMER_MAX_BYTES", "0", "greater than 0"),
+            ("TINYBROKER_GROUP_MAX_BYTES", "64MiB", "greater than 0"),
+            ("TINYBROKER_MAX_MEMORY_BYTES", "0", "greater than 0"),
+            ("TINYBROKER_MAX_CONNECTIONS", "-5", "greater than 0"),
+            ("TINYBROKER_HANDSHAKE_TIMEOUT_SECONDS", "0", "greater than 0"),
+            ("TINYBROKER_AUTH_TOKEN", "", "empty"),
         ];
         for (name, value, expected) in cases {
             let err = Config::from_vars(vars(&[(name, value)])).unwrap_err().to_string();
@@ -478,6 +649,42 @@ mod tests {
                 assert!(err.contains(&format!("{value:?}")), "{err}");
             }
         }
+    }
+
+    #[test]
+    fn the_memory_limit_defaults_to_three_quarters_of_the_container_limit() {
+        let c = Config::from_vars_in(vars(&[]), Some(512 << 20)).unwrap();
+        assert_eq!(c.limits.max_memory_bytes, Some(384 << 20));
+        let set = Config::from_vars_in(vars(&[("TINYBROKER_MAX_MEMORY_BYTES", "1000")]), Some(512 << 20)).unwrap();
+        assert_eq!(set.limits.max_memory_bytes, Some(1000), "the variable wins");
+    }
+
+    #[test]
+    fn unknown_variables_are_named_with_the_closest_known_one() {
+        let found = unknown_variables([
+            "TINYBROKER_CONSUMER_CAPACITY",
+            "TINYBROKER_CONSUMER_CAPACTY",
+            "TINYBROKER_MAX_MSG_BYTES",
+            "TINYBROKER_WHATEVER_ELSE_ENTIRELY",
+            "TINYBROKER_SERVICE_HOST",
+            "TINYBROKER_PORT_50051_TCP_ADDR",
+            "TINYBROKER_PORT",
+            "PATH",
+        ]);
+        assert_eq!(
+            found,
+            [
+                (
+                    "TINYBROKER_CONSUMER_CAPACTY".to_owned(),
+                    Some("TINYBROKER_CONSUMER_CAPACITY".to_owned())
+                ),
+                (
+                    "TINYBROKER_MAX_MSG_BYTES".to_owned(),
+                    Some("TINYBROKER_MAX_MESSAGE_BYTES".to_owned())
+                ),
+                ("TINYBROKER_WHATEVER_ELSE_ENTIRELY".to_owned(), None),
+            ]
+        );
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //!
 //! Modules, one concern each: [`topic`] (syntax), [`sublist`] (matching),
 //! [`broker`] (the routing core), [`grpc`] (tonic adapter) with [`wire`] (pre-encoded deliveries), [`server`]
-//! (lifecycle), [`side`] (HTTP side server), [`metrics`], [`config`], [`telemetry`],
+//! (lifecycle) with [`connections`] (the gRPC listener) and [`incoming`] (requests being received),
+//! [`memory`] (the byte budget), [`side`] (HTTP side server), [`metrics`], [`config`], [`telemetry`],
 //! [`client`] and [`cli`].
 
 pub mod auth;
@@ -10,7 +11,10 @@ pub mod broker;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod connections;
 pub mod grpc;
+pub mod incoming;
+pub mod memory;
 pub mod metrics;
 pub mod pb;
 pub mod server;

@@ -6,13 +6,16 @@
 //! observed as events happen (lock-free atomics).
 
 use crate::broker::Broker;
+use crate::connections::{ConnectionStats, Rejection};
+use crate::incoming::IncomingLimits;
 use prometheus::core::{Collector, Desc};
 use prometheus::local::LocalHistogram;
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 /// Label value of `mode` for broadcast subscriptions.
@@ -24,6 +27,7 @@ pub const MODE_SINGLE: &str = "single";
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    broker: Broker,
     publish_duration: Histogram,
     delivery_lag_multi: Histogram,
     delivery_lag_single: Histogram,
@@ -68,17 +72,28 @@ impl Metrics {
             Box::new(delivery_lag.clone()),
             Box::new(build_info),
             Box::new(prometheus::process_collector::ProcessCollector::for_self()),
-            Box::new(BrokerCollector::new(broker, per_subscription)),
+            Box::new(BrokerCollector::new(broker.clone(), per_subscription)),
         ];
         for collector in collectors {
             registry.register(collector).expect("metric names are unique");
         }
         Self {
             registry,
+            broker,
             publish_duration,
             delivery_lag_multi: delivery_lag.with_label_values(&[MODE_MULTI]),
             delivery_lag_single: delivery_lag.with_label_values(&[MODE_SINGLE]),
         }
+    }
+
+    /// Adds the gRPC listener's metrics: open and rejected connections, and
+    /// requests refused for what they would hold.
+    pub fn with_connections(self, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
+        let collector = ResourceCollector::new(self.broker.clone(), connections, incoming);
+        self.registry
+            .register(Box::new(collector))
+            .expect("metric names are unique");
+        self
     }
 
     /// One observation of `tinybroker_publish_duration_seconds` (a unary
@@ -207,7 +222,7 @@ impl Templates {
             dropped: IntCounterVec::new(
                 Opts::new(
                     "tinybroker_messages_dropped_total",
-                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL).",
+                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL), dead_letter_invalid (a dead letter that the broker's two headers took over a message limit).",
                 ),
                 &["reason"],
             )?,
@@ -340,6 +355,7 @@ impl BrokerCollector {
             ("closed", &stats.dropped_closed),
             ("group_overflow", &stats.dropped_group_overflow),
             ("group_expired", &stats.dropped_group_expired),
+            ("dead_letter_invalid", &stats.dropped_dead_letter_invalid),
         ] {
             m.dropped.with_label_values(&[reason]).inc_by(load(counter));
         }
@@ -390,6 +406,145 @@ impl Collector for BrokerCollector {
             Ok(m) => m.collectors().into_iter().flat_map(|c| c.collect()).collect(),
             Err(e) => {
                 tracing::error!(error = %e, "cannot collect broker metrics");
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// The broker's resources and what protects them: memory in use and its
+/// limit, connections, refusals, and shutdown progress. Read at scrape time.
+struct ResourceCollector {
+    broker: Broker,
+    connections: Arc<ConnectionStats>,
+    incoming: Arc<IncomingLimits>,
+    t: ResourceMetrics,
+}
+
+struct ResourceMetrics {
+    memory_used: IntGauge,
+    memory_limit: IntGauge,
+    connections: IntGauge,
+    rejected: IntCounterVec,
+    accept_errors: IntCounter,
+    refused: IntCounterVec,
+    memory_evictions: IntCounter,
+    shutting_down: IntGauge,
+    shutdown_pending: IntGauge,
+}
+
+impl ResourceMetrics {
+    fn new() -> prometheus::Result<Self> {
+        Ok(Self {
+            memory_used: IntGauge::new(
+                "tinybroker_memory_used_bytes",
+                "Bytes charged to the broker's memory budget: every message held for subscribers and groups (once, however many hold it), and requests being received.",
+            )?,
+            memory_limit: IntGauge::new(
+                "tinybroker_memory_limit_bytes",
+                "max_memory_bytes (TINYBROKER_MAX_MEMORY_BYTES, by default 75% of the container's memory limit); 0 when there is none.",
+            )?,
+            connections: IntGauge::new("tinybroker_connections", "Open gRPC connections.")?,
+            rejected: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_connections_rejected_total",
+                    "gRPC connections the broker closed, by reason: connection_limit (TINYBROKER_MAX_CONNECTIONS open already), handshake_timeout, tls_handshake, not_http2, http2_flood (HTTP/2 flood protection, GOAWAY ENHANCE_YOUR_CALM), http2_protocol_error.",
+                ),
+                &["reason"],
+            )?,
+            accept_errors: IntCounter::new(
+                "tinybroker_accept_errors_total",
+                "Failed accepts of gRPC connections (out of file descriptors or memory); the listener backs off after each.",
+            )?,
+            refused: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_requests_refused_total",
+                    "Requests refused with RESOURCE_EXHAUSTED for the memory they would take, by reason: memory_limit (the broker's budget, TINYBROKER_MAX_MEMORY_BYTES), connection_incoming_limit (one connection's requests still being received).",
+                ),
+                &["reason"],
+            )?,
+            memory_evictions: IntCounter::new(
+                "tinybroker_memory_limit_evictions_total",
+                "Subscriptions evicted to bring the broker back under its memory limit (also in tinybroker_evictions_total).",
+            )?,
+            shutting_down: IntGauge::new(
+                "tinybroker_shutting_down",
+                "1 from SIGTERM until the process exits (health NOT_SERVING, queues draining).",
+            )?,
+            shutdown_pending: IntGauge::new(
+                "tinybroker_shutdown_pending_messages",
+                "While shutting down: messages still queued for subscribers and in group backlogs, which are discarded if the grace period ends first.",
+            )?,
+        })
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.memory_used,
+            &self.memory_limit,
+            &self.connections,
+            &self.rejected,
+            &self.accept_errors,
+            &self.refused,
+            &self.memory_evictions,
+            &self.shutting_down,
+            &self.shutdown_pending,
+        ]
+    }
+}
+
+impl ResourceCollector {
+    fn new(broker: Broker, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
+        Self {
+            broker,
+            connections,
+            incoming,
+            t: ResourceMetrics::new().expect("valid metric definitions"),
+        }
+    }
+
+    fn snapshot(&self) -> prometheus::Result<ResourceMetrics> {
+        let m = ResourceMetrics::new()?;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        let memory = self.broker.memory();
+        m.memory_used.set(memory.used() as i64);
+        m.memory_limit.set(memory.limit().map_or(0, |l| l as i64));
+        m.connections.set(self.connections.open() as i64);
+        for reason in Rejection::ALL {
+            m.rejected
+                .with_label_values(&[reason.label()])
+                .inc_by(self.connections.rejected(reason));
+        }
+        m.accept_errors.inc_by(self.connections.accept_errors());
+        let stats = self.broker.stats();
+        m.refused
+            .with_label_values(&["memory_limit"])
+            .inc_by(load(&stats.refused_memory_limit) + load(&self.incoming.refused_memory_limit));
+        m.refused
+            .with_label_values(&["connection_incoming_limit"])
+            .inc_by(load(&self.incoming.refused_connection_limit));
+        m.memory_evictions.inc_by(load(&stats.evictions_memory_limit));
+        let shutting_down = self.broker.is_shutting_down();
+        m.shutting_down.set(i64::from(shutting_down));
+        m.shutdown_pending.set(if shutting_down {
+            self.broker.queued_total() as i64
+        } else {
+            0
+        });
+        Ok(m)
+    }
+}
+
+impl Collector for ResourceCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.t.collectors().into_iter().flat_map(|c| c.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        match self.snapshot() {
+            Ok(m) => m.collectors().into_iter().flat_map(|c| c.collect()).collect(),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot collect resource metrics");
                 Vec::new()
             }
         }

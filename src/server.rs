@@ -5,7 +5,9 @@
 use crate::auth::AuthLayer;
 use crate::broker::Broker;
 use crate::config::Config;
+use crate::connections::{self, ConnectionStats};
 use crate::grpc::{self, AdminService, BrokerService};
+use crate::incoming::IncomingLimits;
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::side;
@@ -15,13 +17,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Server, ServerTlsConfig};
+use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 /// How long the servers get to finish once every stream has ended.
-const CONNECTION_CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECTION_CLOSE_TIMEOUT: Duration = connections::GRACEFUL_CLOSE;
 
 /// Listeners bound before the broker starts (tests bind `127.0.0.1:0`).
 pub struct Listeners {
@@ -32,8 +33,7 @@ pub struct Listeners {
 impl Listeners {
     /// Binds both addresses of `config`, naming the one that fails.
     pub async fn bind(config: &Config) -> anyhow::Result<Self> {
-        let grpc = TcpListener::bind(config.grpc_addr)
-            .await
+        let grpc = connections::bind(config.grpc_addr)
             .map_err(|e| anyhow::anyhow!("cannot listen on TINYBROKER_GRPC_ADDR={}: {e}", config.grpc_addr))?;
         let metrics = TcpListener::bind(config.metrics_addr)
             .await
@@ -74,8 +74,18 @@ impl Health {
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let grpc_addr = listeners.grpc.local_addr()?;
     let metrics_addr = listeners.metrics.local_addr()?;
+    let tls = match &config.tls {
+        Some(files) => Some(tokio_rustls::TlsAcceptor::from(Arc::new(files.server_config()?))),
+        None => None,
+    };
     let broker = Broker::new(config.limits.clone());
-    let metrics = Metrics::new(broker.clone(), config.metrics_per_subscription);
+    let connection_stats = Arc::new(ConnectionStats::default());
+    let incoming = Arc::new(IncomingLimits::new(
+        grpc::decoding_limit(config.limits.max_message_bytes),
+        broker.memory(),
+    ));
+    let metrics = Metrics::new(broker.clone(), config.metrics_per_subscription)
+        .with_connections(connection_stats.clone(), incoming.clone());
     let (stop_maintenance, maintenance_stopped) = tokio::sync::oneshot::channel::<()>();
     let maintenance = tokio::spawn(broker.clone().maintain(async {
         let _ = maintenance_stopped.await;
@@ -97,30 +107,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
 
-    let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut grpc_builder = Server::builder();
-    if let Some(files) = &config.tls {
-        let identity = files.load()?;
-        grpc_builder = grpc_builder
-            .tls_config(ServerTlsConfig::new().identity(identity))
-            .map_err(|e| {
-                anyhow::anyhow!(
-                    "TINYBROKER_TLS_CERT={:?} and TINYBROKER_TLS_KEY={:?} are not a usable certificate and key: {:#}",
-                    files.cert.display().to_string(),
-                    files.key.display().to_string(),
-                    anyhow::Error::new(e)
-                )
-            })?;
-    }
-    let c = &config.connections;
-    let grpc_server = grpc_builder
-        .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(c.keepalive_interval))
-        .http2_keepalive_timeout(Some(c.keepalive_timeout))
-        .max_concurrent_streams(c.max_streams_per_connection)
-        .layer(tower::util::MapResponseLayer::new(grpc::map_oversized_response))
-        .layer(AuthLayer::new(config.auth_token.as_deref()))
-        .add_service(health_service)
+    let routes = tonic::service::Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(BrokerService::new(broker.clone(), metrics.clone()).into_server())
@@ -128,12 +115,23 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             AdminService::new(broker.clone(), config.auth_token.is_some(), config.tls.is_some())
                 .with_shutdown_grace(config.shutdown_grace)
                 .into_server(),
-        )
-        // tonic applies `tcp_nodelay` only to listeners it binds itself; an
-        // incoming stream needs it set here, or Nagle holds back small writes.
-        .serve_with_incoming_shutdown(TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)), async {
-            let _ = grpc_stopped.await;
-        });
+        );
+    let service = tower::ServiceBuilder::new()
+        .layer(tower::util::MapResponseLayer::new(grpc::map_oversized_response))
+        .layer(AuthLayer::new(config.auth_token.as_deref()))
+        .service(routes);
+    let stop_grpc = CancellationToken::new();
+    let grpc_server = connections::serve(
+        listeners.grpc,
+        service,
+        connections::Settings {
+            limits: config.connections.clone(),
+            tls,
+            incoming,
+        },
+        connection_stats,
+        stop_grpc.clone(),
+    );
     let grpc_task = tokio::spawn(grpc_server);
 
     let (stop_side, side_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -168,10 +166,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         ),
         (false, _) => tracing::warn!(discarded, "grace period over: messages still queued were discarded"),
     }
-    let _ = stop_grpc.send(());
-    match tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT, grpc_task).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::error!(error = %e, "gRPC server failed"),
+    stop_grpc.cancel();
+    match tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT + Duration::from_secs(1), grpc_task).await {
+        Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(error = %e, "gRPC server task failed"),
         Err(_) => tracing::warn!("gRPC connections did not close in time; stopping anyway"),
     }
@@ -212,6 +209,11 @@ fn log_started(config: &Config, grpc_addr: SocketAddr, metrics_addr: SocketAddr)
         group_idle_ttl_seconds = l.group_idle_ttl.as_secs(),
         max_message_bytes = l.max_message_bytes,
         max_subscriptions = l.max_subscriptions,
+        consumer_max_bytes = l.consumer_max_bytes,
+        group_max_bytes = l.group_max_bytes,
+        max_memory_bytes = l.max_memory_bytes.map_or_else(|| "none".to_owned(), |b| b.to_string()),
+        max_connections = config.connections.max_connections,
+        handshake_timeout_seconds = config.connections.handshake_timeout.as_secs(),
         shutdown_grace_seconds = config.shutdown_grace.as_secs(),
         auth = config.auth_token.is_some(),
         tls = config.tls.is_some(),

@@ -360,6 +360,7 @@ impl FuzzConfig {
             group_idle_ttl: Duration::from_secs(100 * 365 * 24 * 3600),
             max_message_bytes: 1 + usize::from(self.max_message_bytes % 4096),
             max_subscriptions: 1 + usize::from(self.max_subscriptions % 16),
+            ..Limits::default()
         }
     }
 }

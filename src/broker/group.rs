@@ -49,6 +49,8 @@ pub struct DeadLetter {
 pub struct GroupSnapshot {
     pub members: usize,
     pub backlog: usize,
+    /// Bytes of the backlog's messages.
+    pub backlog_bytes: usize,
     pub in_flight: usize,
     pub oldest_unacked_age: Option<Duration>,
 }
@@ -59,6 +61,8 @@ pub struct ConsumerGroup {
     name: Arc<str>,
     patterns: Vec<TopicPattern>,
     capacity: usize,
+    /// Most bytes the backlog holds (`TINYBROKER_GROUP_MAX_BYTES`).
+    max_bytes: usize,
     /// 0 = no limit.
     max_delivery_attempts: u32,
     /// A plain mutex: nothing awaits while it is held. Publishers, member
@@ -71,7 +75,7 @@ pub struct ConsumerGroup {
 }
 
 struct GroupState {
-    backlog: VecDeque<Pending>,
+    backlog: Backlog,
     members: Vec<MemberSlot>,
     /// Round-robin position in `members`.
     cursor: usize,
@@ -81,6 +85,49 @@ struct GroupState {
     idle_since: Option<Instant>,
     /// Set when the group is removed; a joining member then starts a new one.
     removed: bool,
+}
+
+/// Messages waiting for a member with room, oldest first, and their bytes.
+#[derive(Default)]
+struct Backlog {
+    items: VecDeque<Pending>,
+    bytes: usize,
+}
+
+impl Backlog {
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    fn front(&self) -> Option<&Pending> {
+        self.items.front()
+    }
+
+    fn push_back(&mut self, pending: Pending) {
+        self.bytes += pending.message.size();
+        self.items.push_back(pending);
+    }
+
+    fn push_front(&mut self, pending: Pending) {
+        self.bytes += pending.message.size();
+        self.items.push_front(pending);
+    }
+
+    fn pop_front(&mut self) -> Option<Pending> {
+        let pending = self.items.pop_front()?;
+        self.bytes -= pending.message.size();
+        Some(pending)
+    }
+
+    fn clear(&mut self) {
+        self.items.clear();
+        self.bytes = 0;
+    }
+
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = &Pending> {
+        self.items.iter()
+    }
 }
 
 struct Pending {
@@ -114,6 +161,7 @@ impl ConsumerGroup {
         name: Arc<str>,
         patterns: Vec<TopicPattern>,
         capacity: usize,
+        max_bytes: usize,
         max_delivery_attempts: u32,
         now: Instant,
     ) -> Self {
@@ -122,9 +170,10 @@ impl ConsumerGroup {
             name,
             patterns,
             capacity,
+            max_bytes,
             max_delivery_attempts,
             state: Mutex::new(GroupState {
-                backlog: VecDeque::new(),
+                backlog: Backlog::default(),
                 members: Vec::new(),
                 cursor: 0,
                 in_flight: HashMap::new(),
@@ -163,6 +212,7 @@ impl ConsumerGroup {
         GroupSnapshot {
             members: state.members.len(),
             backlog: state.backlog.len(),
+            backlog_bytes: state.backlog.bytes,
             in_flight: state.members.iter().map(|m| m.held as usize).sum(),
             oldest_unacked_age: state
                 .in_flight
@@ -173,18 +223,24 @@ impl ConsumerGroup {
     }
 
     /// Routes one published message to the group: into the backlog, then to
-    /// a member with room. Returns true when the backlog was full and its
-    /// oldest message was dropped to make room.
-    pub(crate) fn offer(&self, message: Arc<Published>, now: Instant) -> bool {
+    /// a member with room. Returns how many of the oldest backlog messages
+    /// were dropped to make room (the backlog was at its capacity or its
+    /// byte limit).
+    pub(crate) fn offer(&self, message: Arc<Published>, now: Instant) -> u64 {
         let mut state = self.state.lock();
         if state.removed {
-            return false;
+            return 0;
         }
-        let mut overflowed = false;
-        if state.backlog.len() >= self.capacity {
+        let mut dropped = 0;
+        // The newest message always gets in, however large.
+        while !state.backlog.items.is_empty()
+            && (state.backlog.len() >= self.capacity || state.backlog.bytes + message.size() > self.max_bytes)
+        {
             state.backlog.pop_front();
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            overflowed = true;
+            dropped += 1;
+        }
+        if dropped > 0 {
+            self.dropped.fetch_add(dropped, Ordering::Relaxed);
         }
         state.backlog.push_back(Pending {
             message,
@@ -192,7 +248,7 @@ impl ConsumerGroup {
             avoid: None,
         });
         state.dispatch(now);
-        overflowed
+        dropped
     }
 
     /// Adds a member (its patterns were checked by the caller) and hands it
@@ -513,7 +569,7 @@ mod tests {
             format!("m{key}").into(),
             vec![TopicPattern::parse("t").unwrap()],
             None,
-            Queue::new(capacity),
+            Queue::new(capacity, usize::MAX),
             None,
         ))
     }
@@ -535,7 +591,7 @@ mod tests {
 
     fn group(capacity: usize, max_attempts: u32) -> ConsumerGroup {
         let p = vec![TopicPattern::parse("t").unwrap()];
-        ConsumerGroup::new(0, "g".into(), p, capacity, max_attempts, Instant::now())
+        ConsumerGroup::new(0, "g".into(), p, capacity, usize::MAX, max_attempts, Instant::now())
     }
 
     #[test]
@@ -558,13 +614,32 @@ mod tests {
     fn overflow_drops_the_oldest() {
         let now = Instant::now();
         let g = group(2, 0);
-        assert!(!g.offer(published(1), now));
-        assert!(!g.offer(published(2), now));
-        assert!(g.offer(published(3), now));
+        assert_eq!(g.offer(published(1), now), 0);
+        assert_eq!(g.offer(published(2), now), 0);
+        assert_eq!(g.offer(published(3), now), 1);
         assert_eq!(g.dropped(), 1);
         let m = member(1, 8);
         g.join(m.clone(), settings(AckMode::Auto, 8), now);
         assert_eq!(pop(&m).unwrap().message.sequence, 2);
+    }
+
+    #[test]
+    fn a_backlog_over_its_byte_limit_drops_the_oldest() {
+        let now = Instant::now();
+        let size = published(0).size();
+        let p = vec![TopicPattern::parse("t").unwrap()];
+        // Room for two and a half messages by bytes, ten by count.
+        let g = ConsumerGroup::new(0, "g".into(), p, 10, 2 * size + size / 2, 0, now);
+        assert_eq!(g.offer(published(1), now), 0);
+        assert_eq!(g.offer(published(2), now), 0);
+        assert_eq!(g.snapshot(now).backlog_bytes, 2 * size);
+        assert_eq!(g.offer(published(3), now), 1, "the oldest makes room");
+        assert_eq!(g.snapshot(now).backlog, 2);
+        assert_eq!(g.snapshot(now).backlog_bytes, 2 * size);
+        let m = member(1, 8);
+        g.join(m.clone(), settings(AckMode::Auto, 8), now);
+        assert_eq!(pop(&m).unwrap().message.sequence, 2);
+        assert_eq!(g.snapshot(now).backlog_bytes, 0, "handed out");
     }
 
     #[test]
@@ -721,7 +796,7 @@ mod tests {
                 // Where every message is now.
                 let state = g.state.lock();
                 let mut places: HashMap<u64, usize> = HashMap::new();
-                for p in &state.backlog {
+                for p in state.backlog.iter() {
                     *places.entry(p.message.sequence).or_default() += 1;
                 }
                 for (sub, manual, _) in &members {

@@ -13,6 +13,7 @@ use subscription::Membership;
 pub use subscription::{Subscription, SubscriptionInfo, SubscriptionStream};
 
 use crate::config::Limits;
+use crate::memory::{self, MemoryBudget};
 use crate::sublist::Sublist;
 use crate::topic::{self, TopicPattern};
 use bytes::Bytes;
@@ -46,6 +47,8 @@ pub const ORIGINAL_TOPIC_HEADER: &str = "tinybroker-original-topic";
 pub const DELIVERY_ATTEMPTS_HEADER: &str = "tinybroker-delivery-attempts";
 
 /// A message as published: shared by every subscription it fans out to.
+/// Charged to the broker's memory budget from its creation until the last
+/// queue, group or stream holding it lets go.
 #[derive(Debug)]
 pub struct Published {
     pub topic: String,
@@ -53,19 +56,49 @@ pub struct Published {
     pub headers: HashMap<String, String>,
     pub sequence: u64,
     pub publish_time: SystemTime,
+    /// What it is charged: see [`message_size`].
+    size: usize,
+    budget: &'static MemoryBudget,
 }
 
 impl Published {
+    /// The bytes it is charged, in the broker's budget and in every queue's
+    /// and group's byte limit.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
     #[cfg(test)]
     pub(crate) fn for_test(topic: &str, sequence: u64) -> Self {
+        static UNLIMITED: MemoryBudget = MemoryBudget::unlimited();
+        let size = message_size(topic, &Bytes::new(), &HashMap::new());
+        UNLIMITED.charge(size);
         Self {
             topic: topic.into(),
             payload: Bytes::new(),
             headers: HashMap::new(),
             sequence,
             publish_time: SystemTime::now(),
+            size,
+            budget: &UNLIMITED,
         }
     }
+}
+
+impl Drop for Published {
+    fn drop(&mut self) {
+        self.budget.release(self.size);
+    }
+}
+
+/// What a message is charged against byte limits: its topic, payload and
+/// headers, plus the bookkeeping around them.
+pub fn message_size(topic: &str, payload: &Bytes, headers: &HashMap<String, String>) -> usize {
+    let headers: usize = headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len() + memory::HEADER_OVERHEAD)
+        .sum();
+    memory::MESSAGE_OVERHEAD + topic.len() + payload.len() + headers
 }
 
 /// When a message was published: the wall clock for its `publish_time`, the
@@ -191,6 +224,15 @@ pub struct Stats {
     /// Backlog of groups removed after their idle TTL.
     pub dropped_group_expired: AtomicU64,
     pub discarded_on_shutdown: AtomicU64,
+    /// Dead letters that would have broken a message limit (more than
+    /// [`MAX_HEADERS`] headers, or over `max_message_bytes`, once the
+    /// broker's two headers were added): not published, counted.
+    pub dropped_dead_letter_invalid: AtomicU64,
+    /// Publishes refused because the broker's memory budget was spent.
+    pub refused_memory_limit: AtomicU64,
+    /// Subscriptions evicted to bring the broker back under its memory
+    /// budget (also counted in `evictions`).
+    pub evictions_memory_limit: AtomicU64,
 }
 
 /// Handle to the broker; cheap to clone.
@@ -225,6 +267,17 @@ struct Shared {
     drain_signal: CancellationToken,
     started_at: SystemTime,
     started: Instant,
+    /// Bytes of every message alive and of requests being received.
+    memory: &'static MemoryBudget,
+}
+
+/// Why a subscription is evicted, with its queue's depth and bytes then.
+#[derive(Debug, Clone, Copy)]
+enum Eviction {
+    /// A message did not fit: the queue was at its capacity or byte limit.
+    QueueFull { depth: usize, bytes: usize },
+    /// The broker's memory budget was spent and this queue held the most.
+    MemoryLimit { depth: usize, bytes: usize },
 }
 
 /// A routing target of the trie.
@@ -252,6 +305,7 @@ impl RouteCache {
 
 impl Broker {
     pub fn new(limits: Limits) -> Self {
+        let memory = MemoryBudget::leak(limits.max_memory_bytes);
         Self {
             shared: Arc::new(Shared {
                 limits,
@@ -267,6 +321,7 @@ impl Broker {
                 drain_signal: CancellationToken::new(),
                 started_at: SystemTime::now(),
                 started: Instant::now(),
+                memory,
             }),
         }
     }
@@ -277,6 +332,11 @@ impl Broker {
 
     pub fn stats(&self) -> &Stats {
         &self.shared.stats
+    }
+
+    /// The memory budget shared with the gRPC layer (requests being received).
+    pub fn memory(&self) -> &'static MemoryBudget {
+        self.shared.memory
     }
 
     pub fn started_at(&self) -> SystemTime {
@@ -308,13 +368,61 @@ impl Broker {
         at: PublishTime,
     ) -> Result<PublishOutcome, BrokerError> {
         self.check_open()?;
-        self.validate_message(&message)?;
-        Ok(self.route(message, cache, at))
+        let size = self.validate_message(&message)?;
+        self.reserve(size, &message.topic)?;
+        Ok(self.route(message, size, cache, at))
     }
 
-    /// Assigns the sequence and hands the message to every matching
-    /// subscription and group. Never waits.
-    fn route(&self, message: NewMessage, cache: Option<&mut RouteCache>, at: PublishTime) -> PublishOutcome {
+    /// Charges a new message of `size` bytes to the memory budget. When the
+    /// budget is spent, first evicts the broadcast subscriptions that hold
+    /// the most bytes (the readers furthest behind: evicting frees what only
+    /// they hold), then refuses the message.
+    fn reserve(&self, size: usize, topic: &str) -> Result<(), BrokerError> {
+        const MOST_EVICTIONS_PER_MESSAGE: usize = 4;
+        let memory = self.shared.memory;
+        if memory.try_charge(size) {
+            return Ok(());
+        }
+        for _ in 0..MOST_EVICTIONS_PER_MESSAGE {
+            let Some((subscription, depth, bytes)) = self.fullest_broadcast_queue() else {
+                break;
+            };
+            self.evict(&subscription, Eviction::MemoryLimit { depth, bytes });
+            if memory.try_charge(size) {
+                return Ok(());
+            }
+        }
+        self.shared.stats.refused_memory_limit.fetch_add(1, Ordering::Relaxed);
+        Err(BrokerError::ResourceExhausted(format!(
+            "the broker's memory limit is reached: messages held for subscribers and consumer groups and requests being received take {} bytes, and the message to {:?} ({size} bytes) does not fit under max_memory_bytes {} (TINYBROKER_MAX_MEMORY_BYTES); consumer groups' backlogs hold the rest, try again once their members catch up",
+            memory.used(),
+            truncate(topic),
+            memory.limit().unwrap_or(usize::MAX)
+        )))
+    }
+
+    /// The broadcast subscription whose queue holds the most bytes (and its
+    /// depth and bytes), if any holds something.
+    fn fullest_broadcast_queue(&self) -> Option<(Arc<Subscription>, usize, usize)> {
+        let subscriptions = self.shared.subscriptions.lock();
+        subscriptions
+            .values()
+            .filter(|s| s.membership().is_none())
+            .map(|s| (s, s.queue.bytes()))
+            .filter(|(_, bytes)| *bytes > 0)
+            .max_by_key(|(_, bytes)| *bytes)
+            .map(|(s, bytes)| (s.clone(), s.queue_depth(), bytes))
+    }
+
+    /// Assigns the sequence and hands the message, already charged `size`
+    /// bytes, to every matching subscription and group. Never waits.
+    fn route(
+        &self,
+        message: NewMessage,
+        size: usize,
+        cache: Option<&mut RouteCache>,
+        at: PublishTime,
+    ) -> PublishOutcome {
         let routes = match cache {
             Some(cache) => self.routes_cached(&message.topic, cache),
             None => self.shared.routes.read().matches(&message.topic),
@@ -326,6 +434,8 @@ impl Broker {
             headers: message.headers,
             sequence,
             publish_time: at.wall,
+            size,
+            budget: self.shared.memory,
         });
         let stats = &self.shared.stats;
         stats.published.fetch_add(1, Ordering::Relaxed);
@@ -346,14 +456,15 @@ impl Broker {
                     };
                     match sub.queue.push(delivery) {
                         Push::Queued => outcome.matched_subscriptions += 1,
-                        Push::Full { depth, .. } => self.evict(sub, depth),
+                        Push::Full { depth, bytes, .. } => self.evict(sub, Eviction::QueueFull { depth, bytes }),
                         Push::Closed(_) => {}
                     }
                 }
                 Route::Group(group) => {
                     outcome.matched_groups += 1;
-                    if group.offer(published.clone(), at.monotonic) {
-                        stats.dropped_group_overflow.fetch_add(1, Ordering::Relaxed);
+                    let dropped = group.offer(published.clone(), at.monotonic);
+                    if dropped > 0 {
+                        stats.dropped_group_overflow.fetch_add(dropped, Ordering::Relaxed);
                     }
                 }
             }
@@ -376,15 +487,36 @@ impl Broker {
             let mut headers = original.headers.clone();
             headers.insert(ORIGINAL_TOPIC_HEADER.into(), original.topic.clone());
             headers.insert(DELIVERY_ATTEMPTS_HEADER.into(), letter.attempts.to_string());
-            self.route(
-                NewMessage {
-                    topic: format!("{DEAD_LETTER_PREFIX}{group}"),
-                    payload: original.payload.clone(),
-                    headers,
-                },
-                None,
-                PublishTime::now(),
-            );
+            let letter = NewMessage {
+                topic: format!("{DEAD_LETTER_PREFIX}{group}"),
+                payload: original.payload.clone(),
+                headers,
+            };
+            // A dead letter obeys the limits of every message a subscriber
+            // can receive. One that breaks them (its original had more than
+            // MAX_HEADERS - 2 headers, or was within the two headers' bytes
+            // of max_message_bytes) is dropped and counted, never delivered
+            // over a limit a client may rely on.
+            let size = match self.validate_message(&letter) {
+                Ok(size) => size,
+                Err(error) => {
+                    self.shared
+                        .stats
+                        .dropped_dead_letter_invalid
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        consumer_group = group,
+                        sequence = original.sequence,
+                        %error,
+                        "dead letter dropped: with the broker's two dead-letter headers it breaks a message limit"
+                    );
+                    continue;
+                }
+            };
+            // The original is released as the letter takes its place: charged
+            // whatever the limit, so a dead letter is never lost to it.
+            self.shared.memory.charge(size);
+            self.route(letter, size, None, PublishTime::now());
         }
     }
 
@@ -405,7 +537,8 @@ impl Broker {
         routes
     }
 
-    fn validate_message(&self, message: &NewMessage) -> Result<(), BrokerError> {
+    /// Checks a message against the limits; returns the bytes it is charged.
+    fn validate_message(&self, message: &NewMessage) -> Result<usize, BrokerError> {
         topic::validate_topic(&message.topic).map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
         if message.headers.len() > MAX_HEADERS {
             return Err(BrokerError::InvalidArgument(format!(
@@ -438,7 +571,7 @@ impl Broker {
                 message.topic
             )));
         }
-        Ok(())
+        Ok(message_size(&message.topic, &message.payload, &message.headers))
     }
 
     // === subscribing ===
@@ -478,7 +611,10 @@ impl Broker {
             id,
             patterns,
             request.peer,
-            Queue::new(self.shared.limits.consumer_capacity),
+            Queue::new(
+                self.shared.limits.consumer_capacity,
+                self.shared.limits.consumer_max_bytes,
+            ),
             None,
         ));
         self.register(&subscription)?;
@@ -573,6 +709,7 @@ impl Broker {
                 name.into(),
                 patterns.clone(),
                 limits.group_capacity,
+                limits.group_max_bytes,
                 limits.max_delivery_attempts,
                 tokio::time::Instant::now(),
             ))
@@ -582,7 +719,7 @@ impl Broker {
             id,
             patterns,
             request.peer,
-            Queue::new(settings.max_in_flight as usize),
+            Queue::new(settings.max_in_flight as usize, usize::MAX),
             Some(Membership {
                 group: group.clone(),
                 settings,
@@ -718,13 +855,32 @@ impl Broker {
         self.close(subscription, CloseReason::Cancelled);
     }
 
-    fn evict(&self, subscription: &Arc<Subscription>, depth: usize) {
-        // The message that did not fit is lost to this subscriber as well.
+    fn evict(&self, subscription: &Arc<Subscription>, why: Eviction) {
         let Some(_) = self.close(subscription, CloseReason::Evicted) else {
             return;
         };
-        self.shared.stats.dropped_evicted.fetch_add(1, Ordering::Relaxed);
-        self.shared.stats.evictions.fetch_add(1, Ordering::Relaxed);
+        let stats = &self.shared.stats;
+        let (depth, bytes, reason) = match why {
+            Eviction::QueueFull { depth, bytes } => {
+                // The message that did not fit is lost to this subscriber as well.
+                stats.dropped_evicted.fetch_add(1, Ordering::Relaxed);
+                let reason = if depth >= subscription.queue.capacity() {
+                    "its queue was full"
+                } else {
+                    "its queue held more than consumer_max_bytes (TINYBROKER_CONSUMER_MAX_BYTES)"
+                };
+                (depth, bytes, reason)
+            }
+            Eviction::MemoryLimit { depth, bytes } => {
+                stats.evictions_memory_limit.fetch_add(1, Ordering::Relaxed);
+                (
+                    depth,
+                    bytes,
+                    "the broker's memory limit (TINYBROKER_MAX_MEMORY_BYTES) was reached and its queue held the most bytes",
+                )
+            }
+        };
+        stats.evictions.fetch_add(1, Ordering::Relaxed);
         let record = EvictionRecord {
             subscription_id: subscription.id().to_owned(),
             evicted_at: SystemTime::now(),
@@ -738,9 +894,10 @@ impl Broker {
             peer = %display_peer(record.peer),
             patterns = ?record.topic_patterns,
             queue_depth = depth,
+            queue_bytes = bytes,
             capacity = subscription.queue.capacity(),
             last_delivered_sequence = record.last_delivered_sequence,
-            "slow consumer evicted: its queue was full"
+            "slow consumer evicted: {reason}"
         );
         let mut evictions = self.shared.evictions.lock();
         if evictions.len() >= EVICTION_HISTORY {
@@ -765,16 +922,20 @@ impl Broker {
         self.shared.drain_signal.cancel();
     }
 
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shared.draining.load(Ordering::Acquire)
+    }
+
+    /// Messages waiting anywhere: subscription queues and every group's
+    /// backlog (what a shutdown puts at risk).
+    pub fn queued_total(&self) -> usize {
+        self.waiting(true)
+    }
+
     /// Resolves when shutdown begins.
     pub fn draining(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
         self.shared.drain_signal.clone().cancelled_owned()
-    }
-
-    /// Messages waiting to be delivered: in subscription queues and group
-    /// backlogs.
-    #[cfg(test)]
-    fn queued(&self) -> usize {
-        self.waiting(true)
     }
 
     /// What shutdown waits for: messages that can still reach a subscriber,
@@ -1041,7 +1202,7 @@ mod tests {
             broker.publish(message("t"), None).unwrap();
         }
         assert_eq!(
-            broker.queued(),
+            broker.queued_total(),
             6,
             "3 queued for the subscriber, 3 in the group backlog"
         );

@@ -6,6 +6,8 @@
 //! queue frees what it holds at once and wakes the stream, which then ends.
 
 use super::Delivery;
+#[cfg(doc)]
+use super::Published;
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -82,9 +84,12 @@ pub enum CloseReason {
 /// What became of a pushed delivery; a refused one is handed back.
 pub(crate) enum Push {
     Queued,
-    /// The queue held `depth` messages already; nothing was queued.
+    /// The queue held `depth` messages of `bytes` bytes already, and this one
+    /// would have taken it over its capacity or its byte limit; nothing was
+    /// queued.
     Full {
         depth: usize,
+        bytes: usize,
         item: Delivery,
     },
     Closed(Delivery),
@@ -96,24 +101,31 @@ pub(crate) struct Queue {
     /// instructions.
     state: Mutex<State>,
     capacity: usize,
+    /// Most bytes of messages (their [`Published::size`]) the queue holds at
+    /// once; `usize::MAX` for group members, whose group bounds its bytes.
+    max_bytes: usize,
 }
 
 struct State {
     items: VecDeque<Delivery>,
+    /// Sum of the sizes of `items`.
+    bytes: usize,
     /// The stream's waker while it waits for a message.
     waker: Option<Waker>,
     closed: Option<CloseReason>,
 }
 
 impl Queue {
-    pub(crate) fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize, max_bytes: usize) -> Self {
         Self {
             state: Mutex::new(State {
                 items: VecDeque::new(),
+                bytes: 0,
                 waker: None,
                 closed: None,
             }),
             capacity,
+            max_bytes,
         }
     }
 
@@ -128,10 +140,15 @@ impl Queue {
             if state.closed.is_some() {
                 return Push::Closed(item);
             }
-            if state.items.len() >= self.capacity {
-                let depth = state.items.len();
-                return Push::Full { depth, item };
+            // An empty queue takes any message, so that a message larger
+            // than the byte limit still reaches a reader that keeps up.
+            let size = item.message.size();
+            let over_bytes = !state.items.is_empty() && state.bytes + size > self.max_bytes;
+            if state.items.len() >= self.capacity || over_bytes {
+                let (depth, bytes) = (state.items.len(), state.bytes);
+                return Push::Full { depth, bytes, item };
             }
+            state.bytes += size;
             state.items.push_back(item);
             // Taken, so a burst of pushes yields one wake-up until the stream
             // polls again and leaves a new waker.
@@ -148,6 +165,7 @@ impl Queue {
     pub(crate) fn poll_pop(&self, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
         let mut state = self.state.lock();
         if let Some(item) = state.items.pop_front() {
+            state.bytes -= item.message.size();
             return Poll::Ready(Some(item));
         }
         if state.closed.is_some() {
@@ -169,6 +187,7 @@ impl Queue {
                 return None;
             }
             state.closed = Some(reason);
+            state.bytes = 0;
             let discarded = std::mem::take(&mut state.items);
             (discarded, state.waker.take())
         };
@@ -182,7 +201,9 @@ impl Queue {
     pub(crate) fn remove(&self, sequence: u64) -> Option<Delivery> {
         let mut state = self.state.lock();
         let index = state.items.iter().position(|d| d.message.sequence == sequence)?;
-        state.items.remove(index)
+        let item = state.items.remove(index)?;
+        state.bytes -= item.message.size();
+        Some(item)
     }
 
     #[cfg(test)]
@@ -193,6 +214,11 @@ impl Queue {
     /// Live depth (what the metrics and Admin API report).
     pub(crate) fn len(&self) -> usize {
         self.state.lock().items.len()
+    }
+
+    /// Bytes of the messages queued now.
+    pub(crate) fn bytes(&self) -> usize {
+        self.state.lock().bytes
     }
 
     #[cfg(test)]
@@ -217,7 +243,7 @@ mod tests {
 
     #[test]
     fn full_queue_refuses_and_keeps_what_it_has() {
-        let q = Queue::new(2);
+        let q = Queue::new(2, usize::MAX);
         assert!(matches!(q.push(delivery(1)), Push::Queued));
         assert!(matches!(q.push(delivery(2)), Push::Queued));
         assert!(matches!(q.push(delivery(3)), Push::Full { depth: 2, .. }));
@@ -227,6 +253,27 @@ mod tests {
             Poll::Ready(Some(d)) => assert_eq!(d.message.sequence, 1),
             _ => panic!("expected the first message"),
         }
+    }
+
+    #[test]
+    fn a_queue_over_its_byte_limit_refuses_and_popping_frees_bytes() {
+        let size = delivery(0).message.size();
+        let q = Queue::new(100, 2 * size + size / 2);
+        assert!(matches!(q.push(delivery(1)), Push::Queued));
+        assert!(matches!(q.push(delivery(2)), Push::Queued));
+        assert_eq!(q.bytes(), 2 * size);
+        match q.push(delivery(3)) {
+            Push::Full { depth, bytes, .. } => assert_eq!((depth, bytes), (2, 2 * size)),
+            _ => panic!("the third message is over the byte limit"),
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(matches!(q.poll_pop(&mut cx), Poll::Ready(Some(_))));
+        assert_eq!(q.bytes(), size);
+        assert!(matches!(q.push(delivery(3)), Push::Queued), "room again");
+        assert_eq!(q.remove(2).map(|d| d.message.sequence), Some(2));
+        assert_eq!(q.bytes(), size);
+        q.close(CloseReason::Cancelled);
+        assert_eq!(q.bytes(), 0);
     }
 
     /// Counts its wake-ups.
@@ -240,7 +287,7 @@ mod tests {
 
     #[test]
     fn a_wake_batch_wakes_each_waiting_stream_once_at_its_end() {
-        let queues = [Queue::new(8), Queue::new(8)];
+        let queues = [Queue::new(8, usize::MAX), Queue::new(8, usize::MAX)];
         let counter = Arc::new(CountingWaker(Default::default()));
         let waker = Waker::from(counter.clone());
         let wakes = || counter.0.load(std::sync::atomic::Ordering::SeqCst);
@@ -260,7 +307,7 @@ mod tests {
         }
         assert_eq!(wakes(), 2, "one wake-up per queue");
         // Without a batch, a push wakes at once.
-        let q = Queue::new(8);
+        let q = Queue::new(8, usize::MAX);
         assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
         q.push(delivery(9));
         assert_eq!(wakes(), 3);
@@ -268,7 +315,7 @@ mod tests {
 
     #[test]
     fn close_discards_wakes_and_ends() {
-        let q = Queue::new(4);
+        let q = Queue::new(4, usize::MAX);
         let mut cx = Context::from_waker(Waker::noop());
         assert!(q.poll_pop(&mut cx).is_pending());
         q.push(delivery(1));
