@@ -34,7 +34,8 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct Connection {
-    /// Broker address; `https://` for a broker serving TLS.
+    /// Broker address: host:port or http://host:port; `https://` for a
+    /// broker serving TLS.
     #[arg(long, default_value = DEFAULT_ADDR)]
     addr: String,
     /// PEM file of the CA that signed the broker's certificate (with an
@@ -230,7 +231,7 @@ async fn publish(args: PublishArgs) -> anyhow::Result<()> {
     let response = client
         .publish(args.topic, payload, headers)
         .await
-        .map_err(|s| failed("publish", s))?;
+        .map_err(|s| failed("publish", &args.connection.addr, s))?;
     println!(
         "sequence={} matched_subscriptions={} matched_groups={}",
         response.sequence, response.matched_subscriptions, response.matched_groups
@@ -258,7 +259,11 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
         ack_deadline_ms: 0,
     };
     let mut subscriber = client.subscriber(request, true);
-    subscriber.open().await.map_err(|s| failed("subscribe", s))?;
+    // Every eviction, close, lost connection and re-subscription is one line
+    // on stderr: a reader must never lose messages without a word.
+    subscriber.on_event(|event| eprintln!("tinybroker subscribe: {event}"));
+    let addr = args.connection.addr.clone();
+    subscriber.open().await.map_err(|s| failed("subscribe", &addr, s))?;
     let mut received = 0u64;
     let stdout = std::io::stdout();
     loop {
@@ -266,7 +271,7 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
             return Ok(());
         }
         let message = tokio::select! {
-            m = subscriber.next() => m.map_err(|s| failed("subscribe", s))?,
+            m = subscriber.next() => m.map_err(|s| failed("subscribe", &addr, s))?,
             _ = tokio::signal::ctrl_c() => return Ok(()),
         };
         let Some(message) = message else {
@@ -289,15 +294,17 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
                 .client()
                 .ack(&id, vec![message.sequence])
                 .await
-                .map_err(|s| failed("ack", s))?;
+                .map_err(|s| failed("ack", &addr, s))?;
         }
     }
 }
 
 /// One line naming the call, the status code (as grpcurl prints it) and the
 /// broker's message.
-fn failed(call: &str, status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{call} failed: {:?}: {}", status.code(), status.message())
+fn failed(call: &str, addr: &str, status: tonic::Status) -> anyhow::Error {
+    let hint = crate::client::scheme_hint(&crate::client::with_scheme(addr), status.message())
+        .map_or_else(String::new, |h| format!(" ({h})"));
+    anyhow::anyhow!("{call} failed: {:?}: {}{hint}", status.code(), status.message())
 }
 
 fn json_message(m: &pb::Message) -> serde_json::Value {

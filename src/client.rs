@@ -1,9 +1,9 @@
 //! A small Rust client for tinybroker, used by the CLI: publish, and a
 //! subscription that re-subscribes with backoff after an eviction or a lost
-//! connection. Sends `authorization: Bearer <token>` when a token is set
+//! connection, and reports each such event. Sends `authorization: Bearer <token>` when a token is set
 //! (by default from `TINYBROKER_AUTH_TOKEN`).
 
-use crate::grpc::SUBSCRIPTION_ID_METADATA;
+use crate::grpc::{DROPPED_METADATA, END_REASON_METADATA, LAST_SEQUENCE_METADATA, SUBSCRIPTION_ID_METADATA};
 use crate::pb;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
@@ -54,6 +54,7 @@ impl Client {
     }
 
     pub async fn connect_with(addr: &str, options: &ConnectOptions) -> anyhow::Result<Self> {
+        let addr = &with_scheme(addr);
         let mut endpoint = Endpoint::from_shared(addr.to_owned())
             .map_err(|e| anyhow::anyhow!("invalid broker address {addr:?}: {e}"))?
             .tcp_nodelay(true)
@@ -76,10 +77,10 @@ impl Client {
                 .tls_config(tls)
                 .map_err(|e| anyhow::anyhow!("cannot set up TLS for {addr}: {e}"))?;
         }
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot connect to {addr}: {:#}", anyhow::Error::new(e)))?;
+        let channel = endpoint.connect().await.map_err(|e| {
+            let hint = scheme_hint(addr, &e.to_string()).map_or_else(String::new, |h| format!(" ({h})"));
+            anyhow::anyhow!("cannot connect to {addr}: {}{hint}", error_chain(&e))
+        })?;
         Self::from_channel(channel, options.token.as_deref())
     }
 
@@ -148,13 +149,178 @@ impl Client {
             reconnect,
             backoff: Backoff::default(),
             opened_once: false,
+            last_sequence: None,
+            resuming: false,
+            on_event: None,
         }
     }
 }
 
+/// Why the broker ended a subscription stream, from its
+/// `tinybroker-end-reason` trailer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndReason {
+    /// A slow consumer: its queue was full.
+    Evicted,
+    /// An operator called Admin/CloseSubscription.
+    ClosedByAdmin,
+    /// The broker is shutting down.
+    Shutdown,
+    /// A broker that did not say (an older version), or a reason this client
+    /// does not know.
+    Unknown(String),
+}
+
+/// What happens to a subscription besides its messages. The CLI prints each
+/// as one line on stderr; a program can log them (see [`Subscriber::on_event`]).
+#[derive(Debug, Clone)]
+pub enum SubscriberEvent {
+    /// The broker ended the stream, with what the subscription lost then
+    /// (messages queued for it) and the last sequence it was handed.
+    Ended {
+        subscription_id: String,
+        reason: EndReason,
+        dropped: Option<u64>,
+        last_sequence: Option<u64>,
+    },
+    /// The stream failed: the connection was lost, or the broker refused.
+    Failed { subscription_id: String, status: Status },
+    /// Opening again in `delay`.
+    Reconnecting { delay: Duration, cause: Option<Status> },
+    /// Open again, under a new id.
+    Resubscribed { subscription_id: String },
+    /// The first message after re-subscribing: messages published between
+    /// the two sequences while the subscription was away were missed.
+    Resumed { last_before: Option<u64>, first_after: u64 },
+}
+
+impl std::fmt::Display for SubscriberEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SubscriberEvent::Ended {
+                subscription_id,
+                reason,
+                dropped,
+                last_sequence,
+            } => {
+                let why = match reason {
+                    EndReason::Evicted => "evicted by the broker as a slow consumer (its queue was full)".to_owned(),
+                    EndReason::ClosedByAdmin => "closed by an admin (Admin/CloseSubscription)".to_owned(),
+                    EndReason::Shutdown => "ended: the broker is shutting down".to_owned(),
+                    EndReason::Unknown(r) if r.is_empty() => "ended by the broker".to_owned(),
+                    EndReason::Unknown(r) => format!("ended by the broker ({r})"),
+                };
+                write!(f, "subscription {subscription_id} {why}")?;
+                if let Some(n) = dropped.filter(|n| *n > 0) {
+                    write!(f, "; {n} messages queued for it were dropped")?;
+                }
+                if let Some(seq) = last_sequence.filter(|s| *s > 0) {
+                    write!(f, "; last sequence delivered {seq}")?;
+                }
+                Ok(())
+            }
+            SubscriberEvent::Failed {
+                subscription_id,
+                status,
+            } => write!(
+                f,
+                "subscription {subscription_id} lost: {:?}: {}",
+                status.code(),
+                status.message()
+            ),
+            SubscriberEvent::Reconnecting { delay, cause } => {
+                write!(f, "re-subscribing in {} ms", delay.as_millis())?;
+                if let Some(status) = cause {
+                    write!(f, " (last attempt: {:?}: {})", status.code(), status.message())?;
+                }
+                Ok(())
+            }
+            SubscriberEvent::Resubscribed { subscription_id } => write!(
+                f,
+                "re-subscribed as {subscription_id}; messages published while away are not delivered"
+            ),
+            SubscriberEvent::Resumed {
+                last_before,
+                first_after,
+            } => match last_before {
+                Some(last) => write!(
+                    f,
+                    "receiving again from sequence {first_after} (last before: {last}); anything published in between was missed"
+                ),
+                None => write!(f, "receiving again from sequence {first_after}"),
+            },
+        }
+    }
+}
+
+/// `addr` with `http://` in front when it names no scheme, so that
+/// `127.0.0.1:50051` works as users type it.
+pub fn with_scheme(addr: &str) -> String {
+    if addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+/// An error and its sources as one line, each cause once: transport errors
+/// repeat their source in their own text ("tcp connect error: tcp connect
+/// error: Connection refused").
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+/// A hint when a failure looks like the wrong scheme for the broker: plain
+/// HTTP/2 to a TLS port fails as a protocol or transport error, TLS to a
+/// plaintext port as a TLS record error.
+pub fn scheme_hint(addr: &str, failure: &str) -> Option<&'static str> {
+    let failure = failure.to_ascii_lowercase();
+    if failure.contains("connection refused") || failure.contains("dns error") {
+        return None;
+    }
+    if addr.starts_with("http://")
+        && [
+            "h2 protocol error",
+            "connection reset",
+            "frame with invalid size",
+            "broken pipe",
+        ]
+        .iter()
+        .any(|t| failure.contains(t))
+    {
+        return Some("if the broker serves TLS (TINYBROKER_TLS_CERT is set), use an https:// address");
+    }
+    if addr.starts_with("https://")
+        && [
+            "invalidcontenttype",
+            "corrupt message",
+            "wrong version number",
+            "handshake",
+        ]
+        .iter()
+        .any(|t| failure.contains(t))
+    {
+        return Some("if the broker serves plaintext (no TINYBROKER_TLS_CERT), use an http:// address");
+    }
+    None
+}
+
+/// What [`Subscriber::on_event`] calls.
+type EventHandler = Box<dyn FnMut(&SubscriberEvent) + Send>;
+
 /// An open subscription. With `reconnect`, a stream that ends (eviction,
-/// admin close) or fails with a transient error is opened again after a
-/// backoff, so the caller just keeps calling [`Subscriber::next`].
+/// shutdown) or fails with a transient error is opened again after a
+/// backoff, so the caller just keeps calling [`Subscriber::next`]. A stream
+/// an admin closed is not opened again: `next` then returns `Ok(None)`.
 pub struct Subscriber {
     client: Client,
     request: pb::OpenSubscriptionRequest,
@@ -163,6 +329,11 @@ pub struct Subscriber {
     reconnect: bool,
     backoff: Backoff,
     opened_once: bool,
+    /// Sequence of the last message returned.
+    last_sequence: Option<u64>,
+    /// Set from a re-subscription until its first message.
+    resuming: bool,
+    on_event: Option<EventHandler>,
 }
 
 impl Subscriber {
@@ -173,6 +344,18 @@ impl Subscriber {
 
     pub fn client(&mut self) -> &mut Client {
         &mut self.client
+    }
+
+    /// Calls `f` for every [`SubscriberEvent`].
+    pub fn on_event(&mut self, f: impl FnMut(&SubscriberEvent) + Send + 'static) {
+        self.on_event = Some(Box::new(f));
+    }
+
+    fn emit(&mut self, event: SubscriberEvent) {
+        tracing::debug!(%event, "subscriber event");
+        if let Some(f) = &mut self.on_event {
+            f(&event);
+        }
     }
 
     /// Opens the stream now (the first `next` does it otherwise).
@@ -187,19 +370,34 @@ impl Subscriber {
                         .and_then(|v| v.to_str().ok())
                         .map(str::to_owned);
                     self.stream = Some(response.into_inner());
+                    if self.opened_once {
+                        self.resuming = true;
+                        let subscription_id = self.current_id();
+                        self.emit(SubscriberEvent::Resubscribed { subscription_id });
+                    }
                     self.opened_once = true;
                     return Ok(());
                 }
                 Err(status) if self.reconnect && self.retryable(&status) => {
-                    tracing::debug!(%status, "subscribe failed; retrying");
-                    self.backoff.wait().await;
+                    self.wait_to_retry(Some(status)).await;
                 }
                 Err(status) => return Err(status),
             }
         }
     }
 
-    /// The next message; `Ok(None)` when the stream ended and `reconnect` is off.
+    fn current_id(&self) -> String {
+        self.subscription_id.clone().unwrap_or_default()
+    }
+
+    async fn wait_to_retry(&mut self, cause: Option<Status>) {
+        let delay = self.backoff.next_delay();
+        self.emit(SubscriberEvent::Reconnecting { delay, cause });
+        tokio::time::sleep(delay).await;
+    }
+
+    /// The next message; `Ok(None)` when the stream ended and is not opened
+    /// again (`reconnect` is off, or an admin closed it).
     pub async fn next(&mut self) -> Result<Option<pb::Message>, Status> {
         loop {
             if self.stream.is_none() {
@@ -211,27 +409,57 @@ impl Subscriber {
             match stream.message().await {
                 Ok(Some(message)) => {
                     self.backoff.reset();
+                    if std::mem::take(&mut self.resuming) {
+                        let last_before = self.last_sequence;
+                        self.emit(SubscriberEvent::Resumed {
+                            last_before,
+                            first_after: message.sequence,
+                        });
+                    }
+                    self.last_sequence = Some(message.sequence);
                     return Ok(Some(message));
                 }
                 Ok(None) => {
+                    let trailers = stream.trailers().await.ok().flatten();
                     self.stream = None;
-                    if !self.reconnect {
+                    let trailer = |name: &str| {
+                        trailers
+                            .as_ref()
+                            .and_then(|t| t.get(name))
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_owned)
+                    };
+                    let reason = match trailer(END_REASON_METADATA).as_deref() {
+                        Some("evicted") => EndReason::Evicted,
+                        Some("closed_by_admin") => EndReason::ClosedByAdmin,
+                        Some("shutdown") => EndReason::Shutdown,
+                        other => EndReason::Unknown(other.unwrap_or_default().to_owned()),
+                    };
+                    let closed_by_admin = reason == EndReason::ClosedByAdmin;
+                    let subscription_id = self.current_id();
+                    self.emit(SubscriberEvent::Ended {
+                        subscription_id,
+                        reason,
+                        dropped: trailer(DROPPED_METADATA).and_then(|v| v.parse().ok()),
+                        last_sequence: trailer(LAST_SEQUENCE_METADATA).and_then(|v| v.parse().ok()),
+                    });
+                    // An operator closed it on purpose: do not come back.
+                    if !self.reconnect || closed_by_admin {
                         return Ok(None);
                     }
-                    tracing::info!(
-                        subscription_id = self.subscription_id.as_deref().unwrap_or(""),
-                        "subscription ended by the broker (evicted, closed or shutting down); re-subscribing"
-                    );
-                    self.backoff.wait().await;
-                }
-                Err(status) if self.reconnect && self.retryable(&status) => {
-                    self.stream = None;
-                    tracing::info!(%status, "subscription stream failed; re-subscribing");
-                    self.backoff.wait().await;
+                    self.wait_to_retry(None).await;
                 }
                 Err(status) => {
                     self.stream = None;
-                    return Err(status);
+                    let subscription_id = self.current_id();
+                    self.emit(SubscriberEvent::Failed {
+                        subscription_id,
+                        status: status.clone(),
+                    });
+                    if !(self.reconnect && self.retryable(&status)) {
+                        return Err(status);
+                    }
+                    self.wait_to_retry(None).await;
                 }
             }
         }
@@ -266,10 +494,59 @@ impl Backoff {
         self.next = Self::FIRST;
     }
 
-    async fn wait(&mut self) {
+    /// The delay before the next attempt, and doubles the one after.
+    fn next_delay(&mut self) -> Duration {
         let jitter_pct = u64::from(uuid::Uuid::new_v4().as_bytes()[0]) % 25;
         let delay = self.next + self.next * jitter_pct as u32 / 100;
-        tokio::time::sleep(delay).await;
         self.next = (self.next * 2).min(Self::MAX);
+        delay
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_without_a_scheme_are_plain_http() {
+        assert_eq!(with_scheme("127.0.0.1:50051"), "http://127.0.0.1:50051");
+        assert_eq!(with_scheme("https://broker:443"), "https://broker:443");
+    }
+
+    #[test]
+    fn a_wrong_scheme_gets_a_hint_and_a_refused_connection_does_not() {
+        let plain_to_tls = "h2 protocol error: http2 error";
+        assert!(scheme_hint("http://b:1", plain_to_tls).unwrap().contains("https://"));
+        let tls_to_plain = "transport error: received corrupt message of type InvalidContentType";
+        assert!(scheme_hint("https://b:1", tls_to_plain).unwrap().contains("http://"));
+        let refused = "transport error: tcp connect error: Connection refused (os error 111)";
+        assert_eq!(scheme_hint("http://b:1", refused), None);
+        assert_eq!(scheme_hint("https://b:1", refused), None);
+    }
+
+    #[test]
+    fn each_cause_is_named_once() {
+        #[derive(Debug)]
+        struct E(&'static str, Option<Box<E>>);
+        impl std::fmt::Display for E {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for E {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                self.1.as_deref().map(|e| e as _)
+            }
+        }
+        let inner = E("Connection refused", None);
+        let middle = E("tcp connect error", Some(Box::new(inner)));
+        let outer = E(
+            "transport error",
+            Some(Box::new(E("tcp connect error", Some(Box::new(middle))))),
+        );
+        assert_eq!(
+            error_chain(&outer),
+            "transport error: tcp connect error: Connection refused"
+        );
     }
 }

@@ -24,6 +24,13 @@ const PUBLISH_BATCH: usize = 128;
 
 /// Initial response metadata carrying the subscription id.
 pub const SUBSCRIPTION_ID_METADATA: &str = "tinybroker-subscription-id";
+/// Trailer of a subscription stream the broker ended (status OK): why,
+/// `evicted`, `closed_by_admin` or `shutdown`.
+pub const END_REASON_METADATA: &str = "tinybroker-end-reason";
+/// Trailer beside it: messages queued for the subscription that it lost.
+pub const DROPPED_METADATA: &str = "tinybroker-dropped";
+/// Trailer beside it: the sequence of the last message handed to the stream.
+pub const LAST_SEQUENCE_METADATA: &str = "tinybroker-last-sequence";
 
 /// Maps a core error to the status code API.md gives for it.
 pub fn status(error: BrokerError) -> Status {
@@ -255,6 +262,7 @@ impl pb::broker_server::Broker for BrokerService {
             lag: self.metrics.delivery_lag(!consumer_group.is_empty()),
             consumer_group,
             now: None,
+            ended: false,
         });
         // Ids are printable ASCII (validated or generated), so this holds.
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
@@ -339,6 +347,8 @@ pub struct MessageStream {
     /// The time of the current run of deliveries: read once when the stream
     /// is woken rather than once per message.
     now: Option<SystemTime>,
+    /// Set once the trailers saying why the stream ended were handed out.
+    ended: bool,
 }
 
 impl MessageStream {
@@ -374,7 +384,25 @@ impl Stream for MessageStream {
             Poll::Ready(Some(delivery)) => Poll::Ready(Some(Ok(self.encode(delivery)))),
             Poll::Ready(None) => {
                 self.lag.flush();
-                Poll::Ready(None)
+                if self.ended {
+                    return Poll::Ready(None);
+                }
+                // Say why in the trailers (status stays OK): a client can
+                // tell an eviction from an admin close or a shutdown, and
+                // how much it lost.
+                self.ended = true;
+                let subscription = self.inner.subscription();
+                let mut status = Status::ok("");
+                if let Some(reason) = subscription.close_reason() {
+                    let metadata = status.metadata_mut();
+                    metadata.insert(END_REASON_METADATA, MetadataValue::from_static(reason.label()));
+                    metadata.insert(DROPPED_METADATA, MetadataValue::from(subscription.dropped_at_close()));
+                    metadata.insert(
+                        LAST_SEQUENCE_METADATA,
+                        MetadataValue::from(subscription.last_delivered_sequence()),
+                    );
+                }
+                Poll::Ready(Some(Err(status)))
             }
             Poll::Pending => {
                 self.now = None;

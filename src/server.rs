@@ -24,6 +24,11 @@ use tonic_health::server::HealthReporter;
 /// How long the servers get to finish once every stream has ended.
 const CONNECTION_CLOSE_TIMEOUT: Duration = connections::GRACEFUL_CLOSE;
 
+/// How long `/metrics` stays up after a shutdown discarded messages, so that
+/// a scrape every second or two sees the final count. The chart's
+/// `terminationGraceMarginSeconds` (10) covers it.
+pub const LOSS_REPORT_TIME: Duration = Duration::from_secs(3);
+
 /// Listeners bound before the broker starts (tests bind `127.0.0.1:0`).
 pub struct Listeners {
     pub grpc: TcpListener,
@@ -167,11 +172,21 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         (false, _) => tracing::warn!(discarded, "grace period over: messages still queued were discarded"),
     }
     stop_grpc.cancel();
-    match tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT + Duration::from_secs(1), grpc_task).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::error!(error = %e, "gRPC server task failed"),
-        Err(_) => tracing::warn!("gRPC connections did not close in time; stopping anyway"),
-    }
+    let close_grpc = async {
+        match tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT + Duration::from_secs(1), grpc_task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "gRPC server task failed"),
+            Err(_) => tracing::warn!("gRPC connections did not close in time; stopping anyway"),
+        }
+    };
+    // A loss must be seen: /metrics keeps answering a little longer, so a
+    // scrape can read tinybroker_messages_discarded_on_shutdown_total.
+    let report_loss = async {
+        if discarded > 0 {
+            tokio::time::sleep(LOSS_REPORT_TIME).await;
+        }
+    };
+    tokio::join!(close_grpc, report_loss);
     let _ = stop_side.send(());
     if tokio::time::timeout(CONNECTION_CLOSE_TIMEOUT, side_task).await.is_err() {
         tracing::warn!("side server did not stop in time; stopping anyway");

@@ -794,7 +794,15 @@ impl Broker {
     /// Closes one subscription by id (Admin API); its stream ends cleanly.
     pub fn close_subscription(&self, id: &str) -> Result<(), BrokerError> {
         let subscription = self.open_subscription(id)?;
-        self.close(&subscription, CloseReason::ClosedByAdmin);
+        let dropped = self.close(&subscription, CloseReason::ClosedByAdmin);
+        tracing::info!(
+            subscription_id = id,
+            peer = %display_peer(subscription.peer()),
+            patterns = ?subscription.patterns().iter().map(|p| p.as_str()).collect::<Vec<_>>(),
+            consumer_group = subscription.consumer_group().unwrap_or(""),
+            dropped = dropped.unwrap_or(0),
+            "subscription closed by an admin (Admin/CloseSubscription)"
+        );
         Ok(())
     }
 
@@ -829,6 +837,8 @@ impl Broker {
             return Some(0);
         }
         let stats = &self.shared.stats;
+        let lost = left.len() as u64 + u64::from(reason == CloseReason::Evicted);
+        subscription.dropped_at_close.store(lost, Ordering::Relaxed);
         match reason {
             CloseReason::Evicted => &stats.dropped_evicted,
             CloseReason::Shutdown => &stats.discarded_on_shutdown,

@@ -81,6 +81,19 @@ pub enum CloseReason {
     Shutdown,
 }
 
+impl CloseReason {
+    /// The value of the `tinybroker-end-reason` trailer a stream ended by the
+    /// broker carries.
+    pub fn label(self) -> &'static str {
+        match self {
+            CloseReason::Evicted => "evicted",
+            CloseReason::Cancelled => "cancelled",
+            CloseReason::ClosedByAdmin => "closed_by_admin",
+            CloseReason::Shutdown => "shutdown",
+        }
+    }
+}
+
 /// What became of a pushed delivery; a refused one is handed back.
 pub(crate) enum Push {
     Queued,
@@ -206,7 +219,6 @@ impl Queue {
         Some(item)
     }
 
-    #[cfg(test)]
     pub(crate) fn close_reason(&self) -> Option<CloseReason> {
         self.state.lock().closed
     }

@@ -23,6 +23,9 @@ pub struct Subscription {
     pub(crate) queue: Queue,
     delivered: AtomicU64,
     last_delivered_sequence: AtomicU64,
+    /// Messages its queue still held when the broker closed it (and, for an
+    /// eviction, the one that did not fit): what the subscriber lost.
+    pub(crate) dropped_at_close: AtomicU64,
     /// Set once the subscription has left routing and the registry.
     pub(crate) detached: AtomicBool,
     /// Set for consumer-group members.
@@ -67,6 +70,7 @@ impl Subscription {
             queue,
             delivered: AtomicU64::new(0),
             last_delivered_sequence: AtomicU64::new(0),
+            dropped_at_close: AtomicU64::new(0),
             detached: AtomicBool::new(false),
             membership,
         }
@@ -104,6 +108,16 @@ impl Subscription {
 
     pub fn last_delivered_sequence(&self) -> u64 {
         self.last_delivered_sequence.load(Ordering::Relaxed)
+    }
+
+    /// Why the broker ended it, once it has (None while open).
+    pub fn close_reason(&self) -> Option<super::CloseReason> {
+        self.queue.close_reason()
+    }
+
+    /// What it lost when it was closed (see `dropped_at_close`).
+    pub fn dropped_at_close(&self) -> u64 {
+        self.dropped_at_close.load(Ordering::Relaxed)
     }
 
     /// Live queue depth.
