@@ -159,7 +159,7 @@ pub fn main() -> ExitCode {
 }
 
 async fn serve() -> anyhow::Result<()> {
-    let config = Config::from_env()?;
+    let mut config = Config::from_env()?;
     if let Some(files) = &config.tls {
         files.load()?;
     }
@@ -175,14 +175,21 @@ async fn serve() -> anyhow::Result<()> {
             None => tracing::warn!(variable = %name, "{name} is not a tinybroker setting and is ignored"),
         }
     }
-    // Each connection takes a descriptor: room for max_connections of them
-    // plus the broker's own (listeners, metrics scrapes, logs).
+    // Each connection takes a descriptor: keep room beside max_connections
+    // for the broker's own (listeners, metrics scrapes, the refusal of
+    // connection max_connections + 1), so that it never runs out of them.
+    const RESERVED_FDS: u64 = 64;
     match crate::connections::raise_fd_limit() {
-        Ok(limit) if limit < config.connections.max_connections as u64 + 64 => tracing::warn!(
-            fd_limit = limit,
-            max_connections = config.connections.max_connections,
-            "the open-files limit is below TINYBROKER_MAX_CONNECTIONS + 64: connections beyond it will be refused by the kernel, not counted; raise the limit or lower TINYBROKER_MAX_CONNECTIONS"
-        ),
+        Ok(limit) if limit < config.connections.max_connections as u64 + RESERVED_FDS => {
+            let fitting = limit.saturating_sub(RESERVED_FDS).max(1) as usize;
+            tracing::warn!(
+                fd_limit = limit,
+                configured = config.connections.max_connections,
+                max_connections = fitting,
+                "the open-files limit leaves room for only {fitting} connections: max_connections lowered to that; raise the limit (ulimit -n) to allow TINYBROKER_MAX_CONNECTIONS"
+            );
+            config.connections.max_connections = fitting;
+        }
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
     }

@@ -1,7 +1,8 @@
 //! Bounds the memory held for requests still being received. The bytes of
 //! every gRPC message a client has begun but not finished sending are
 //! charged as they arrive, to their connection (at most
-//! [`IncomingLimits::per_connection`]) and to the broker's memory budget; a
+//! [`IncomingLimits::per_connection`]) and to their share of the broker's
+//! memory budget (an eighth, see [`crate::memory::split`]); a
 //! request that would go over either fails with RESOURCE_EXHAUSTED naming
 //! the limit, and its bytes are released at once. A complete message is
 //! released as soon as it is complete: from then on it is the broker's
@@ -82,7 +83,7 @@ impl ConnectionIncoming {
             self.held.fetch_sub(bytes, Ordering::Relaxed);
             limits.refused_memory_limit.fetch_add(1, Ordering::Relaxed);
             return Err(Status::resource_exhausted(format!(
-                "the broker's memory limit is reached ({} bytes in use, max_memory_bytes {} from TINYBROKER_MAX_MEMORY_BYTES): the {bytes} bytes of this request being received do not fit",
+                "requests being received take {} bytes, their share (an eighth, {} bytes) of max_memory_bytes (TINYBROKER_MAX_MEMORY_BYTES): the {bytes} more of this request do not fit",
                 limits.memory.used(),
                 limits.memory.limit().unwrap_or(usize::MAX)
             )));

@@ -94,6 +94,21 @@ fn parse_cgroup_limit(text: &str) -> Option<u64> {
     (value < (1 << 60)).then_some(value)
 }
 
+/// The share of `TINYBROKER_MAX_MEMORY_BYTES` for requests being received
+/// (an eighth); the rest is for messages. Two budgets, so that a publisher's
+/// message in flight is never refused for the bytes slow readers hold (the
+/// message budget evicts them instead) and the two together never exceed
+/// the limit.
+pub fn split(total: Option<usize>) -> (Option<usize>, Option<usize>) {
+    match total {
+        None => (None, None),
+        Some(total) => {
+            let incoming = total / 8;
+            (Some(total - incoming), Some(incoming))
+        }
+    }
+}
+
 /// `TINYBROKER_MAX_MEMORY_BYTES`'s default: three quarters of the
 /// container's memory limit.
 pub fn default_limit(container_limit: Option<u64>) -> Option<usize> {
@@ -127,5 +142,7 @@ mod tests {
         assert_eq!(parse_cgroup_limit("9223372036854771712\n"), None, "v1 unlimited");
         assert_eq!(default_limit(Some(512 << 20)), Some(384 << 20));
         assert_eq!(default_limit(None), None);
+        assert_eq!(split(Some(800)), (Some(700), Some(100)));
+        assert_eq!(split(None), (None, None));
     }
 }

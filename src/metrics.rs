@@ -438,7 +438,7 @@ impl ResourceMetrics {
         Ok(Self {
             memory_used: IntGauge::new(
                 "tinybroker_memory_used_bytes",
-                "Bytes charged to the broker's memory budget: every message held for subscribers and groups (once, however many hold it), and requests being received.",
+                "Bytes charged to the broker's memory budget: every message held for subscribers and groups (once, however many hold it; up to 7/8 of the limit), and requests being received (up to 1/8).",
             )?,
             memory_limit: IntGauge::new(
                 "tinybroker_memory_limit_bytes",
@@ -506,9 +506,13 @@ impl ResourceCollector {
     fn snapshot(&self) -> prometheus::Result<ResourceMetrics> {
         let m = ResourceMetrics::new()?;
         let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        let memory = self.broker.memory();
-        m.memory_used.set(memory.used() as i64);
-        m.memory_limit.set(memory.limit().map_or(0, |l| l as i64));
+        let (messages, incoming) = (self.broker.memory(), self.incoming.memory);
+        m.memory_used.set((messages.used() + incoming.used()) as i64);
+        m.memory_limit.set(
+            messages
+                .limit()
+                .map_or(0, |l| (l + incoming.limit().unwrap_or(0)) as i64),
+        );
         m.connections.set(self.connections.open() as i64);
         for reason in Rejection::ALL {
             m.rejected

@@ -87,7 +87,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let connection_stats = Arc::new(ConnectionStats::default());
     let incoming = Arc::new(IncomingLimits::new(
         grpc::decoding_limit(config.limits.max_message_bytes),
-        broker.memory(),
+        crate::memory::MemoryBudget::leak(crate::memory::split(config.limits.max_memory_bytes).1),
     ));
     let metrics = Metrics::new(broker.clone(), config.metrics_per_subscription)
         .with_connections(connection_stats.clone(), incoming.clone());

@@ -305,7 +305,7 @@ impl RouteCache {
 
 impl Broker {
     pub fn new(limits: Limits) -> Self {
-        let memory = MemoryBudget::leak(limits.max_memory_bytes);
+        let memory = MemoryBudget::leak(memory::split(limits.max_memory_bytes).0);
         Self {
             shared: Arc::new(Shared {
                 limits,
@@ -394,7 +394,7 @@ impl Broker {
         }
         self.shared.stats.refused_memory_limit.fetch_add(1, Ordering::Relaxed);
         Err(BrokerError::ResourceExhausted(format!(
-            "the broker's memory limit is reached: messages held for subscribers and consumer groups and requests being received take {} bytes, and the message to {:?} ({size} bytes) does not fit under max_memory_bytes {} (TINYBROKER_MAX_MEMORY_BYTES); consumer groups' backlogs hold the rest, try again once their members catch up",
+            "the broker's memory limit is reached: messages held for subscribers and consumer groups take {} bytes, and the message to {:?} ({size} bytes) does not fit in their share ({} bytes, 7/8) of max_memory_bytes (TINYBROKER_MAX_MEMORY_BYTES); consumer groups' backlogs hold the rest, try again once their members catch up",
             memory.used(),
             truncate(topic),
             memory.limit().unwrap_or(usize::MAX)

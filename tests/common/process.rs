@@ -100,6 +100,12 @@ impl BrokerProcess {
         for (k, v) in env {
             command.env(k, v);
         }
+        Self::from_command(command)
+    }
+
+    /// Starts `command` (a broker with its stderr piped, perhaps under a
+    /// wrapper such as prlimit) and waits for its `tinybroker started` line.
+    pub fn from_command(mut command: Command) -> Self {
         let mut child = command.spawn().expect("spawn tinybroker serve");
         let log = lines(child.stderr.take().expect("stderr"));
         let guard = ChildGuard { child, stdout: None };
