@@ -168,6 +168,13 @@ def test_exec_probes_run_grpc_health_probe_against_the_grpc_port():
         assert "-tls" not in command
 
 
+def test_the_memory_limit_is_left_to_the_container_limit_by_default():
+    """maxMemoryBytes 0 (the default) sets no TINYBROKER_MAX_MEMORY_BYTES, so the
+    broker takes 75 % of the memory limit of resources.limits.memory."""
+    env = env_of(broker_container(render({})))
+    assert "TINYBROKER_MAX_MEMORY_BYTES" not in env
+
+
 def test_every_api_md_variable_can_be_set_from_values():
     values = {
         "ports": {"grpc": 6001, "metrics": 6002},
@@ -188,6 +195,12 @@ def test_every_api_md_variable_can_be_set_from_values():
             "keepaliveIntervalSeconds": 21,
             "keepaliveTimeoutSeconds": 22,
             "maxStreamsPerConnection": 23,
+            # API.md's Resource limits table.
+            "consumerMaxBytes": 67108865,
+            "groupMaxBytes": 134217729,
+            "maxMemoryBytes": 402653184,
+            "maxConnections": 24,
+            "handshakeTimeoutSeconds": 25,
         },
         "auth": {"enabled": True, "token": "t0ken"},
         "tls": {"enabled": True, "cert": "CERT", "key": "KEY"},
@@ -229,6 +242,11 @@ def test_every_api_md_variable_can_be_set_from_values():
         "TINYBROKER_KEEPALIVE_INTERVAL_SECONDS": "21",
         "TINYBROKER_KEEPALIVE_TIMEOUT_SECONDS": "22",
         "TINYBROKER_MAX_STREAMS_PER_CONNECTION": "23",
+        "TINYBROKER_CONSUMER_MAX_BYTES": "67108865",
+        "TINYBROKER_GROUP_MAX_BYTES": "134217729",
+        "TINYBROKER_MAX_MEMORY_BYTES": "402653184",
+        "TINYBROKER_MAX_CONNECTIONS": "24",
+        "TINYBROKER_HANDSHAKE_TIMEOUT_SECONDS": "25",
     }
     for name, value in extensions.items():
         assert name in readme_env_vars(), f"{name} is not documented in README.md's Configuration table"
