@@ -12,7 +12,8 @@
 #      name and label value the shipped dashboard and alert rules use exists
 #      in the real exposition
 #   3. `promtool check rules` and `promtool test rules` on deploy/monitoring/,
-#      whose files must be identical to the chart's files/
+#      whose files must be identical to the chart's files/; every dashboard
+#      panel has thresholds
 #   4. runs a Prometheus server on 127.0.0.1 scraping the broker every second
 #      with the alert rules loaded (evaluated every second), and asserts through its HTTP API that
 #      up{job="tinybroker"} == 1, that tinybroker_messages_published_total
@@ -298,6 +299,25 @@ def cmd_dashboard(base, path, job, instance):
     return 1 if problems else 0
 
 
+def cmd_thresholds(path):
+    """Every panel (rows aside) has a threshold step above its base colour, in
+    its defaults or in a field override."""
+    def steps(t):
+        return len((t or {}).get("steps") or [])
+
+    missing = []
+    panels = [p for p in json.load(open(path, encoding="utf-8"))["panels"] if p["type"] != "row"]
+    for panel in panels:
+        config = panel.get("fieldConfig", {})
+        overridden = any(prop.get("id") == "thresholds" and steps(prop.get("value")) >= 2
+                         for o in config.get("overrides", []) for prop in o.get("properties", []))
+        if steps(config.get("defaults", {}).get("thresholds")) < 2 and not overridden:
+            missing.append(panel["title"])
+    print(f"{len(panels)} panels")
+    print("\n".join(f"no thresholds: {t}" for t in missing))
+    return 1 if missing else 0
+
+
 def cmd_rules(base, *names):
     """Every named alert rule is loaded and has been evaluated without error."""
     rules = {r["name"]: r for g in prometheus_get(base, "/api/v1/rules")["data"]["groups"] for r in g["rules"]}
@@ -543,6 +563,11 @@ if out="$(cd "$(dirname "$ALERTS_TEST")" && promtool test rules "$(basename "$AL
     pass "promtool test rules deploy/monitoring/alerts_test.yaml"
 else
     fail "promtool test rules deploy/monitoring/alerts_test.yaml" "$out"
+fi
+if out="$(helper thresholds "$DASHBOARD" 2>&1)"; then
+    pass "every dashboard panel has thresholds ($(head -n 1 <<<"$out"))"
+else
+    fail "every dashboard panel has thresholds" "$out"
 fi
 mapfile -t ALERT_NAMES < <(sed -nE 's/^[[:space:]]*-[[:space:]]*alert:[[:space:]]*([A-Za-z0-9_]+).*/\1/p' "$ALERTS")
 

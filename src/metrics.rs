@@ -2,8 +2,11 @@
 //! global default). Counters and gauges are read from the broker's live state
 //! when `/metrics` is scraped, so queue depths cannot drift and the publish
 //! path only touches its own atomics; series of closed subscriptions and
-//! removed groups disappear with them. Only the two latency histograms are
-//! observed as events happen (lock-free atomics).
+//! removed groups disappear with them, except the bounded `tinybroker_recent_*`
+//! series that name an evicted subscriber or a group removed with its backlog
+//! for 15 minutes. Only the two latency histograms are observed as events
+//! happen (lock-free atomics). Each scrape starts a new peak period of every
+//! queue, so peaks cover the last two scrape intervals.
 
 use crate::broker::{Broker, EvictionRecord, GroupRemoval};
 use prometheus::core::{Collector, Desc};
@@ -330,8 +333,9 @@ pub const RECENT_SERIES: usize = 20;
 /// Longest `topic_patterns` label of a recent eviction.
 const PATTERNS_LABEL_BYTES: usize = 200;
 
-/// The metrics that name what went wrong and catch what happens between
-/// scrapes (issue 17). Built fresh at every scrape, like [`Templates`].
+/// The metrics that name what went wrong (which subscriber, which group)
+/// and catch what happens between scrapes. Built fresh at every scrape, like
+/// [`Templates`].
 #[derive(Clone)]
 struct OperatorTemplates {
     queue_depth_peak: IntGaugeVec,
