@@ -1025,7 +1025,15 @@ async fn session(dir: &Path) {
             failures.push(format!("no WARN log line {needle:?} with {field}"));
         }
     }
-    log(t0, &format!("session over, {} checks", queries.len() + 12));
+    log(
+        t0,
+        &format!(
+            "session over: {} situations watched, {} dashboard queries, 6 log lines, {} problem(s)",
+            watched.lock().unwrap().watches.len(),
+            queries.len(),
+            failures.len()
+        ),
+    );
     assert!(
         failures.is_empty(),
         "{} problem(s):\n{}\n(broker and prometheus logs in {})",
