@@ -2,10 +2,13 @@
 //! global default). Counters and gauges are read from the broker's live state
 //! when `/metrics` is scraped, so queue depths cannot drift and the publish
 //! path only touches its own atomics; series of closed subscriptions and
-//! removed groups disappear with them. Only the two latency histograms are
-//! observed as events happen (lock-free atomics).
+//! removed groups disappear with them, except the bounded `tinybroker_recent_*`
+//! series that name an evicted subscriber or a group removed with its backlog
+//! for 15 minutes. Only the two latency histograms are observed as events
+//! happen (lock-free atomics). Each scrape starts a new peak period of every
+//! queue, so peaks cover the last two scrape intervals.
 
-use crate::broker::Broker;
+use crate::broker::{Broker, EvictionRecord, GroupRemoval};
 use crate::connections::{ConnectionStats, Rejection};
 use crate::incoming::IncomingLimits;
 use prometheus::core::{Collector, Desc};
@@ -17,6 +20,7 @@ use prometheus::{
 };
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
 
 /// Label value of `mode` for broadcast subscriptions.
 pub const MODE_MULTI: &str = "multi";
@@ -52,8 +56,12 @@ impl Metrics {
                 "tinybroker_delivery_lag_seconds",
                 "Time from publish to the message being written to a subscriber's stream.",
             )
+            // Fine below a millisecond for broadcast; up to hours for
+            // consumer groups, whose messages can wait in a backlog for a
+            // member (up to the idle TTL) or for a long ack deadline.
             .buckets(vec![
-                0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
+                0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 15.0, 30.0,
+                60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0,
             ]),
             &["mode"],
         )
@@ -178,6 +186,10 @@ struct BrokerCollector {
     /// Templates: they give `desc()` and the options of the fresh metrics
     /// built at every scrape.
     t: Templates,
+    o: OperatorTemplates,
+    /// What a scrape leaves for the next ones. Held for the whole scrape, so
+    /// that concurrent scrapes each start one peak period.
+    marks: parking_lot::Mutex<ScrapeMarks>,
 }
 
 #[derive(Clone)]
@@ -326,18 +338,196 @@ impl Templates {
     }
 }
 
+// === operator metrics: peaks, stalled groups, recent evictions and removals ===
+
+/// How long an eviction or a lossy group removal stays in
+/// `tinybroker_recent_*` after it happened.
+pub const RECENT_WINDOW: Duration = Duration::from_secs(15 * 60);
+/// Most series of each `tinybroker_recent_*` metric (the newest win).
+pub const RECENT_SERIES: usize = 20;
+/// Longest `topic_patterns` label of a recent eviction.
+const PATTERNS_LABEL_BYTES: usize = 200;
+
+/// The metrics that name what went wrong (which subscriber, which group)
+/// and catch what happens between scrapes. Built fresh at every scrape, like
+/// [`Templates`].
+#[derive(Clone)]
+struct OperatorTemplates {
+    queue_depth_peak: IntGaugeVec,
+    recent_eviction: GaugeVec,
+    group_stalled: GaugeVec,
+    group_memberless: GaugeVec,
+    group_acked: IntCounterVec,
+    group_delivered: IntCounterVec,
+    recent_removal: GaugeVec,
+    recent_removal_dropped: IntGaugeVec,
+}
+
+impl OperatorTemplates {
+    fn new() -> prometheus::Result<Self> {
+        let group = &["consumer_group"];
+        Ok(Self {
+            queue_depth_peak: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_subscription_queue_depth_peak",
+                    "Highest depth of one subscription's queue over the last two scrape intervals (consumer_group empty for broadcast): a queue that fills and drains between scrapes still shows.",
+                ),
+                &["subscription_id", "consumer_group"],
+            )?,
+            recent_eviction: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_recent_eviction_timestamp_seconds",
+                    "Unix time of a slow subscriber's latest eviction; one series per subscription evicted in the last 15 minutes, at most 20 (the newest).",
+                ),
+                &["subscription_id", "peer", "topic_patterns"],
+            )?,
+            group_stalled: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_stalled_seconds",
+                    "How long a consumer group has had work (backlog or messages held by members) without completing any (no ack; no auto-ack delivery); 0 when it has no work. Redeliveries do not reset it.",
+                ),
+                group,
+            )?,
+            group_memberless: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_memberless_seconds",
+                    "How long a consumer group has had no member (0 while one is connected); it is removed with its backlog at TINYBROKER_GROUP_IDLE_TTL_SECONDS.",
+                ),
+                group,
+            )?,
+            group_acked: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_acked_total",
+                    "Messages of a consumer group acked by its manual-ack members.",
+                ),
+                group,
+            )?,
+            group_delivered: IntCounterVec::new(
+                Opts::new(
+                    "tinybroker_consumer_group_delivered_total",
+                    "Messages of a consumer group written to its members' streams, redeliveries included.",
+                ),
+                group,
+            )?,
+            recent_removal: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_recent_group_removal_timestamp_seconds",
+                    "Unix time a consumer group was removed after its idle TTL with messages left; one series per group removed so in the last 15 minutes, at most 20 (the newest).",
+                ),
+                group,
+            )?,
+            recent_removal_dropped: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_recent_group_removal_dropped_messages",
+                    "Messages dropped with a consumer group removed after its idle TTL (the series of tinybroker_recent_group_removal_timestamp_seconds).",
+                ),
+                group,
+            )?,
+        })
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.queue_depth_peak,
+            &self.recent_eviction,
+            &self.group_stalled,
+            &self.group_memberless,
+            &self.group_acked,
+            &self.group_delivered,
+            &self.recent_removal,
+            &self.recent_removal_dropped,
+        ]
+    }
+
+    /// Sets the recent-eviction and recent-removal series.
+    fn set_recent(&self, evictions: &[EvictionRecord], removals: &[GroupRemoval], now: SystemTime) {
+        for e in recent(evictions, now, |e| &e.subscription_id, |e| e.evicted_at) {
+            let peer = crate::broker::display_peer(e.peer);
+            let patterns = patterns_label(&e.topic_patterns);
+            self.recent_eviction
+                .with_label_values(&[e.subscription_id.as_str(), &peer, &patterns])
+                .set(unix_seconds(e.evicted_at));
+        }
+        for r in recent(removals, now, |r| &r.consumer_group, |r| r.removed_at) {
+            let name = &[r.consumer_group.as_str()];
+            self.recent_removal
+                .with_label_values(name)
+                .set(unix_seconds(r.removed_at));
+            self.recent_removal_dropped
+                .with_label_values(name)
+                .set(r.dropped as i64);
+        }
+    }
+}
+
+/// What one scrape leaves for the next ones.
+#[derive(Debug, Default)]
+struct ScrapeMarks {
+    /// `tinybroker_evictions_total` at the scrape before the previous one and
+    /// at the previous one: subscriptions evicted since the older mark count
+    /// as full in `tinybroker_queue_fill_ratio`, the same two-interval period
+    /// as the peaks of the open ones.
+    evictions: [u64; 2],
+}
+
+impl ScrapeMarks {
+    /// Subscriptions evicted over the last two scrape intervals, given the
+    /// evictions counter now; moves the marks on.
+    fn evicted_recently(&mut self, evictions: u64) -> u64 {
+        let [older, newer] = self.evictions;
+        self.evictions = [newer, evictions];
+        evictions.saturating_sub(older)
+    }
+}
+
+/// The newest entry for each key among `entries` (newest first) that
+/// happened within [`RECENT_WINDOW`] before `now`, newest first, at most
+/// [`RECENT_SERIES`]. A time after `now` (the wall clock went back) counts
+/// as recent.
+fn recent<T>(entries: &[T], now: SystemTime, key: impl Fn(&T) -> &str, at: impl Fn(&T) -> SystemTime) -> Vec<&T> {
+    let mut seen = std::collections::HashSet::new();
+    entries
+        .iter()
+        .filter(|e| now.duration_since(at(e)).unwrap_or_default() <= RECENT_WINDOW)
+        .filter(|e| seen.insert(key(e).to_owned()))
+        .take(RECENT_SERIES)
+        .collect()
+}
+
+fn unix_seconds(at: SystemTime) -> f64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+/// A subscription's patterns as one label value: comma-separated, cut at
+/// [`PATTERNS_LABEL_BYTES`] (patterns are ASCII).
+fn patterns_label(patterns: &[String]) -> String {
+    let mut label = patterns.join(",");
+    if label.len() > PATTERNS_LABEL_BYTES {
+        label.truncate(PATTERNS_LABEL_BYTES);
+        label.push_str("...");
+    }
+    label
+}
+
 impl BrokerCollector {
     fn new(broker: Broker, per_subscription: bool) -> Self {
         Self {
             broker,
             per_subscription,
             t: Templates::new().expect("valid metric definitions"),
+            o: OperatorTemplates::new().expect("valid metric definitions"),
+            marks: parking_lot::Mutex::new(ScrapeMarks::default()),
         }
     }
 
-    /// Fresh metrics holding the broker's current values.
-    fn snapshot(&self) -> prometheus::Result<Templates> {
+    /// Fresh metrics holding the broker's current values. Starts a new peak
+    /// period of every queue.
+    fn snapshot(&self) -> prometheus::Result<(Templates, OperatorTemplates)> {
+        let mut marks = self.marks.lock();
         let m = Templates::new()?;
+        let o = OperatorTemplates::new()?;
         let stats = self.broker.stats();
         let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         m.published.inc_by(load(&stats.published));
@@ -367,13 +557,22 @@ impl BrokerCollector {
             let depth = sub.queue_depth();
             subs[mode] += 1;
             queued[mode] += depth as i64;
-            m.fill_ratio.observe(depth as f64 / sub.capacity().max(1) as f64);
+            let peak = sub.take_queue_peak();
+            m.fill_ratio.observe(peak as f64 / sub.capacity().max(1) as f64);
             if self.per_subscription {
                 m.queue_depth
                     .with_label_values(&[sub.id(), group.unwrap_or("")])
                     .set(depth as i64);
+                o.queue_depth_peak
+                    .with_label_values(&[sub.id(), group.unwrap_or("")])
+                    .set(peak as i64);
             }
         }
+        // An evicted subscription's queue was full.
+        for _ in 0..marks.evicted_recently(load(&stats.evictions)) {
+            m.fill_ratio.observe(1.0);
+        }
+        drop(marks);
         for (i, mode) in [MODE_MULTI, MODE_SINGLE].into_iter().enumerate() {
             m.subscriptions.with_label_values(&[mode]).set(subs[i]);
             m.queued.with_label_values(&[mode]).set(queued[i]);
@@ -391,19 +590,41 @@ impl BrokerCollector {
             m.oldest_unacked
                 .with_label_values(name)
                 .set(s.oldest_unacked_age.map_or(0.0, |d| d.as_secs_f64()));
+            o.group_stalled.with_label_values(name).set(s.stalled.as_secs_f64());
+            o.group_memberless
+                .with_label_values(name)
+                .set(s.memberless.map_or(0.0, |d| d.as_secs_f64()));
+            o.group_acked.with_label_values(name).inc_by(group.acked());
+            o.group_delivered.with_label_values(name).inc_by(group.delivered());
         }
-        Ok(m)
+        o.set_recent(
+            &self.broker.evictions(),
+            &self.broker.group_removals(),
+            SystemTime::now(),
+        );
+        Ok((m, o))
     }
 }
 
 impl Collector for BrokerCollector {
     fn desc(&self) -> Vec<&Desc> {
-        self.t.collectors().into_iter().flat_map(|c| c.desc()).collect()
+        let operator = self.o.collectors();
+        self.t
+            .collectors()
+            .into_iter()
+            .chain(operator)
+            .flat_map(|c| c.desc())
+            .collect()
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
         match self.snapshot() {
-            Ok(m) => m.collectors().into_iter().flat_map(|c| c.collect()).collect(),
+            Ok((m, o)) => m
+                .collectors()
+                .into_iter()
+                .chain(o.collectors())
+                .flat_map(|c| c.collect())
+                .collect(),
             Err(e) => {
                 tracing::error!(error = %e, "cannot collect broker metrics");
                 Vec::new()
@@ -552,5 +773,166 @@ impl Collector for ResourceCollector {
                 Vec::new()
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::{NewMessage, SubscribeRequest};
+    use crate::config::Limits;
+    use futures::StreamExt;
+    use std::task::{Context, Poll, Waker};
+
+    /// The value of the one sample `series` (name and labels as rendered).
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    fn publish(broker: &Broker, topic: &str) {
+        let message = NewMessage {
+            topic: topic.into(),
+            ..Default::default()
+        };
+        broker.publish(message, None).unwrap();
+    }
+
+    fn subscriber(broker: &Broker, id: &str) -> crate::broker::SubscriptionStream {
+        broker
+            .subscribe(SubscribeRequest {
+                topic_patterns: vec!["t".into()],
+                subscription_id: id.into(),
+                ..Default::default()
+            })
+            .unwrap()
+    }
+
+    #[test]
+    fn a_queue_that_filled_and_drained_between_scrapes_shows_its_peak() {
+        let broker = Broker::new(Limits {
+            consumer_capacity: 10,
+            ..Limits::default()
+        });
+        let metrics = Metrics::new(broker.clone(), true);
+        let mut stream = subscriber(&broker, "bursty");
+        metrics.render();
+        for _ in 0..10 {
+            publish(&broker, "t");
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        while let Poll::Ready(Some(_)) = stream.poll_next_unpin(&mut cx) {}
+        let text = metrics.render();
+        let labels = r#"{consumer_group="",subscription_id="bursty"}"#;
+        assert_eq!(
+            value(&text, &format!("tinybroker_subscription_queue_depth{labels}")),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(&text, &format!("tinybroker_subscription_queue_depth_peak{labels}")),
+            Some(10.0)
+        );
+        assert_eq!(
+            value(&text, r#"tinybroker_queue_fill_ratio_bucket{le="0.9"}"#),
+            Some(0.0)
+        );
+        assert_eq!(value(&text, "tinybroker_queue_fill_ratio_count"), Some(1.0));
+        metrics.render();
+        let text = metrics.render();
+        assert_eq!(
+            value(&text, &format!("tinybroker_subscription_queue_depth_peak{labels}")),
+            Some(0.0),
+            "two scrapes later the peak is forgotten"
+        );
+        assert_eq!(
+            value(&text, r#"tinybroker_queue_fill_ratio_bucket{le="0.1"}"#),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn an_evicted_subscriber_is_named_and_counted_as_full() {
+        let broker = Broker::new(Limits {
+            consumer_capacity: 2,
+            ..Limits::default()
+        });
+        let metrics = Metrics::new(broker.clone(), false);
+        let _slow = subscriber(&broker, "slow-1");
+        metrics.render();
+        for _ in 0..3 {
+            publish(&broker, "t");
+        }
+        let text = metrics.render();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("tinybroker_recent_eviction_timestamp_seconds{"))
+            .unwrap_or_else(|| panic!("no recent eviction in\n{text}"));
+        assert!(
+            line.starts_with(
+                r#"tinybroker_recent_eviction_timestamp_seconds{peer="unknown",subscription_id="slow-1",topic_patterns="t"}"#
+            ),
+            "{line}"
+        );
+        let at: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!((unix_seconds(SystemTime::now()) - at).abs() < 60.0, "{line}");
+        // Gone from the open subscriptions, but its full queue is counted,
+        // in this scrape and the next.
+        assert_eq!(value(&text, "tinybroker_queue_fill_ratio_count"), Some(1.0));
+        assert_eq!(
+            value(&text, r#"tinybroker_queue_fill_ratio_bucket{le="0.9"}"#),
+            Some(0.0)
+        );
+        let text = metrics.render();
+        assert_eq!(value(&text, "tinybroker_queue_fill_ratio_count"), Some(1.0));
+        let text = metrics.render();
+        assert_eq!(value(&text, "tinybroker_queue_fill_ratio_count"), Some(0.0));
+        assert!(text.contains(r#"subscription_id="slow-1""#), "still a recent eviction");
+    }
+
+    fn eviction(id: &str, evicted_at: SystemTime) -> EvictionRecord {
+        EvictionRecord {
+            subscription_id: id.into(),
+            evicted_at,
+            topic_patterns: vec!["a.>".into()],
+            queue_depth: 8,
+            last_delivered_sequence: 0,
+            peer: None,
+        }
+    }
+
+    #[test]
+    fn recent_evictions_are_bounded_one_per_subscription_and_expire() {
+        let now = SystemTime::now();
+        let ago = |s| now - Duration::from_secs(s);
+        // Newest first, as Broker::evictions lists them: "again" twice,
+        // then 30 others, then one too old.
+        let mut records = vec![eviction("again", ago(1)), eviction("again", ago(2))];
+        records.extend((0..30).map(|i| eviction(&format!("s{i}"), ago(3 + i))));
+        let names = |r: &[&EvictionRecord]| r.iter().map(|e| e.subscription_id.clone()).collect::<Vec<_>>();
+        let recent_ones = recent(&records, now, |e| &e.subscription_id, |e| e.evicted_at);
+        assert_eq!(recent_ones.len(), RECENT_SERIES);
+        assert_eq!(
+            recent_ones[0].evicted_at,
+            ago(1),
+            "the newest eviction of a subscription"
+        );
+        assert_eq!(names(&recent_ones)[..3], ["again", "s0", "s1"]);
+        let old = [
+            eviction("old", now - RECENT_WINDOW - Duration::from_secs(1)),
+            eviction("future", now + Duration::from_secs(5)),
+        ];
+        assert_eq!(
+            names(&recent(&old, now, |e| &e.subscription_id, |e| e.evicted_at)),
+            ["future"]
+        );
+    }
+
+    #[test]
+    fn long_pattern_lists_make_a_bounded_label() {
+        let patterns: Vec<String> = (0..64).map(|i| format!("{i:03}.{}", "p".repeat(200))).collect();
+        let label = patterns_label(&patterns);
+        assert_eq!(label.len(), PATTERNS_LABEL_BYTES + 3);
+        assert!(label.starts_with("000.ppp") && label.ends_with("..."));
+        assert_eq!(patterns_label(&["a.*".into(), "b".into()]), "a.*,b");
     }
 }

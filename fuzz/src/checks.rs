@@ -1145,6 +1145,19 @@ impl Harness {
                     }
                     return;
                 }
+                // The stream's end: an OK status whose trailers say why
+                // (tonic sends it as the trailers), then nothing more.
+                Poll::Ready(Some(Err(status))) if status.code() == tonic::Code::Ok => {
+                    assert!(!sub.open, "the stream of open subscription {:?} ended", sub.id);
+                    assert!(
+                        status.metadata().get("tinybroker-end-reason").is_some(),
+                        "the end of {:?} says why: {status:?}",
+                        sub.id
+                    );
+                    assert!(matches!(poll_once(stream), Poll::Ready(None)), "{:?} ends once", sub.id);
+                    sub.stream = None;
+                    return;
+                }
                 Poll::Ready(None) => {
                     assert!(!sub.open, "the stream of open subscription {:?} ended", sub.id);
                     sub.stream = None;

@@ -53,6 +53,14 @@ pub struct GroupSnapshot {
     pub backlog_bytes: usize,
     pub in_flight: usize,
     pub oldest_unacked_age: Option<Duration>,
+    /// How long the group has had work (a backlog, or messages held by its
+    /// members) without completing any: no ack, and no auto-ack member's
+    /// stream taking one. Zero when it has no work. A redelivery is not
+    /// progress, so this keeps growing while a member never acks, whatever
+    /// its ack deadline.
+    pub stalled: Duration,
+    /// How long the group has had no member (None while one is connected).
+    pub memberless: Option<Duration>,
 }
 
 pub struct ConsumerGroup {
@@ -72,6 +80,11 @@ pub struct ConsumerGroup {
     redeliveries: AtomicU64,
     dead_lettered: AtomicU64,
     dropped: AtomicU64,
+    /// Messages acked by manual-ack members.
+    acked: AtomicU64,
+    /// Messages written to members' streams (redeliveries included), added
+    /// by the streams in batches.
+    delivered: AtomicU64,
 }
 
 struct GroupState {
@@ -85,6 +98,13 @@ struct GroupState {
     idle_since: Option<Instant>,
     /// Set when the group is removed; a joining member then starts a new one.
     removed: bool,
+    /// The last time the group completed a message (an ack, or an auto-ack
+    /// member's stream taking one) or was seen with no work at all (the
+    /// maintenance tick looks every 50 ms): [`GroupSnapshot::stalled`] is
+    /// measured from here.
+    progress_at: Instant,
+    /// Set once the current stall has been reported (logged).
+    stall_reported: bool,
 }
 
 /// Messages waiting for a member with room, oldest first, and their bytes.
@@ -97,6 +117,10 @@ struct Backlog {
 impl Backlog {
     fn len(&self) -> usize {
         self.items.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
     }
 
     fn front(&self) -> Option<&Pending> {
@@ -179,10 +203,14 @@ impl ConsumerGroup {
                 in_flight: HashMap::new(),
                 idle_since: Some(now),
                 removed: false,
+                progress_at: now,
+                stall_reported: false,
             }),
             redeliveries: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+            delivered: AtomicU64::new(0),
         }
     }
 
@@ -207,6 +235,21 @@ impl ConsumerGroup {
         self.dropped.load(Ordering::Relaxed)
     }
 
+    /// Messages acked by manual-ack members.
+    pub fn acked(&self) -> u64 {
+        self.acked.load(Ordering::Relaxed)
+    }
+
+    /// Messages written to members' streams, redeliveries included.
+    pub fn delivered(&self) -> u64 {
+        self.delivered.load(Ordering::Relaxed)
+    }
+
+    /// A member's stream wrote `count` messages.
+    pub(crate) fn add_delivered(&self, count: u64) {
+        self.delivered.fetch_add(count, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self, now: Instant) -> GroupSnapshot {
         let state = self.state.lock();
         GroupSnapshot {
@@ -219,7 +262,29 @@ impl ConsumerGroup {
                 .values()
                 .map(|f| now.saturating_duration_since(f.handed_out))
                 .max(),
+            stalled: if state.has_work() {
+                now.saturating_duration_since(state.progress_at)
+            } else {
+                Duration::ZERO
+            },
+            memberless: state
+                .idle_since
+                .filter(|_| state.members.is_empty())
+                .map(|since| now.saturating_duration_since(since)),
         }
+    }
+
+    /// The group's snapshot, once per stall, when it has been stalled for
+    /// `after` (for the broker's WARN line).
+    pub(crate) fn stall_to_report(&self, now: Instant, after: Duration) -> Option<GroupSnapshot> {
+        {
+            let mut state = self.state.lock();
+            if state.stall_reported || !state.has_work() || now.saturating_duration_since(state.progress_at) < after {
+                return None;
+            }
+            state.stall_reported = true;
+        }
+        Some(self.snapshot(now))
     }
 
     /// Routes one published message to the group: into the backlog, then to
@@ -314,6 +379,9 @@ impl ConsumerGroup {
         if let Some(slot) = state.members.iter_mut().find(|m| m.key == member) {
             slot.held = slot.held.saturating_sub(count);
         }
+        if count > 0 {
+            state.progressed(now);
+        }
         state.dispatch(now);
     }
 
@@ -339,6 +407,10 @@ impl ConsumerGroup {
             } else {
                 unknown += 1;
             }
+        }
+        if acked > 0 {
+            state.progressed(now);
+            self.acked.fetch_add(u64::from(acked), Ordering::Relaxed);
         }
         state.dispatch(now);
         (acked, unknown)
@@ -370,9 +442,14 @@ impl ConsumerGroup {
         (requeued, unknown, dead)
     }
 
-    /// Redelivers manual-ack messages whose ack deadline has passed.
+    /// Redelivers manual-ack messages whose ack deadline has passed. Also
+    /// notes a group with no work as not stalled (see
+    /// [`GroupSnapshot::stalled`]); the maintenance tick calls this.
     pub(crate) fn expire(&self, now: Instant) -> Vec<DeadLetter> {
         let mut state = self.state.lock();
+        if !state.has_work() {
+            state.progressed(now);
+        }
         let expired: Vec<u64> = state
             .in_flight
             .iter()
@@ -434,6 +511,17 @@ impl ConsumerGroup {
 }
 
 impl GroupState {
+    /// The group completed a message, or has nothing to do.
+    fn progressed(&mut self, now: Instant) {
+        self.progress_at = now;
+        self.stall_reported = false;
+    }
+
+    /// Whether anything waits in the backlog or is held by a member.
+    fn has_work(&self) -> bool {
+        !self.backlog.is_empty() || self.members.iter().any(|m| m.held > 0)
+    }
+
     /// Marks the group removed and empties it; returns how many messages it
     /// still held.
     fn remove(&mut self) -> usize {
@@ -590,8 +678,12 @@ mod tests {
     }
 
     fn group(capacity: usize, max_attempts: u32) -> ConsumerGroup {
+        group_at(capacity, max_attempts, Instant::now())
+    }
+
+    fn group_at(capacity: usize, max_attempts: u32, now: Instant) -> ConsumerGroup {
         let p = vec![TopicPattern::parse("t").unwrap()];
-        ConsumerGroup::new(0, "g".into(), p, capacity, usize::MAX, max_attempts, Instant::now())
+        ConsumerGroup::new(0, "g".into(), p, capacity, usize::MAX, max_attempts, now)
     }
 
     #[test]
@@ -700,6 +792,104 @@ mod tests {
             !g.join(member(2, 4), settings(AckMode::Auto, 4), start),
             "removed groups take no members"
         );
+    }
+
+    #[test]
+    fn a_group_that_never_acks_is_stalled_whatever_its_ack_deadline() {
+        let start = Instant::now();
+        let secs = |n| start + Duration::from_secs(n);
+        let g = group_at(10, 0, start);
+        let m = member(1, 4);
+        g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        // Idle for a minute: no work, so not stalled, however long ago the
+        // last ack was (the maintenance tick notes it).
+        assert!(g.expire(secs(60)).is_empty());
+        assert_eq!(g.snapshot(secs(60)).stalled, Duration::ZERO);
+        g.offer(published(1), secs(60));
+        assert_eq!(pop(&m).unwrap().attempt, 1);
+        assert_eq!(g.snapshot(secs(65)).stalled, Duration::from_secs(5));
+        // The 10 s deadline passes: redelivered, still not progress.
+        assert!(g.expire(secs(70)).is_empty());
+        assert_eq!(pop(&m).unwrap().attempt, 2);
+        assert_eq!(g.redeliveries(), 1);
+        let s = g.snapshot(secs(75));
+        assert_eq!(s.stalled, Duration::from_secs(15));
+        assert_eq!(
+            s.oldest_unacked_age,
+            Some(Duration::from_secs(5)),
+            "restarted at the redelivery"
+        );
+        // An ack is progress; with nothing left the group is not stalled.
+        assert_eq!(g.ack(1, &[1], secs(76)), (1, 0));
+        assert_eq!(g.acked(), 1);
+        assert_eq!(g.snapshot(secs(80)).stalled, Duration::ZERO);
+        // New work: counted from the last tick that saw none (the broker
+        // ticks every 50 ms), not from the ack long before.
+        assert!(g.expire(secs(89)).is_empty());
+        g.offer(published(2), secs(90));
+        assert_eq!(g.snapshot(secs(95)).stalled, Duration::from_secs(6));
+        assert!(g.expire(secs(95)).is_empty());
+        assert_eq!(
+            g.snapshot(secs(96)).stalled,
+            Duration::from_secs(7),
+            "work held: the tick changes nothing"
+        );
+    }
+
+    #[test]
+    fn a_stall_is_reported_once_until_the_group_progresses() {
+        let start = Instant::now();
+        let secs = |n| start + Duration::from_secs(n);
+        let after = Duration::from_secs(45);
+        let g = group_at(10, 0, start);
+        let m = member(1, 4);
+        g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        g.offer(published(1), start);
+        pop(&m).unwrap();
+        assert!(g.stall_to_report(secs(44), after).is_none());
+        let s = g.stall_to_report(secs(45), after).expect("stalled for 45 s");
+        assert_eq!((s.members, s.in_flight, s.stalled), (1, 1, after));
+        assert!(g.stall_to_report(secs(100), after).is_none(), "once per stall");
+        g.ack(1, &[1], secs(100));
+        g.offer(published(2), secs(100));
+        pop(&m).unwrap();
+        assert!(g.stall_to_report(secs(144), after).is_none());
+        assert!(g.stall_to_report(secs(145), after).is_some(), "a new stall");
+    }
+
+    #[test]
+    fn auto_ack_progress_and_memberless_time() {
+        let start = Instant::now();
+        let secs = |n| start + Duration::from_secs(n);
+        let g = group_at(10, 0, start);
+        assert_eq!(g.snapshot(secs(3)).memberless, Some(Duration::from_secs(3)));
+        let m = member(1, 4);
+        g.join(m.clone(), settings(AckMode::Auto, 4), secs(3));
+        assert_eq!(g.snapshot(secs(4)).memberless, None);
+        assert!(g.expire(secs(4)).is_empty(), "the idle tick");
+        g.offer(published(1), secs(4));
+        g.offer(published(2), secs(4));
+        assert_eq!(
+            g.snapshot(secs(9)).stalled,
+            Duration::from_secs(5),
+            "queued, not streamed"
+        );
+        pop(&m).unwrap();
+        g.streamed(1, 1, secs(10));
+        assert_eq!(
+            g.snapshot(secs(12)).stalled,
+            Duration::from_secs(2),
+            "one streamed at 10, one held"
+        );
+        g.leave(
+            1,
+            m.queue.close(crate::broker::CloseReason::Cancelled).unwrap(),
+            secs(20),
+        );
+        let s = g.snapshot(secs(50));
+        assert_eq!((s.members, s.backlog), (0, 1));
+        assert_eq!(s.memberless, Some(Duration::from_secs(30)));
+        assert_eq!(s.stalled, Duration::from_secs(40), "a memberless backlog waits too");
     }
 
     #[derive(Debug, Clone)]

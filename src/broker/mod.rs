@@ -37,8 +37,14 @@ pub const MAX_HEADER_BYTES: usize = 8192;
 pub const MAX_NAME_BYTES: usize = 256;
 /// Evictions remembered for the Admin API.
 pub const EVICTION_HISTORY: usize = 1024;
+/// Removals of groups that still held messages, remembered for the metrics.
+pub const GROUP_REMOVAL_HISTORY: usize = 64;
 /// How often ack deadlines and idle groups are checked.
 pub const MAINTENANCE_INTERVAL: Duration = Duration::from_millis(50);
+/// A group that has had work but completed nothing for this long is logged
+/// at WARN, once per stall (the shipped `TinybrokerConsumerGroupStuck` alert
+/// uses the same threshold).
+pub const STALL_WARNING_AFTER: Duration = Duration::from_secs(45);
 /// Prefix of dead-letter topics: `_dlq.<group>`.
 pub const DEAD_LETTER_PREFIX: &str = "_dlq.";
 /// Header of a dead letter naming the topic it was first published to.
@@ -201,6 +207,16 @@ pub struct EvictionRecord {
     pub peer: Option<SocketAddr>,
 }
 
+/// A consumer group removed after its idle TTL while it still held
+/// messages, kept for the metrics (`tinybroker_recent_group_removal_*`).
+#[derive(Debug, Clone)]
+pub struct GroupRemoval {
+    pub consumer_group: String,
+    pub removed_at: SystemTime,
+    /// Messages it still held, dropped with it.
+    pub dropped: usize,
+}
+
 /// Lifetime counters, all plain atomics so the publish path never locks for
 /// them. Counts of live subscriptions are read from the subscriptions.
 #[derive(Debug, Default)]
@@ -260,6 +276,9 @@ struct Shared {
     next_key: AtomicU64,
     /// Most recent evictions, newest last, at most [`EVICTION_HISTORY`].
     evictions: Mutex<VecDeque<EvictionRecord>>,
+    /// Most recent removals of groups with messages left, newest last, at
+    /// most [`GROUP_REMOVAL_HISTORY`].
+    group_removals: Mutex<VecDeque<GroupRemoval>>,
     stats: Stats,
     /// Set when shutdown begins: new work is refused from then on.
     draining: AtomicBool,
@@ -316,6 +335,7 @@ impl Broker {
                 groups: Mutex::new(HashMap::new()),
                 next_key: AtomicU64::new(1),
                 evictions: Mutex::new(VecDeque::new()),
+                group_removals: Mutex::new(VecDeque::new()),
                 stats: Stats::default(),
                 draining: AtomicBool::new(false),
                 drain_signal: CancellationToken::new(),
@@ -822,6 +842,12 @@ impl Broker {
         self.shared.evictions.lock().iter().rev().cloned().collect()
     }
 
+    /// The most recent removals of groups that still held messages, newest
+    /// first.
+    pub fn group_removals(&self) -> Vec<GroupRemoval> {
+        self.shared.group_removals.lock().iter().rev().cloned().collect()
+    }
+
     /// Closes a subscription's queue and removes it from routing. Idempotent.
     /// A group member's undelivered messages go back to its group; a
     /// broadcast subscription's are dropped and counted. Returns how many
@@ -998,6 +1024,17 @@ impl Broker {
         for group in self.groups() {
             let dead = group.expire(now);
             self.dead_letter(group.name(), dead);
+            if let Some(s) = group.stall_to_report(now, STALL_WARNING_AFTER) {
+                tracing::warn!(
+                    consumer_group = group.name(),
+                    stalled_seconds = s.stalled.as_secs(),
+                    members = s.members,
+                    backlog = s.backlog,
+                    in_flight = s.in_flight,
+                    redeliveries = group.redeliveries(),
+                    "consumer group stalled: it has messages waiting or held but none was acked or delivered"
+                );
+            }
         }
         let ttl = self.shared.limits.group_idle_ttl;
         let mut groups = self.shared.groups.lock();
@@ -1014,11 +1051,28 @@ impl Broker {
         for (group, left) in removed {
             self.remove_routes(group.key, group.patterns());
             stats.dropped_group_expired.fetch_add(left as u64, Ordering::Relaxed);
-            tracing::info!(
+            if left == 0 {
+                tracing::info!(
+                    consumer_group = group.name(),
+                    dropped = left,
+                    "consumer group removed after its idle TTL with no members"
+                );
+                continue;
+            }
+            tracing::warn!(
                 consumer_group = group.name(),
                 dropped = left,
                 "consumer group removed after its idle TTL with no members"
             );
+            let mut removals = self.shared.group_removals.lock();
+            if removals.len() >= GROUP_REMOVAL_HISTORY {
+                removals.pop_front();
+            }
+            removals.push_back(GroupRemoval {
+                consumer_group: group.name().to_owned(),
+                removed_at: SystemTime::now(),
+                dropped: left,
+            });
         }
     }
 
@@ -1182,6 +1236,30 @@ mod tests {
         let names: Vec<String> = broker.groups().iter().map(|g| g.name().to_owned()).collect();
         assert_eq!(names, ["first"]);
         assert_eq!(broker.publish(message("x"), None).unwrap().matched_groups, 1);
+    }
+
+    #[test]
+    fn groups_removed_with_messages_are_remembered_bounded() {
+        let broker = Broker::new(Limits::default());
+        let ttl = broker.limits().group_idle_ttl;
+        let now = tokio::time::Instant::now();
+        drop(broker.subscribe(member("", "empty", "e")).unwrap());
+        drop(broker.subscribe(member("", "full", "f")).unwrap());
+        broker.publish(message("f"), None).unwrap();
+        broker.publish(message("f"), None).unwrap();
+        broker.tick(now + ttl + Duration::from_secs(1));
+        assert!(broker.groups().is_empty());
+        let removals = broker.group_removals();
+        assert_eq!(removals.len(), 1, "only the group that lost messages: {removals:?}");
+        assert_eq!((removals[0].consumer_group.as_str(), removals[0].dropped), ("full", 2));
+        for i in 0..GROUP_REMOVAL_HISTORY + 5 {
+            drop(broker.subscribe(member("", &format!("g{i}"), "f")).unwrap());
+        }
+        broker.publish(message("f"), None).unwrap();
+        broker.tick(tokio::time::Instant::now() + ttl + Duration::from_secs(1));
+        let removals = broker.group_removals();
+        assert_eq!(removals.len(), GROUP_REMOVAL_HISTORY);
+        assert!(removals.iter().all(|r| r.dropped == 1 && r.consumer_group != "full"));
     }
 
     #[test]

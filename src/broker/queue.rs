@@ -126,6 +126,9 @@ struct State {
     /// The stream's waker while it waits for a message.
     waker: Option<Waker>,
     closed: Option<CloseReason>,
+    /// Highest depth in the current and in the previous peak period (see
+    /// [`Queue::take_peak`]).
+    peak: [usize; 2],
 }
 
 impl Queue {
@@ -136,6 +139,7 @@ impl Queue {
                 bytes: 0,
                 waker: None,
                 closed: None,
+                peak: [0; 2],
             }),
             capacity,
             max_bytes,
@@ -163,6 +167,7 @@ impl Queue {
             }
             state.bytes += size;
             state.items.push_back(item);
+            state.peak[1] = state.peak[1].max(state.items.len());
             // Taken, so a burst of pushes yields one wake-up until the stream
             // polls again and leaves a new waker.
             state.waker.take()
@@ -208,6 +213,19 @@ impl Queue {
             waker.wake();
         }
         Some(discarded)
+    }
+
+    /// The highest depth since the call before the previous one (at least
+    /// the depth now), and starts a new period. The metrics call it once per
+    /// scrape: a queue that fills and drains between two scrapes still shows
+    /// its peak, and two Prometheus servers scraping the same broker (an HA
+    /// pair) each see every peak, because each period is reported twice.
+    pub(crate) fn take_peak(&self) -> usize {
+        let mut state = self.state.lock();
+        let len = state.items.len();
+        let [previous, current] = state.peak;
+        state.peak = [current, len];
+        previous.max(current).max(len)
     }
 
     /// Takes back a message that is still waiting in the queue.
@@ -323,6 +341,29 @@ mod tests {
         assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
         q.push(delivery(9));
         assert_eq!(wakes(), 3);
+    }
+
+    #[test]
+    fn a_peak_is_reported_by_the_next_two_periods_then_forgotten() {
+        let q = Queue::new(8, usize::MAX);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert_eq!(q.take_peak(), 0);
+        // Fills to 5 and drains between two scrapes.
+        for seq in 0..5 {
+            q.push(delivery(seq));
+        }
+        while let Poll::Ready(Some(_)) = q.poll_pop(&mut cx) {}
+        assert_eq!(q.len(), 0);
+        assert_eq!(q.take_peak(), 5, "the scrape after the burst sees it");
+        assert_eq!(q.take_peak(), 5, "and the next one (another Prometheus of an HA pair)");
+        assert_eq!(q.take_peak(), 0, "then it is forgotten");
+        // A queue that stays deep reports its depth in every period.
+        for seq in 0..3 {
+            q.push(delivery(seq));
+        }
+        assert_eq!(q.take_peak(), 3);
+        assert_eq!(q.take_peak(), 3);
+        assert_eq!(q.take_peak(), 3);
     }
 
     #[test]

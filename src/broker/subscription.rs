@@ -129,6 +129,13 @@ impl Subscription {
         self.queue.capacity()
     }
 
+    /// The highest queue depth since the call before the previous one, and
+    /// starts a new period: called once per scrape, so every scrape sees the
+    /// peak of the last two scrape intervals (see [`Queue::take_peak`]).
+    pub fn take_queue_peak(&self) -> usize {
+        self.queue.take_peak()
+    }
+
     pub fn info(&self) -> SubscriptionInfo {
         SubscriptionInfo {
             subscription_id: self.id.to_string(),
@@ -207,6 +214,9 @@ impl SubscriptionStream {
                 &stats.delivered_broadcast
             };
             counter.fetch_add(self.unflushed, Ordering::Relaxed);
+            if let Some(m) = &self.subscription.membership {
+                m.group.add_delivered(self.unflushed);
+            }
             self.unflushed = 0;
         }
     }
