@@ -3,9 +3,10 @@
 //! - a `PublishStream` that sends every gRPC message in its own DATA frame
 //!   (as grpc-core clients do), with a window's worth of them buffered while
 //!   the broker is stopped, is accepted in full and its connection stays up;
-//! - a real flood, 1-byte DATA frames that the broker cannot drain, is still
-//!   stopped with GOAWAY ENHANCE_YOUR_CALM, and another connection's
-//!   subscription goes on receiving;
+//! - a real flood, 1-byte DATA frames that the broker cannot drain (on a
+//!   stream it has stopped reading), is still stopped with GOAWAY
+//!   ENHANCE_YOUR_CALM, and another connection's subscription goes on
+//!   receiving;
 //! - that close is counted in `tinybroker_connections_rejected_total` and
 //!   logged at WARN with the peer.
 
@@ -320,56 +321,75 @@ struct Flood {
     peer: SocketAddr,
 }
 
-/// Stops the broker, then sends an OpenSubscription request followed by
-/// 1-byte DATA frames (never END_STREAM) up to the window, so they all wait
-/// in the broker undrained; resumes the broker and keeps flooding until the
-/// connection ends or `limit` passes.
-async fn flood(broker: &BrokerProcess, limit: Duration) -> Flood {
-    let (mut send, mut connection, peer) = connect(&broker.grpc_addr).await;
-    // A first call, so the handshake (and the broker's window) is settled.
+/// A real flood, one the broker cannot drain: a reflection stream
+/// (`ServerReflectionInfo`, bidirectional) on a connection that gives the
+/// broker no window to answer in (SETTINGS_INITIAL_WINDOW_SIZE 0). After two
+/// requests the reflection task waits for room to answer and stops reading
+/// the stream, so every 1-byte DATA frame sent after them stays in the
+/// broker's HTTP/2 receive buffer. Sends such frames (never END_STREAM) until
+/// the connection ends, or until the window is used up and `linger` has
+/// passed with the connection still open.
+async fn flood(broker: &BrokerProcess, linger: Duration) -> Flood {
+    let tcp = TcpStream::connect(&broker.grpc_addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let peer = tcp.local_addr().unwrap();
+    let (send, connection) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(KeepReading {
+            tcp,
+            write_failed: false,
+        })
+        .await
+        .unwrap();
+    let mut connection = tokio::spawn(connection);
+    let mut send = send.ready().await.unwrap();
+
+    // A first call answered without DATA (an error is trailers only), so
+    // the handshake and the broker's windows are settled.
     let (response, mut stream) = send
         .send_request(grpc_request(&broker.grpc_addr, "Publish"), false)
         .unwrap();
-    stream.send_data(grpc_frame(&publish_request(0)), true).unwrap();
-    let (status, message, _) = read_response(response).await.unwrap();
-    assert_eq!(status, "0", "{message}");
+    let empty = pb::PublishRequest::default();
+    stream.send_data(grpc_frame(&empty), true).unwrap();
+    let response = response.await.unwrap();
+    assert_eq!(
+        response.headers().get("grpc-status").map(|v| v.to_str().unwrap()),
+        Some("3"),
+        "{response:?}"
+    );
 
-    broker.guard.signal("STOP");
-    let stopped = Instant::now();
-    let (_response, mut stream) = send
-        .ready()
-        .await
-        .unwrap()
-        .send_request(grpc_request(&broker.grpc_addr, "OpenSubscription"), false)
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{}/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            broker.grpc_addr
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
         .unwrap();
-    let request = pb::OpenSubscriptionRequest {
-        topic_patterns: vec!["flood.>".into()],
-        ..Default::default()
+    let (response, mut stream) = send.ready().await.unwrap().send_request(request, false).unwrap();
+    let list = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(String::new()),
+        ),
     };
-    send_one_frame(&mut stream, grpc_frame(&request)).await.unwrap();
+    for _ in 0..4 {
+        send_one_frame(&mut stream, grpc_frame(&list)).await.unwrap();
+    }
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 200);
+
     let one = Bytes::from_static(&[0]);
     let mut frames = 0;
-    let mut resumed = false;
-    let deadline = Instant::now() + limit;
     let closed = loop {
         if connection.is_finished() {
             break (&mut connection).await.unwrap();
         }
-        if !resumed && stopped.elapsed() >= PAUSE {
-            broker.guard.signal("CONT");
-            resumed = true;
-            eprintln!("{frames} 1-byte frames written while the broker was stopped");
-        }
-        if resumed && Instant::now() >= deadline {
-            break Ok(());
-        }
-        match wait_capacity(&mut stream, 1, Some(WINDOW_SPENT_AFTER)).await {
-            None if !resumed => {
-                // The window is used up: wait out the pause.
-                tokio::time::sleep(PAUSE.saturating_sub(stopped.elapsed())).await;
-                continue;
-            }
-            None => continue,
+        match wait_capacity(&mut stream, 1, Some(linger)).await {
+            // The window is used up and nothing closed the connection.
+            None => break Ok(()),
             Some(Err(_)) => {
                 break tokio::time::timeout(Duration::from_secs(10), &mut connection)
                     .await
@@ -383,9 +403,6 @@ async fn flood(broker: &BrokerProcess, limit: Duration) -> Flood {
         }
         frames += 1;
     };
-    if !resumed {
-        broker.guard.signal("CONT");
-    }
     Flood { frames, closed, peer }
 }
 
@@ -419,17 +436,16 @@ impl Bystander {
     }
 }
 
-/// 1-byte DATA frames after an OpenSubscription request, up to the window,
-/// while the broker is stopped: the broker closes that connection with
-/// GOAWAY ENHANCE_YOUR_CALM, and a subscription on another connection keeps
-/// receiving.
+/// 1-byte DATA frames on a stream the broker does not read, up to the
+/// window: the broker closes that connection with GOAWAY ENHANCE_YOUR_CALM,
+/// and a subscription on another connection keeps receiving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_one_byte_data_frames_is_stopped_with_enhance_your_calm() {
     let started = Instant::now();
     let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
     let result = tokio::time::timeout(Duration::from_secs(90), async {
         let mut bystander = Bystander::open(&broker).await;
-        let flood = flood(&broker, Duration::from_secs(30)).await;
+        let flood = flood(&broker, Duration::from_secs(5)).await;
         eprintln!(
             "flood: {} 1-byte frames, connection ended with {:?}",
             flood.frames, flood.closed
@@ -461,7 +477,7 @@ async fn a_flood_close_is_counted_and_logged_with_the_peer() {
     let started = Instant::now();
     let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
     let result = tokio::time::timeout(Duration::from_secs(90), async {
-        let flood = flood(&broker, Duration::from_secs(30)).await;
+        let flood = flood(&broker, Duration::from_secs(5)).await;
         let error = flood.closed.expect_err("the flood is stopped");
         assert_eq!(
             error.reason(),
