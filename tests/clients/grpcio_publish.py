@@ -2,12 +2,20 @@
 
 On one channel it opens a broadcast subscription, then publishes COUNT
 messages through PublishStream from a generator (grpcio writes one HTTP/2 DATA
-frame per message) and checks that the subscription receives every one of them
-in order. It prints `subscribed`, then `pause` once PAUSE_AT messages have
-been handed to grpcio (the test then SIGSTOPs the broker for a while), and at
-the end one line `result {json}` with what happened.
+frame per message). It prints `subscribed`, then `pause` once PAUSE_AT
+messages have been handed to grpcio (the test then SIGSTOPs the broker for a
+while), and at the end one line `result {json}` with what happened.
 
-Usage: grpcio_publish.py ADDR PROTO_DIR COUNT PAYLOAD_BYTES PAUSE_AT
+SUBSCRIPTION says what the same-channel subscription checks:
+- `full`: it matches the published topic and must receive every message, in
+  order (Python reads about as slowly as it publishes, and both share the
+  GIL);
+- `alive`: it matches only `stock.grpcio.alive`; after the stream, one
+  message published there on the same channel must reach it, which shows
+  the channel and the subscription outlived the stream. The test then checks
+  order and completeness with a subscriber of its own.
+
+Usage: grpcio_publish.py ADDR PROTO_DIR COUNT PAYLOAD_BYTES PAUSE_AT SUBSCRIPTION
 Stubs are generated from PROTO_DIR with grpcio-tools' bundled protoc.
 """
 
@@ -41,8 +49,10 @@ def generate_stubs(proto_dir):
 
 
 def main():
-    addr, proto_dir, count, payload_bytes, pause_at = sys.argv[1:6]
+    addr, proto_dir, count, payload_bytes, pause_at, mode = sys.argv[1:7]
     count, payload_bytes, pause_at = int(count), int(payload_bytes), int(pause_at)
+    if mode not in ("full", "alive"):
+        raise SystemExit(f"SUBSCRIPTION must be full or alive, not {mode!r}")
     generate_stubs(proto_dir)
     import grpc
     from tinybroker.v1 import broker_pb2, broker_pb2_grpc
@@ -60,8 +70,12 @@ def main():
     }
     channel = grpc.insecure_channel(addr)
     stub = broker_pb2_grpc.BrokerStub(channel)
+    alive_topic = "stock.grpcio.alive"
+    expect = count if mode == "full" else 1
     subscription = stub.OpenSubscription(
-        broker_pb2.OpenSubscriptionRequest(topic_patterns=[topic])
+        broker_pb2.OpenSubscriptionRequest(
+            topic_patterns=[topic if mode == "full" else alive_topic]
+        )
     )
     subscription.initial_metadata()  # the subscription is open
     all_received = threading.Event()
@@ -82,10 +96,10 @@ def main():
                 expected = index + 1
                 last_sequence = message.sequence
                 result["received"] += 1
-                if result["received"] == count:
+                if result["received"] == expect:
                     all_received.set()
         except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.CANCELLED or not all_received.is_set():
+            if error.code() != grpc.StatusCode.CANCELLED or result["received"] != expect:
                 result["subscription_error"] = f"{error.code()}: {error.details()}"
         finally:
             all_received.set()
@@ -112,6 +126,14 @@ def main():
         result["publish_details"] = error.details()
     result["publish_seconds"] = round(time.monotonic() - started, 2)
     print(f"published {result['publish_code']}", flush=True)
+    if mode == "alive" and result["subscription_error"] is None:
+        try:
+            stub.Publish(
+                broker_pb2.PublishRequest(topic=alive_topic, payload=b"0" * payload_bytes),
+                timeout=30,
+            )
+        except grpc.RpcError as error:
+            result["alive_publish_error"] = f"{error.code()}: {error.details()}"
     # Everything published has reached the broker's queue for this
     # subscription; give the reader time to take it (or to fail).
     all_received.wait(timeout=float(os.environ.get("RECEIVE_TIMEOUT_SECONDS", "90")))
