@@ -8,7 +8,8 @@
 // the same client (the same channel and connection) and checks that it gets
 // every message in order. It prints `subscribed`, `pause` once PAUSE_AT
 // messages have been written (the test then SIGSTOPs the broker for a while),
-// and at the end one line `result {json}`.
+// and at the end one line `result {json}`. GRPC_JS_CHANNEL_OPTIONS (JSON) are
+// channel options, e.g. {"grpc.per_rpc_retry_buffer_size": 65536}.
 'use strict';
 
 const path = require('path');
@@ -28,12 +29,14 @@ const definition = protoLoader.loadSync(path.join(protoDir, 'tinybroker/v1/broke
   defaults: true,
 });
 const { Broker } = grpc.loadPackageDefinition(definition).tinybroker.v1;
-const client = new Broker(addr, grpc.credentials.createInsecure());
+const channelOptions = JSON.parse(process.env.GRPC_JS_CHANNEL_OPTIONS || '{}');
+const client = new Broker(addr, grpc.credentials.createInsecure(), channelOptions);
 const topic = 'stock.grpcjs';
 const receiveTimeoutMs = Number(process.env.RECEIVE_TIMEOUT_SECONDS || '90') * 1000;
 
 const result = {
   grpc_js: require('@grpc/grpc-js/package.json').version,
+  channel_options: channelOptions,
   count,
   publish_code: null,
   publish_details: null,
