@@ -219,6 +219,15 @@ fn describe(error: &h2::Error) -> String {
     )
 }
 
+/// Panics with how the stream and its connection ended.
+async fn stream_failed(sent: usize, error: &h2::Error, connection: &mut Connection) -> ! {
+    let closed = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    panic!(
+        "the stream failed after {sent} messages: {}; connection: {closed:?}",
+        describe(error)
+    )
+}
+
 async fn metrics(broker: &BrokerProcess) -> String {
     http_get(broker.metrics_addr, "/metrics").await.1
 }
@@ -240,9 +249,9 @@ async fn one_data_frame_per_message_with_a_window_buffered_is_accepted() {
             .unwrap();
         let mut i = 0;
         while i < BEFORE_PAUSE {
-            send_one_frame(&mut stream, grpc_frame(&publish_request(i)))
-                .await
-                .unwrap();
+            if let Err(e) = send_one_frame(&mut stream, grpc_frame(&publish_request(i))).await {
+                stream_failed(i, &e, &mut connection).await;
+            }
             i += 1;
         }
         broker.guard.signal("STOP");
@@ -253,10 +262,13 @@ async fn one_data_frame_per_message_with_a_window_buffered_is_accepted() {
         while i < COUNT {
             let frame = grpc_frame(&publish_request(i));
             match wait_capacity(&mut stream, frame.len(), Some(WINDOW_SPENT_AFTER)).await {
-                Some(result) => result.unwrap(),
+                Some(Ok(())) => {}
+                Some(Err(e)) => stream_failed(i, &e, &mut connection).await,
                 None => break,
             }
-            stream.send_data(frame, false).unwrap();
+            if let Err(e) = stream.send_data(frame, false) {
+                stream_failed(i, &e, &mut connection).await;
+            }
             i += 1;
         }
         let burst = i - burst_from;
@@ -266,15 +278,13 @@ async fn one_data_frame_per_message_with_a_window_buffered_is_accepted() {
         assert!(burst > 1_000, "the window let only {burst} frames through");
         while i < COUNT {
             if let Err(e) = send_one_frame(&mut stream, grpc_frame(&publish_request(i))).await {
-                let closed = tokio::time::timeout(Duration::from_secs(5), &mut connection).await;
-                panic!(
-                    "the stream failed after {i} messages: {}; connection: {closed:?}",
-                    describe(&e)
-                );
+                stream_failed(i, &e, &mut connection).await;
             }
             i += 1;
         }
-        stream.send_data(Bytes::new(), true).unwrap();
+        if let Err(e) = stream.send_data(Bytes::new(), true) {
+            stream_failed(COUNT, &e, &mut connection).await;
+        }
         let (status, message, body) = match read_response(response).await {
             Ok(r) => r,
             Err(e) => {
