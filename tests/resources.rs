@@ -273,7 +273,7 @@ async fn half_sent_requests_are_bounded_per_connection() {
         let mut streams = Vec::new();
         for _ in 0..512 {
             h2 = h2.ready().await.unwrap();
-            let request = tonic::codegen::http::Request::post(format!("http://{}/tinybroker.v1.Broker/Publish", broker.grpc_addr))
+            let request = http::Request::post(format!("http://{}/tinybroker.v1.Broker/Publish", broker.grpc_addr))
                 .header("content-type", "application/grpc")
                 .header("te", "trailers")
                 .body(())

@@ -201,3 +201,29 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// Spawns `command` with stdout and stderr piped, each read line by line by
+/// a thread: stdout into the guard's `stdout`, stderr into the returned
+/// receiver (for failure messages). Killed and reaped when the guard drops.
+pub fn spawn_piped(command: &mut Command) -> (ChildGuard, Receiver<String>) {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+    let stdout = child.stdout.take().map(lines);
+    let stderr = lines(child.stderr.take().expect("stderr"));
+    (ChildGuard { child, stdout }, stderr)
+}
+
+/// The sample of metric `name` whose labels include `label` (e.g.
+/// `reason="h2_flood"`), if the exposition has one.
+pub fn metric_with_label(text: &str, name: &str, label: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|rest| rest.split_once('}'))
+        .find(|(labels, _)| labels.split(',').any(|l| l == label))
+        .and_then(|(_, value)| value.trim().parse().ok())
+}

@@ -1,0 +1,352 @@
+//! Stock gRPC clients against the real broker binary (issue 12, point 1):
+//! Python's grpcio and Node's @grpc/grpc-js send every message of a
+//! `PublishStream` in its own small HTTP/2 DATA frame. Such a client is never
+//! cut off, also while the broker is paused (SIGSTOP, what a CPU limit does),
+//! and a subscription on the same channel gets every message in order.
+//!
+//! The clients are the scripts in tests/clients/. `.ci/run` installs grpcio,
+//! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js and sets
+//! `TINYBROKER_REQUIRE_TOOLS=1`, which turns a missing tool into a failure;
+//! elsewhere a missing tool skips the test with a line on stderr.
+
+mod common;
+
+use common::process::{BrokerProcess, ChildGuard, metric_sum, spawn_piped};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+use tinybroker::pb;
+
+/// How long the broker stays stopped in the middle of a stream.
+const PAUSE: Duration = Duration::from_secs(2);
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn clients_dir() -> PathBuf {
+    root().join("tests/clients")
+}
+
+fn proto_dir() -> String {
+    root().join("proto").display().to_string()
+}
+
+/// True if `check` runs and succeeds; else fails under
+/// TINYBROKER_REQUIRE_TOOLS or prints a skip line.
+fn tool_available(what: &str, install: &str, check: &mut Command) -> bool {
+    let found = check.output().is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("TINYBROKER_REQUIRE_TOOLS").is_err(),
+            "{what} is required ({install})"
+        );
+        eprintln!("{what} not found: skipping (run .ci/run to install it)");
+    }
+    found
+}
+
+fn grpcio_available() -> bool {
+    tool_available(
+        "python3 with grpcio and grpcio-tools",
+        "pip install grpcio grpcio-tools",
+        Command::new("python3").args(["-c", "import grpc, grpc_tools.protoc"]),
+    )
+}
+
+fn grpc_js_available() -> bool {
+    tool_available(
+        "node with @grpc/grpc-js and @grpc/proto-loader",
+        "npm ci in tests/clients",
+        Command::new("node")
+            .current_dir(clients_dir())
+            .args(["-e", "require('@grpc/grpc-js'); require('@grpc/proto-loader')"]),
+    )
+}
+
+/// A client script's run: its stdout lines as they come, stderr for reports.
+struct Script {
+    guard: ChildGuard,
+    stdout: Receiver<String>,
+    stderr: Receiver<String>,
+    deadline: Instant,
+    stderr_seen: Vec<String>,
+}
+
+impl Script {
+    fn spawn(command: &mut Command, limit: Duration) -> Self {
+        let (mut guard, stderr) = spawn_piped(command.current_dir(clients_dir()).env("PYTHONUNBUFFERED", "1"));
+        Self {
+            stdout: guard.stdout.take().expect("stdout"),
+            guard,
+            stderr,
+            deadline: Instant::now() + limit,
+            stderr_seen: Vec::new(),
+        }
+    }
+
+    fn stderr_tail(&mut self) -> String {
+        self.stderr_seen.extend(self.stderr.try_iter());
+        let from = self.stderr_seen.len().saturating_sub(30);
+        self.stderr_seen[from..].join("\n")
+    }
+
+    /// Waits for the next stdout line starting with one of `prefixes`
+    /// (skipping others); panics with the script's stderr if it ends or
+    /// times out.
+    fn line_starting(&mut self, prefixes: &[&str]) -> String {
+        loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            match self.stdout.recv_timeout(left) {
+                Ok(line) if prefixes.iter().any(|p| line.starts_with(p)) => return line,
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("no {prefixes:?} line in time; client stderr:\n{}", self.stderr_tail())
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = self.guard.child.wait();
+                    panic!(
+                        "client exited ({status:?}) before printing {prefixes:?}; stderr:\n{}",
+                        self.stderr_tail()
+                    )
+                }
+            }
+        }
+    }
+
+    /// The final `result {json}` line.
+    fn result(&mut self) -> serde_json::Value {
+        parse_result(&self.line_starting(&["result "]))
+    }
+}
+
+fn parse_result(line: &str) -> serde_json::Value {
+    serde_json::from_str(&line["result ".len()..]).expect("result JSON")
+}
+
+/// Waits for the script's `pause` line, stops the broker for [`PAUSE`], then
+/// returns the script's result (at once if it ends before it gets to pause).
+fn pause_broker_when_told(script: &mut Script, broker: &BrokerProcess) -> serde_json::Value {
+    let line = script.line_starting(&["pause", "result "]);
+    if line.starts_with("result ") {
+        eprintln!("the client ended before the pause");
+        return parse_result(&line);
+    }
+    broker.guard.signal("STOP");
+    std::thread::sleep(PAUSE);
+    broker.guard.signal("CONT");
+    eprintln!("broker paused for {PAUSE:?}");
+    script.result()
+}
+
+async fn published_total(broker: &BrokerProcess) -> f64 {
+    let (_, body) = common::http_get(broker.metrics_addr, "/metrics").await;
+    metric_sum(&body, "tinybroker_messages_published_total")
+}
+
+fn published_total_blocking(broker: &BrokerProcess) -> f64 {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(published_total(broker))
+}
+
+/// Reads `count` messages from `stream`, checking that payload `i` (the
+/// message's index, zero-padded) comes `i`-th with increasing sequences.
+/// Returns how many arrived and the first problem, if any.
+async fn receive_in_order(mut stream: tonic::Streaming<pb::Message>, count: u64) -> (u64, Option<String>) {
+    let mut received = 0;
+    let mut last_sequence = 0;
+    while received < count {
+        let message = match stream.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return (received, Some("the stream ended (evicted?)".into())),
+            Err(status) => return (received, Some(format!("the stream failed: {status}"))),
+        };
+        let index: u64 = std::str::from_utf8(&message.payload).unwrap().parse().unwrap();
+        if index != received || message.sequence <= last_sequence {
+            return (
+                received,
+                Some(format!(
+                    "message {received} expected, got payload {index} sequence {} after {last_sequence}",
+                    message.sequence
+                )),
+            );
+        }
+        last_sequence = message.sequence;
+        received += 1;
+    }
+    (received, None)
+}
+
+/// Nothing was evicted or closed for abuse: no WARN or ERROR line.
+fn assert_no_warnings(broker: &BrokerProcess) {
+    let log: Vec<String> = broker
+        .drain_lines()
+        .into_iter()
+        .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+        .collect();
+    assert!(log.is_empty(), "the broker logged: {log:#?}");
+}
+
+/// The assertions every stock-client run shares: the stream ended OK with
+/// everything accepted and the same-channel subscription, if there was one
+/// (`received`: what it had to get), got its messages in order and was
+/// never cut off.
+fn assert_nothing_lost(result: &serde_json::Value, count: u64, received: Option<u64>, stderr: &str) {
+    let context = format!("client result {result}\nclient stderr:\n{stderr}");
+    assert_eq!(result["publish_code"], "OK", "PublishStream failed: {context}");
+    assert_eq!(result["accepted"], count, "accepted: {context}");
+    if let Some(received) = received {
+        assert!(
+            result["subscription_error"].is_null(),
+            "subscription cut off: {context}"
+        );
+        assert!(result["out_of_order"].is_null(), "order: {context}");
+        assert!(
+            result["alive_publish_error"].is_null(),
+            "same-channel publish: {context}"
+        );
+        assert_eq!(result["received"], received, "received: {context}");
+    }
+}
+
+/// Python grpcio, 1,000,000 × 10 B through one PublishStream (a generator of
+/// requests, one DATA frame per message) with a broadcast subscription open
+/// on the same channel; the broker is SIGSTOPped for 2 s in the middle. The
+/// stream ends OK with everything accepted, the same-channel subscription
+/// is alive afterwards, and a subscriber of the test's own gets all
+/// 1,000,000 in order. (A Python reader of all of them, sharing the GIL with
+/// the publisher, took 110 to 150 s on the 2-core CI machine against 80 to
+/// 90 s for the publisher alone: `full` mode of the script does that.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_publish_stream_of_a_million_tiny_messages_survives_a_pause() {
+    if !grpcio_available() {
+        return;
+    }
+    let started = Instant::now();
+    const COUNT: u64 = 1_000_000;
+    let broker = BrokerProcess::spawn(&[("TINYBROKER_CONSUMER_CAPACITY", "2000000")]);
+    let channel = tonic::transport::Endpoint::from_shared(broker.url())
+        .unwrap()
+        .initial_stream_window_size(16 << 20)
+        .initial_connection_window_size(16 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let (stream, _) = common::subscribe(&mut pb::broker_client::BrokerClient::new(channel), &["stock.grpcio"]).await;
+    let reader = tokio::spawn(receive_in_order(stream, COUNT));
+    let (result, stderr, broker) = tokio::task::spawn_blocking(move || {
+        let mut script = Script::spawn(
+            Command::new("python3").args([
+                "grpcio_publish.py",
+                &broker.grpc_addr,
+                &proto_dir(),
+                &COUNT.to_string(),
+                "10",
+                "300000",
+                "alive",
+            ]),
+            Duration::from_secs(240),
+        );
+        script.line_starting(&["subscribed"]);
+        let result = pause_broker_when_told(&mut script, &broker);
+        (result, script.stderr_tail(), broker)
+    })
+    .await
+    .unwrap();
+    eprintln!("grpcio result: {result}");
+    assert_nothing_lost(&result, COUNT, Some(1), &stderr);
+    let (received, problem) = tokio::time::timeout(Duration::from_secs(60), reader)
+        .await
+        .expect("the test's subscriber got everything within 60 s of the stream's end")
+        .unwrap();
+    assert_eq!((received, problem), (COUNT, None), "the test's own subscriber");
+    assert_eq!(published_total(&broker).await, COUNT as f64 + 1.0);
+    assert_no_warnings(&broker);
+    eprintln!(
+        "grpcio 1,000,000 × 10 B with a 2 s pause: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Node @grpc/grpc-js, 200,000 × 100 B through one PublishStream with a
+/// subscription on the same client; the broker is SIGSTOPped for 2 s in the
+/// middle. Nothing is lost, no RESOURCE_EXHAUSTED.
+#[test]
+fn grpc_js_publish_stream_survives_a_pause_with_a_subscription_on_the_same_channel() {
+    if !grpc_js_available() {
+        return;
+    }
+    let started = Instant::now();
+    const COUNT: u64 = 200_000;
+    let broker = BrokerProcess::spawn(&[("TINYBROKER_CONSUMER_CAPACITY", "400000")]);
+    let mut script = Script::spawn(
+        Command::new("node").args([
+            "grpcjs_publish.js",
+            &broker.grpc_addr,
+            &proto_dir(),
+            &COUNT.to_string(),
+            "100",
+            "60000",
+            "1",
+        ]),
+        Duration::from_secs(120),
+    );
+    script.line_starting(&["subscribed"]);
+    let result = pause_broker_when_told(&mut script, &broker);
+    let stderr = script.stderr_tail();
+    eprintln!("grpc-js result: {result}");
+    assert_nothing_lost(&result, COUNT, Some(COUNT), &stderr);
+    assert_eq!(published_total_blocking(&broker), COUNT as f64);
+    assert_no_warnings(&broker);
+    eprintln!(
+        "grpc-js 200,000 × 100 B with a 2 s pause: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// grpc-js, 100,000 × 10 B and 100,000 × 100 B through PublishStream: each
+/// completes with everything accepted; the times are printed, not asserted
+/// (issue 12 measured 11.6 s against 1.7 s). A third run, 10 B with
+/// grpc-js's per-call retry buffer cut from 1 MiB to 64 KiB, shows where the
+/// time goes: grpc-js copies its array of buffered messages (about 34,000 of
+/// 10 B in 1 MiB) on every completed write, a V8 large object each time.
+#[test]
+fn grpc_js_publish_stream_timing_10_vs_100_bytes() {
+    if !grpc_js_available() {
+        return;
+    }
+    const COUNT: u64 = 100_000;
+    let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
+    let small_retry_buffer = r#"{"grpc.per_rpc_retry_buffer_size": 65536}"#;
+    for (size, options) in [(10, "{}"), (100, "{}"), (10, small_retry_buffer)] {
+        let started = Instant::now();
+        let mut script = Script::spawn(
+            Command::new("node")
+                .args([
+                    "grpcjs_publish.js",
+                    &broker.grpc_addr,
+                    &proto_dir(),
+                    &COUNT.to_string(),
+                    &size.to_string(),
+                    "-1",
+                    "0",
+                ])
+                .env("GRPC_JS_CHANNEL_OPTIONS", options),
+            Duration::from_secs(90),
+        );
+        let result = script.result();
+        eprintln!(
+            "grpc-js PublishStream {COUNT} × {size} B, channel options {options}: {} s in the stream, \
+             {:.2} s with start-up ({})",
+            result["publish_seconds"],
+            started.elapsed().as_secs_f64(),
+            result["publish_code"]
+        );
+        let stderr = script.stderr_tail();
+        assert_nothing_lost(&result, COUNT, None, &stderr);
+    }
+}
