@@ -32,7 +32,7 @@ pub const DROPPED_METADATA: &str = "tinybroker-dropped";
 /// Trailer beside it: the sequence of the last message handed to the stream.
 pub const LAST_SEQUENCE_METADATA: &str = "tinybroker-last-sequence";
 
-/// Maps a core error to the status code API.md gives for it.
+/// Maps a core error to the status code docs/contract.md (Errors) gives for it.
 pub fn status(error: BrokerError) -> Status {
     let code = match &error {
         BrokerError::InvalidArgument(_) => Code::InvalidArgument,

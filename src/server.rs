@@ -1,6 +1,6 @@
 //! Runs the broker: the gRPC server (Broker, health, reflection) and the HTTP
 //! side server, on listeners the caller has already bound, until the shutdown
-//! future resolves; then drains and stops as API.md's Lifecycle says.
+//! future resolves; then drains and stops as docs/contract.md, Lifecycle, says.
 
 use crate::auth::AuthLayer;
 use crate::broker::Broker;

@@ -1,4 +1,4 @@
-//! What no client can exceed (API.md, "Resource limits"): memory bounded in
+//! What no client can exceed (docs/contract.md, "Resource limits"): memory bounded in
 //! bytes whatever readers, groups and half-sent requests do, read as the
 //! real broker process's peak RSS (VmHWM); connections capped, timed out
 //! and counted; the file descriptor limit and the listen backlog.

@@ -435,7 +435,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     let received: u64 = tallies.iter().map(|t| t.received).sum();
     let split = (group && received > 0).then(|| tallies.iter().map(|t| t.received as f64 / received as f64).collect());
 
-    // What the contract (tinybroker's API.md) says must arrive.
+    // What the contract (docs/contract.md, Delivery) says must arrive.
     let violation = if kind != Kind::Tinybroker {
         None
     } else if lost > 0 {

@@ -3,7 +3,8 @@
 //! `#[path]`), so a crash the fuzzer finds replays under `cargo test`.
 //!
 //! * [`check_topic_input`]: topic and pattern syntax against an independent
-//!   reading of API.md, the reference matcher, and the routing trie.
+//!   reading of docs/contract.md (Topics and patterns), the reference
+//!   matcher, and the routing trie.
 //! * [`check_request_input`]: raw bytes decoded as each request type, and an
 //!   `arbitrary`-driven sequence of requests, sent to the real tonic service
 //!   implementations on an in-process broker, against a model of what the
@@ -95,7 +96,8 @@ pub fn check_topic_input(data: &[u8]) {
     check_sublist(&parts);
 }
 
-/// API.md's syntax, written independently of `tinybroker::topic`.
+/// The syntax of docs/contract.md (Topics and patterns), written
+/// independently of `tinybroker::topic`.
 pub fn spec_valid(s: &str, pattern: bool) -> bool {
     if s.is_empty() || s.len() > MAX_TOPIC_BYTES {
         return false;
@@ -824,7 +826,7 @@ impl Harness {
         first
     }
 
-    /// Routes a message the way API.md says: to every open broadcast
+    /// Routes a message the way docs/contract.md (Delivery) says: to every open broadcast
     /// subscription with a matching pattern (evicting one whose queue is
     /// full) and to every group with matching patterns.
     fn route(&mut self, seq: u64, message: PublishedMessage) -> (u32, u32) {
