@@ -17,8 +17,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".tinybroker.v1.Message.payload")
         .compile_fds(fds.clone())?;
     // Servers, using the types above, except that subscription streams send
-    // `wire::EncodedMessage`: the same bytes as a `Message`, encoded once
-    // per fan-out instead of once per subscriber.
+    // `wire::EncodedMessage`: the same bytes as a `Message`, encoded by each
+    // stream straight from the shared published message into tonic's buffer.
     let server_dir = out_dir.join("server");
     std::fs::create_dir_all(&server_dir)?;
     tonic_prost_build::configure()

@@ -419,6 +419,7 @@ pub struct AdminService {
     auth_enabled: bool,
     tls_enabled: bool,
     shutdown_grace: std::time::Duration,
+    connections: crate::config::ConnectionLimits,
 }
 
 impl AdminService {
@@ -428,12 +429,19 @@ impl AdminService {
             auth_enabled,
             tls_enabled,
             shutdown_grace: std::time::Duration::ZERO,
+            connections: crate::config::ConnectionLimits::default(),
         }
     }
 
     /// Reported by GetBrokerInfo (the broker core does not know it).
     pub fn with_shutdown_grace(mut self, grace: std::time::Duration) -> Self {
         self.shutdown_grace = grace;
+        self
+    }
+
+    /// The connection limits GetBrokerInfo reports.
+    pub fn with_connection_limits(mut self, connections: crate::config::ConnectionLimits) -> Self {
+        self.connections = connections;
         self
     }
 
@@ -566,6 +574,11 @@ impl pb::admin_server::Admin for AdminService {
                 max_patterns_per_subscription: crate::broker::MAX_PATTERNS_PER_SUBSCRIPTION as u32,
                 max_topic_bytes: crate::topic::MAX_TOPIC_BYTES as u32,
                 max_headers: crate::broker::MAX_HEADERS as u32,
+                consumer_max_bytes: l.consumer_max_bytes as u64,
+                group_max_bytes: l.group_max_bytes as u64,
+                max_memory_bytes: l.max_memory_bytes.unwrap_or(0) as u64,
+                max_connections: self.connections.max_connections as u64,
+                handshake_timeout_seconds: self.connections.handshake_timeout.as_secs(),
             }),
             subscriptions: self.broker.subscription_count() as u64,
             consumer_groups: self.broker.groups().len() as u64,

@@ -119,6 +119,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .add_service(
             AdminService::new(broker.clone(), config.auth_token.is_some(), config.tls.is_some())
                 .with_shutdown_grace(config.shutdown_grace)
+                .with_connection_limits(config.connections.clone())
                 .into_server(),
         );
     let service = tower::ServiceBuilder::new()

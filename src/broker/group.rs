@@ -883,7 +883,7 @@ mod tests {
         );
         g.leave(
             1,
-            m.queue.close(crate::broker::CloseReason::Cancelled).unwrap(),
+            m.queue.close(crate::broker::CloseReason::Cancelled, None).unwrap(),
             secs(20),
         );
         let s = g.snapshot(secs(50));
@@ -944,7 +944,7 @@ mod tests {
                     }
                     Op::Leave(i) if !members.is_empty() => {
                         let (sub, _, _) = members.remove(i % members.len());
-                        let left = sub.queue.close(crate::broker::CloseReason::Cancelled).unwrap_or_default();
+                        let left = sub.queue.close(crate::broker::CloseReason::Cancelled, None).unwrap_or_default();
                         dead_total += g.leave(sub.key, left, now).len() as u64;
                     }
                     Op::Stream(i) if !members.is_empty() => {

@@ -814,7 +814,7 @@ impl Broker {
     /// Closes one subscription by id (Admin API); its stream ends cleanly.
     pub fn close_subscription(&self, id: &str) -> Result<(), BrokerError> {
         let subscription = self.open_subscription(id)?;
-        let dropped = self.close(&subscription, CloseReason::ClosedByAdmin);
+        let dropped = self.close(&subscription, CloseReason::ClosedByAdmin, 0);
         tracing::info!(
             subscription_id = id,
             peer = %display_peer(subscription.peer()),
@@ -850,10 +850,12 @@ impl Broker {
 
     /// Closes a subscription's queue and removes it from routing. Idempotent.
     /// A group member's undelivered messages go back to its group; a
-    /// broadcast subscription's are dropped and counted. Returns how many
-    /// were dropped, or None when it was closed already.
-    fn close(&self, subscription: &Arc<Subscription>, reason: CloseReason) -> Option<usize> {
-        let left = subscription.queue.close(reason);
+    /// broadcast subscription's are dropped and counted, with `also_lost`
+    /// more (the message that did not fit, for an eviction). Returns how
+    /// many it held, or None when it was closed already.
+    fn close(&self, subscription: &Arc<Subscription>, reason: CloseReason, also_lost: u64) -> Option<usize> {
+        let lost = subscription.membership().is_none().then_some(also_lost);
+        let left = subscription.queue.close(reason, lost);
         self.detach(subscription);
         let left = left?;
         if let Some(membership) = subscription.membership() {
@@ -863,8 +865,6 @@ impl Broker {
             return Some(0);
         }
         let stats = &self.shared.stats;
-        let lost = left.len() as u64 + u64::from(reason == CloseReason::Evicted);
-        subscription.dropped_at_close.store(lost, Ordering::Relaxed);
         match reason {
             CloseReason::Evicted => &stats.dropped_evicted,
             CloseReason::Shutdown => &stats.discarded_on_shutdown,
@@ -888,18 +888,19 @@ impl Broker {
 
     /// The client went away: close what is left of its subscription.
     pub(crate) fn close_on_drop(&self, subscription: &Arc<Subscription>) {
-        self.close(subscription, CloseReason::Cancelled);
+        self.close(subscription, CloseReason::Cancelled, 0);
     }
 
     fn evict(&self, subscription: &Arc<Subscription>, why: Eviction) {
-        let Some(_) = self.close(subscription, CloseReason::Evicted) else {
+        // The message that did not fit a full queue is lost to it as well.
+        let did_not_fit = u64::from(matches!(why, Eviction::QueueFull { .. }));
+        let Some(_) = self.close(subscription, CloseReason::Evicted, did_not_fit) else {
             return;
         };
         let stats = &self.shared.stats;
         let (depth, bytes, reason) = match why {
             Eviction::QueueFull { depth, bytes } => {
-                // The message that did not fit is lost to this subscriber as well.
-                stats.dropped_evicted.fetch_add(1, Ordering::Relaxed);
+                stats.dropped_evicted.fetch_add(did_not_fit, Ordering::Relaxed);
                 let reason = if depth >= subscription.queue.capacity() {
                     "its queue was full"
                 } else {
@@ -999,7 +1000,7 @@ impl Broker {
         let queued: usize = self
             .subscriptions()
             .iter()
-            .filter_map(|s| self.close(s, CloseReason::Shutdown))
+            .filter_map(|s| self.close(s, CloseReason::Shutdown, 0))
             .sum();
         let in_groups: usize = self.groups().iter().map(|g| g.discard_all()).sum();
         self.shared

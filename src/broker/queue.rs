@@ -129,6 +129,8 @@ struct State {
     /// Highest depth in the current and in the previous peak period (see
     /// [`Queue::take_peak`]).
     peak: [usize; 2],
+    /// What the subscriber lost when the queue was closed (see [`Queue::close`]).
+    lost: u64,
 }
 
 impl Queue {
@@ -140,6 +142,7 @@ impl Queue {
                 waker: None,
                 closed: None,
                 peak: [0; 2],
+                lost: 0,
             }),
             capacity,
             max_bytes,
@@ -197,8 +200,13 @@ impl Queue {
     }
 
     /// Closes the queue and returns what it held (never delivered), or `None`
-    /// when it was already closed.
-    pub(crate) fn close(&self, reason: CloseReason) -> Option<VecDeque<Delivery>> {
+    /// when it was already closed. `lost` is what the subscriber loses with
+    /// it: `None` when what the queue held is not lost (a group member's
+    /// messages go back to its group), else the messages beyond the queue's
+    /// that it loses too (for an eviction, the one that did not fit). It is
+    /// recorded before the stream is woken, for the trailers that say why the
+    /// stream ended.
+    pub(crate) fn close(&self, reason: CloseReason, lost: Option<u64>) -> Option<VecDeque<Delivery>> {
         let (discarded, waker) = {
             let mut state = self.state.lock();
             if state.closed.is_some() {
@@ -206,6 +214,7 @@ impl Queue {
             }
             state.closed = Some(reason);
             state.bytes = 0;
+            state.lost = lost.map_or(0, |beyond| state.items.len() as u64 + beyond);
             let discarded = std::mem::take(&mut state.items);
             (discarded, state.waker.take())
         };
@@ -235,6 +244,11 @@ impl Queue {
         let item = state.items.remove(index)?;
         state.bytes -= item.message.size();
         Some(item)
+    }
+
+    /// What the subscriber lost when the queue was closed.
+    pub(crate) fn lost(&self) -> u64 {
+        self.state.lock().lost
     }
 
     pub(crate) fn close_reason(&self) -> Option<CloseReason> {
@@ -302,7 +316,7 @@ mod tests {
         assert!(matches!(q.push(delivery(3)), Push::Queued), "room again");
         assert_eq!(q.remove(2).map(|d| d.message.sequence), Some(2));
         assert_eq!(q.bytes(), size);
-        q.close(CloseReason::Cancelled);
+        q.close(CloseReason::Cancelled, Some(0));
         assert_eq!(q.bytes(), 0);
     }
 
@@ -373,8 +387,13 @@ mod tests {
         assert!(q.poll_pop(&mut cx).is_pending());
         q.push(delivery(1));
         q.push(delivery(2));
-        assert_eq!(q.close(CloseReason::Evicted).map(|d| d.len()), Some(2));
-        assert!(q.close(CloseReason::Shutdown).is_none(), "second close is a no-op");
+        assert_eq!(q.close(CloseReason::Evicted, Some(1)).map(|d| d.len()), Some(2));
+        assert_eq!(q.lost(), 3, "what it held and the one that did not fit");
+        assert!(
+            q.close(CloseReason::Shutdown, Some(0)).is_none(),
+            "second close is a no-op"
+        );
+        assert_eq!(q.lost(), 3);
         assert_eq!(q.len(), 0);
         assert!(matches!(q.poll_pop(&mut cx), Poll::Ready(None)));
         assert!(matches!(q.push(delivery(3)), Push::Closed(_)));

@@ -23,9 +23,6 @@ pub struct Subscription {
     pub(crate) queue: Queue,
     delivered: AtomicU64,
     last_delivered_sequence: AtomicU64,
-    /// Messages its queue still held when the broker closed it (and, for an
-    /// eviction, the one that did not fit): what the subscriber lost.
-    pub(crate) dropped_at_close: AtomicU64,
     /// Set once the subscription has left routing and the registry.
     pub(crate) detached: AtomicBool,
     /// Set for consumer-group members.
@@ -70,7 +67,6 @@ impl Subscription {
             queue,
             delivered: AtomicU64::new(0),
             last_delivered_sequence: AtomicU64::new(0),
-            dropped_at_close: AtomicU64::new(0),
             detached: AtomicBool::new(false),
             membership,
         }
@@ -115,9 +111,11 @@ impl Subscription {
         self.queue.close_reason()
     }
 
-    /// What it lost when it was closed (see `dropped_at_close`).
+    /// What it lost when it was closed: the messages its queue still held
+    /// and, for an eviction, the one that did not fit (0 for group members,
+    /// whose messages go back to the group).
     pub fn dropped_at_close(&self) -> u64 {
-        self.dropped_at_close.load(Ordering::Relaxed)
+        self.queue.lost()
     }
 
     /// Live queue depth.
