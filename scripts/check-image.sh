@@ -149,6 +149,9 @@ cleanup() {
     [[ -n "$RUN_DIR" ]] && rm -rf "$RUN_DIR"
 }
 trap cleanup EXIT
+# So that an interrupted run also stops its dockerd.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # ------------------------------------------------------------- 1. engine ---
 phase "packages"
