@@ -583,4 +583,9 @@ sigterm() {
 }
 check sigterm-exit-0-within-grace sigterm
 
+# The cache lives on between runs: keep it from growing without bound.
+"$DOCKER" image prune -f >/dev/null 2>&1
+"$DOCKER" builder prune -f --filter until=168h >/dev/null 2>&1
+say "docker data root $DATA_ROOT: $(du -sh "$DATA_ROOT" 2>/dev/null | cut -f1)"
+
 summary
