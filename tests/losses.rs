@@ -492,8 +492,8 @@ async fn a_dead_letter_that_would_break_a_message_limit_is_dropped_and_counted()
         let marker = fail_once(publish_request("jobs.a", "marker 1")).await;
         let next = dlq.message().await.unwrap().unwrap();
         assert_eq!(
-            (&next.payload[..], next.headers["tinybroker-delivery-attempts"].as_str()),
-            (&b"marker 1"[..], "1"),
+            String::from_utf8_lossy(&next.payload),
+            "marker 1",
             "the 65-header letter must not be delivered"
         );
         assert!(next.sequence > marker);
@@ -510,8 +510,8 @@ async fn a_dead_letter_that_would_break_a_message_limit_is_dropped_and_counted()
         fail_once(publish_request("jobs.a", "marker 2")).await;
         let next = dlq.message().await.unwrap().unwrap();
         assert_eq!(
-            &next.payload[..],
-            b"marker 2",
+            String::from_utf8_lossy(&next.payload),
+            "marker 2",
             "the oversized letter must not be delivered"
         );
         assert_eq!(dropped_invalid(&broker).await, 2.0);
