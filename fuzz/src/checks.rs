@@ -1150,6 +1150,22 @@ impl Harness {
                     sub.stream = None;
                     return;
                 }
+                // A stream the broker ends yields an OK status whose
+                // trailers say why (tinybroker-end-reason); nothing follows.
+                Poll::Ready(Some(Err(status))) if status.code() == Code::Ok => {
+                    assert!(
+                        !sub.open,
+                        "the stream of open subscription {:?} ended: {status:?}",
+                        sub.id
+                    );
+                    assert!(
+                        status.metadata().get("tinybroker-end-reason").is_some(),
+                        "{:?} ended without saying why: {status:?}",
+                        sub.id
+                    );
+                    sub.stream = None;
+                    return;
+                }
                 Poll::Ready(Some(Err(status))) => panic!("subscription {:?} failed: {status:?}", sub.id),
                 Poll::Ready(Some(Ok(m))) => m,
             };
