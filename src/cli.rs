@@ -309,7 +309,12 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
 /// One line naming the call, the status code (as grpcurl prints it) and the
 /// broker's message.
 fn failed(call: &str, addr: &str, status: tonic::Status) -> anyhow::Error {
-    let hint = crate::client::scheme_hint(&crate::client::with_scheme(addr), status.message())
+    // The message may be only "transport error" or "operation was canceled":
+    // what tells a TLS broker (a broken pipe, a closed connection, ...) is in
+    // the status's sources.
+    let causes = std::error::Error::source(&status).map_or_else(String::new, crate::client::error_chain);
+    let failure = format!("{}: {causes}", status.message());
+    let hint = crate::client::scheme_hint(&crate::client::with_scheme(addr), &failure)
         .map_or_else(String::new, |h| format!(" ({h})"));
     anyhow::anyhow!("{call} failed: {:?}: {}{hint}", status.code(), status.message())
 }

@@ -78,8 +78,10 @@ impl Client {
                 .map_err(|e| anyhow::anyhow!("cannot set up TLS for {addr}: {e}"))?;
         }
         let channel = endpoint.connect().await.map_err(|e| {
-            let hint = scheme_hint(addr, &e.to_string()).map_or_else(String::new, |h| format!(" ({h})"));
-            anyhow::anyhow!("cannot connect to {addr}: {}{hint}", error_chain(&e))
+            // The error's own text is only "transport error": the causes tell.
+            let causes = error_chain(&e);
+            let hint = scheme_hint(addr, &causes).map_or_else(String::new, |h| format!(" ({h})"));
+            anyhow::anyhow!("cannot connect to {addr}: {causes}{hint}")
         })?;
         Self::from_channel(channel, options.token.as_deref())
     }
@@ -293,6 +295,8 @@ pub fn scheme_hint(addr: &str, failure: &str) -> Option<&'static str> {
             "connection reset",
             "frame with invalid size",
             "broken pipe",
+            "connection closed",
+            "connection was not ready",
         ]
         .iter()
         .any(|t| failure.contains(t))
@@ -305,6 +309,9 @@ pub fn scheme_hint(addr: &str, failure: &str) -> Option<&'static str> {
             "corrupt message",
             "wrong version number",
             "handshake",
+            // The broker closes a connection that does not begin with the
+            // HTTP/2 preface, unread ClientHello and all.
+            "connection reset",
         ]
         .iter()
         .any(|t| failure.contains(t))
@@ -515,10 +522,27 @@ mod tests {
 
     #[test]
     fn a_wrong_scheme_gets_a_hint_and_a_refused_connection_does_not() {
-        let plain_to_tls = "h2 protocol error: http2 error";
-        assert!(scheme_hint("http://b:1", plain_to_tls).unwrap().contains("https://"));
-        let tls_to_plain = "transport error: received corrupt message of type InvalidContentType";
-        assert!(scheme_hint("https://b:1", tls_to_plain).unwrap().contains("http://"));
+        // Each way a plaintext call to a TLS port was seen to fail.
+        for plain_to_tls in [
+            "h2 protocol error: http2 error",
+            "transport error: connection error: stream closed because of a broken pipe",
+            "operation was canceled: transport error: connection closed",
+            "operation was canceled: transport error: connection was not ready",
+        ] {
+            assert!(
+                scheme_hint("http://b:1", plain_to_tls).unwrap().contains("https://"),
+                "{plain_to_tls}"
+            );
+        }
+        for tls_to_plain in [
+            "transport error: received corrupt message of type InvalidContentType",
+            "transport error: Connection reset by peer (os error 104)",
+        ] {
+            assert!(
+                scheme_hint("https://b:1", tls_to_plain).unwrap().contains("http://"),
+                "{tls_to_plain}"
+            );
+        }
         let refused = "transport error: tcp connect error: Connection refused (os error 111)";
         assert_eq!(scheme_hint("http://b:1", refused), None);
         assert_eq!(scheme_hint("https://b:1", refused), None);

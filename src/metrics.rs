@@ -694,7 +694,7 @@ impl ResourceMetrics {
             )?,
             shutdown_pending: IntGauge::new(
                 "tinybroker_shutdown_pending_messages",
-                "While shutting down: messages still queued for subscribers and in group backlogs, which are discarded if the grace period ends first.",
+                "While shutting down: messages still queued for broadcast subscribers, in group backlogs and held by group members (queued for them, or delivered and not acked), which are discarded if the grace period ends first.",
             )?,
         })
     }
@@ -751,13 +751,32 @@ impl ResourceCollector {
         m.memory_evictions.inc_by(load(&stats.evictions_memory_limit));
         let shutting_down = self.broker.is_shutting_down();
         m.shutting_down.set(i64::from(shutting_down));
-        m.shutdown_pending.set(if shutting_down {
-            self.broker.queued_total() as i64
-        } else {
-            0
-        });
+        m.shutdown_pending
+            .set(if shutting_down { at_risk(&self.broker) as i64 } else { 0 });
         Ok(m)
     }
+}
+
+/// What a shutdown can still lose: messages queued for broadcast
+/// subscriptions, and everything consumer groups hold: their backlogs and
+/// what their members hold (queued for them, or delivered with manual ack
+/// and not acked yet: a member closed by the shutdown hands those back to
+/// the backlog, which is discarded with them).
+fn at_risk(broker: &Broker) -> usize {
+    let broadcast: usize = broker
+        .subscriptions()
+        .iter()
+        .filter(|s| s.consumer_group().is_none())
+        .map(|s| s.queue_depth())
+        .sum();
+    let now = tokio::time::Instant::now();
+    let groups: usize = broker
+        .groups()
+        .iter()
+        .map(|g| g.snapshot(now))
+        .map(|s| s.backlog + s.in_flight)
+        .sum();
+    broadcast + groups
 }
 
 impl Collector for ResourceCollector {

@@ -112,8 +112,13 @@ async fn shutdown_refuses_new_work_drains_then_ends_streams() {
         let mut stalled_client = pb::broker_client::BrokerClient::new(broker.narrow_channel().await);
         let (mut stalled, _) = subscribe(&mut stalled_client, &["busy"]).await;
         let mut client = broker.client().await;
-        let requests: Vec<_> = (0..3000).map(|_| publish_request("busy", &"z".repeat(300))).collect();
+        let pad = "z".repeat(300);
+        let requests: Vec<_> = (0..3000)
+            .map(|i| publish_request("busy", &format!("{i} {pad}")))
+            .collect();
         client.publish_stream(futures::stream::iter(requests)).await.unwrap();
+        let queued = broker.subscriptions().await[0].queue_depth;
+        assert!(queued > 2000, "most of the 3,000 wait in the broker's queue: {queued}");
 
         broker.trigger_shutdown();
         let channel = broker.channel().await;
@@ -134,12 +139,17 @@ async fn shutdown_refuses_new_work_drains_then_ends_streams() {
         let err = client.open_subscription(subscribe_request(&["x"])).await.unwrap_err();
         assert_eq!(err.code(), Code::Unavailable);
 
-        // Reading now drains what was queued; then the stream ends with OK.
+        // Reading now drains what was queued: all 3,000, in order; then the
+        // stream ends with OK, saying shutdown and that nothing was dropped.
         let mut received = 0;
-        while stalled.message().await.expect("stream ends with OK").is_some() {
+        while let Some(m) = stalled.message().await.expect("stream ends with OK") {
+            assert_eq!(m.payload, format!("{received} {pad}").into_bytes());
             received += 1;
         }
-        assert!(received > 0);
+        assert_eq!(received, 3000, "the drain delivers every queued message");
+        let trailers = stalled.trailers().await.unwrap().expect("trailers");
+        assert_eq!(trailers.get("tinybroker-end-reason").unwrap(), "shutdown");
+        assert_eq!(trailers.get("tinybroker-dropped").unwrap(), "0");
         broker.join().await;
     })
     .await

@@ -99,6 +99,7 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
         }
         // A manual-ack group member nacks once.
         let (mut member, member_id) = open(&mut client, member_request(&["g.*"], "grp", true, 4)).await;
+        let published_at = std::time::Instant::now();
         client.publish(publish_request("g.1", "x")).await.unwrap();
         let first = member.message().await.unwrap().unwrap();
         client
@@ -109,6 +110,7 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
             .await
             .unwrap();
         let again = member.message().await.unwrap().unwrap();
+        let redelivered_at = std::time::Instant::now();
         assert_eq!(again.delivery_attempt, 2);
 
         let published = (2 + 3 + flooded + 1) as f64;
@@ -119,7 +121,11 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
                     .is_some_and(|v| *v >= 3.0)
         })
         .await;
+        // The redelivered message has been unacked at least since it
+        // arrived, and at most since it was first published.
+        let unacked_at_least = redelivered_at.elapsed().as_secs_f64();
         let m = scrape(&broker).await;
+        let unacked_at_most = published_at.elapsed().as_secs_f64();
         assert_eq!(value(&m, "tinybroker_messages_published_total"), published);
         // The two, plus flood messages published after the eviction.
         let unrouted = value(&m, "tinybroker_messages_unrouted_total");
@@ -149,11 +155,13 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
             value(&m, r#"tinybroker_consumer_group_backlog{consumer_group="grp"}"#),
             0.0
         );
+        let age = value(
+            &m,
+            r#"tinybroker_consumer_group_oldest_unacked_age_seconds{consumer_group="grp"}"#,
+        );
         assert!(
-            value(
-                &m,
-                r#"tinybroker_consumer_group_oldest_unacked_age_seconds{consumer_group="grp"}"#
-            ) >= 0.0
+            (unacked_at_least..=unacked_at_most).contains(&age),
+            "oldest unacked age {age} s, expected {unacked_at_least} to {unacked_at_most} s"
         );
         assert_eq!(
             value(

@@ -1149,7 +1149,7 @@ impl Harness {
                 }
                 // The stream's end: an OK status whose trailers say why
                 // (tonic sends it as the trailers), then nothing more.
-                Poll::Ready(Some(Err(status))) if status.code() == tonic::Code::Ok => {
+                Poll::Ready(Some(Err(status))) if status.code() == Code::Ok => {
                     assert!(!sub.open, "the stream of open subscription {:?} ended", sub.id);
                     assert!(
                         status.metadata().get("tinybroker-end-reason").is_some(),

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod process;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;

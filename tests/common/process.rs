@@ -14,6 +14,8 @@ pub struct ChildGuard {
     pub child: Child,
     /// Lines of stdout, read by a thread.
     pub stdout: Option<Receiver<String>>,
+    /// Lines of stderr, read by a thread (when it was captured).
+    pub stderr: Option<Receiver<String>>,
 }
 
 impl ChildGuard {
@@ -28,6 +30,27 @@ impl ChildGuard {
             .status()
             .expect("run kill");
         assert!(status.success(), "kill -{name} {}", self.pid());
+    }
+
+    /// Starts reading stdout, left unread by [`spawn_cli`] until now, line
+    /// by line.
+    pub fn read_stdout(&mut self) -> Receiver<String> {
+        lines(self.child.stdout.take().expect("stdout was piped and not read yet"))
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "process did not exit within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// SIGKILL, then reap.
@@ -69,7 +92,122 @@ pub fn spawn_cli_subscriber(url: &str, args: &[&str]) -> ChildGuard {
         .spawn()
         .expect("spawn tinybroker subscribe");
     let stdout = child.stdout.take().map(lines);
-    ChildGuard { child, stdout }
+    ChildGuard {
+        child,
+        stdout,
+        stderr: None,
+    }
+}
+
+/// `tinybroker ARGS...` (any subcommand) with `env` set, stdout piped but
+/// NOT read (a reader that stalls once the pipe is full; call
+/// [`ChildGuard::read_stdout`] to start reading) and stderr read line by
+/// line into [`ChildGuard::stderr`].
+pub fn spawn_cli(args: &[&str], env: &[(&str, &str)]) -> ChildGuard {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+    command
+        .env_remove("TINYBROKER_AUTH_TOKEN")
+        .env("RUST_LOG", "warn")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().expect("spawn tinybroker");
+    let stderr = child.stderr.take().map(lines);
+    ChildGuard {
+        child,
+        stdout: None,
+        stderr,
+    }
+}
+
+/// Runs `tinybroker ARGS...` to completion (killed after 30 s) and returns
+/// its exit status, stdout and stderr.
+pub fn run_cli(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, String, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+    command
+        .env_remove("TINYBROKER_AUTH_TOKEN")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().expect("spawn tinybroker");
+    let stdout = child.stdout.take().map(read_all);
+    let stderr = child.stderr.take().map(read_all);
+    let mut guard = ChildGuard {
+        child,
+        stdout: None,
+        stderr: None,
+    };
+    let status = guard.wait_exit(Duration::from_secs(30));
+    let text = |rx: Option<Receiver<String>>| {
+        rx.and_then(|rx| rx.recv_timeout(Duration::from_secs(5)).ok())
+            .unwrap_or_default()
+    };
+    (status, text(stdout), text(stderr))
+}
+
+/// The whole of `reader`, read by a thread, sent once at its end.
+fn read_all(mut reader: impl std::io::Read + Send + 'static) -> Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = reader.read_to_end(&mut bytes);
+        let _ = tx.send(String::from_utf8_lossy(&bytes).into_owned());
+    });
+    rx
+}
+
+/// Waits up to `limit`, without blocking the async runtime, for the next
+/// line of `rx` containing `needle`; returns it and every line read before it.
+pub async fn line_containing(rx: &Receiver<String>, needle: &str, limit: Duration) -> (String, Vec<String>) {
+    let deadline = std::time::Instant::now() + limit;
+    let mut before = Vec::new();
+    loop {
+        match rx.try_recv() {
+            Ok(line) if line.contains(needle) => return (line, before),
+            Ok(line) => before.push(line),
+            Err(std::sync::mpsc::TryRecvError::Empty) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Err(e) => panic!("no line containing {needle:?} within {limit:?} ({e}); lines before: {before:#?}"),
+        }
+    }
+}
+
+/// The next line of `rx`, waiting up to `limit` without blocking the async runtime.
+pub async fn next_line(rx: &Receiver<String>, limit: Duration) -> String {
+    line_containing(rx, "", limit).await.0
+}
+
+/// Waits up to `limit`, without blocking the async runtime, for `child` to exit.
+pub async fn exit_status(child: &mut ChildGuard, limit: Duration) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.child.try_wait().expect("try_wait") {
+            return status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process did not exit within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a broker that
+/// must come back on the same address.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind 127.0.0.1:0")
+        .port()
 }
 
 /// The real broker binary on ephemeral ports.
@@ -81,6 +219,8 @@ pub struct BrokerProcess {
     pub started: String,
     /// stderr lines after the start-up line.
     pub log: Receiver<String>,
+    /// stderr lines before the start-up line (start-up warnings).
+    pub before_start: Vec<String>,
 }
 
 impl BrokerProcess {
@@ -108,14 +248,20 @@ impl BrokerProcess {
     pub fn from_command(mut command: Command) -> Self {
         let mut child = command.spawn().expect("spawn tinybroker serve");
         let log = lines(child.stderr.take().expect("stderr"));
-        let guard = ChildGuard { child, stdout: None };
+        let guard = ChildGuard {
+            child,
+            stdout: None,
+            stderr: None,
+        };
+        let mut before_start = Vec::new();
         let started = loop {
-            let line = log
-                .recv_timeout(Duration::from_secs(30))
-                .expect("the broker logs `tinybroker started` within 30 s");
+            let line = log.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
+                panic!("the broker logs `tinybroker started` within 30 s; it logged {before_start:#?}")
+            });
             if line.contains("tinybroker started") {
                 break line;
             }
+            before_start.push(line);
         };
         Self {
             grpc_addr: field(&started, "grpc_addr"),
@@ -123,6 +269,7 @@ impl BrokerProcess {
             started,
             guard,
             log,
+            before_start,
         }
     }
 
@@ -155,14 +302,7 @@ impl BrokerProcess {
 
     /// Waits up to 30 s for the process to exit.
     pub fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.guard.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(std::time::Instant::now() < deadline, "process did not exit");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.guard.wait_exit(Duration::from_secs(30))
     }
 }
 
@@ -214,7 +354,14 @@ pub fn spawn_piped(command: &mut Command) -> (ChildGuard, Receiver<String>) {
         .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
     let stdout = child.stdout.take().map(lines);
     let stderr = lines(child.stderr.take().expect("stderr"));
-    (ChildGuard { child, stdout }, stderr)
+    (
+        ChildGuard {
+            child,
+            stdout,
+            stderr: None,
+        },
+        stderr,
+    )
 }
 
 /// The sample of metric `name` whose labels include `label` (e.g.
@@ -226,4 +373,20 @@ pub fn metric_with_label(text: &str, name: &str, label: &str) -> Option<f64> {
         .filter_map(|rest| rest.split_once('}'))
         .find(|(labels, _)| labels.split(',').any(|l| l == label))
         .and_then(|(_, value)| value.trim().parse().ok())
+}
+
+/// GET `path` with a plain blocking socket (for a scraper thread); None when
+/// the server does not answer (refused, reset, or nothing within 2 s).
+pub fn try_http_get_blocking(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).ok()?;
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let status = response.split(' ').nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_owned();
+    Some((status, body))
 }
