@@ -6,11 +6,12 @@
 mod common;
 
 use common::process::BrokerProcess;
+use common::tls::TestPki;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
-use tinybroker::config::{Config, ConnectionLimits, TlsFiles};
+use tinybroker::config::{Config, ConnectionLimits};
 use tinybroker::pb;
 use tinybroker::pb::admin_client::AdminClient;
 use tinybroker::pb::broker_client::BrokerClient;
@@ -243,54 +244,6 @@ async fn the_cli_sends_the_token_and_the_broker_never_logs_it() {
 }
 
 // === TLS ===
-
-/// A CA and a server certificate for 127.0.0.1 and localhost it signed,
-/// written as PEM files into a fresh directory.
-struct TestPki {
-    dir: PathBuf,
-    ca: PathBuf,
-    cert: PathBuf,
-    key: PathBuf,
-}
-
-impl TestPki {
-    fn new(name: &str) -> Self {
-        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-        let dir = std::env::temp_dir().join(format!("tinybroker-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ca_key = KeyPair::generate().unwrap();
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-        let ca_issuer = rcgen::Issuer::new(ca_params, ca_key);
-        let server_key = KeyPair::generate().unwrap();
-        let server_params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-        let server_cert = server_params.signed_by(&server_key, &ca_issuer).unwrap();
-        let pki = Self {
-            ca: dir.join("ca.pem"),
-            cert: dir.join("server.pem"),
-            key: dir.join("server.key"),
-            dir,
-        };
-        std::fs::write(&pki.ca, ca_cert.pem()).unwrap();
-        std::fs::write(&pki.cert, server_cert.pem()).unwrap();
-        std::fs::write(&pki.key, server_key.serialize_pem()).unwrap();
-        pki
-    }
-
-    fn files(&self) -> TlsFiles {
-        TlsFiles {
-            cert: self.cert.clone(),
-            key: self.key.clone(),
-        }
-    }
-}
-
-impl Drop for TestPki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 async fn tls_channel(port: u16, ca: &Path) -> Result<Channel, tonic::transport::Error> {
     let ca = Certificate::from_pem(std::fs::read(ca).unwrap());
