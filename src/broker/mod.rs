@@ -422,14 +422,19 @@ impl Broker {
     }
 
     /// The broadcast subscription whose queue holds the most bytes (and its
-    /// depth and bytes), if any holds something.
+    /// depth and bytes), if one holds enough to be a reader far behind: at
+    /// least 1/64 of the message budget (and 1 MiB). A reader that keeps up
+    /// holds next to nothing, and is never evicted because consumer groups'
+    /// backlogs filled the budget.
     fn fullest_broadcast_queue(&self) -> Option<(Arc<Subscription>, usize, usize)> {
+        let budget = self.shared.memory.limit().unwrap_or(usize::MAX);
+        let far_behind = (budget / 64).max(1 << 20);
         let subscriptions = self.shared.subscriptions.lock();
         subscriptions
             .values()
             .filter(|s| s.membership().is_none())
             .map(|s| (s, s.queue.bytes()))
-            .filter(|(_, bytes)| *bytes > 0)
+            .filter(|(_, bytes)| *bytes >= far_behind)
             .max_by_key(|(_, bytes)| *bytes)
             .map(|(s, bytes)| (s.clone(), s.queue_depth(), bytes))
     }
@@ -1226,6 +1231,49 @@ mod tests {
         }
         let group = broker.groups().into_iter().next().unwrap();
         assert_eq!(group.snapshot(tokio::time::Instant::now()).backlog, 0, "all 8 fit");
+    }
+
+    #[test]
+    fn the_memory_limit_evicts_a_reader_far_behind_but_never_one_that_keeps_up() {
+        let big = |topic: &str| NewMessage {
+            topic: topic.into(),
+            payload: Bytes::from(vec![0u8; 1 << 20]),
+            ..Default::default()
+        };
+        // 63 MiB for messages (7/8 of the limit).
+        let broker = Broker::new(Limits {
+            max_memory_bytes: Some(72 << 20),
+            ..Limits::default()
+        });
+        let limit = broker.memory().limit().unwrap();
+        let _keeps_up = broker
+            .subscribe(SubscribeRequest {
+                topic_patterns: vec!["small".into()],
+                ..Default::default()
+            })
+            .unwrap();
+        broker.publish(message("small"), None).unwrap();
+        let _member = broker.subscribe(member("", "g", "jobs")).unwrap();
+        drop(_member);
+        // The memberless group fills the budget: the reader holding one small
+        // message stays, the publish is refused.
+        let mut refused = None;
+        for _ in 0..(limit >> 20) + 2 {
+            if let Err(e) = broker.publish(big("jobs"), None) {
+                refused = Some(e);
+                break;
+            }
+        }
+        assert!(
+            matches!(refused, Some(BrokerError::ResourceExhausted(_))),
+            "{refused:?}"
+        );
+        assert_eq!(
+            broker.stats().evictions.load(Ordering::Relaxed),
+            0,
+            "the reader that keeps up stays"
+        );
+        assert_eq!(broker.subscription_count(), 1);
     }
 
     #[test]
