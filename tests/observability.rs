@@ -404,17 +404,19 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
     use std::process::{Command, Stdio};
     timeout(async {
         let (otlp_addr, receiver) = otlp::start().await;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
-            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
-            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
-            .env("OTEL_SERVICE_NAME", "tinybroker-test")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut child = common::process::ChildGuard::new(
+            Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+                .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+                .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+                .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
+                .env("OTEL_SERVICE_NAME", "tinybroker-test")
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut lines = BufReader::new(child.child.stderr.take().unwrap()).lines();
         let started = loop {
             let line = lines.next().expect("broker log").unwrap();
             if line.contains("tinybroker started") {
@@ -449,13 +451,10 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
 
         // SIGTERM: spans are flushed before the process exits.
         Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
+            .args(["-TERM", &child.pid().to_string()])
             .status()
             .unwrap();
-        let status = tokio::task::spawn_blocking(move || child.wait())
-            .await
-            .unwrap()
-            .unwrap();
+        let status = common::process::exit_status(&mut child, TEST_TIMEOUT).await;
         assert!(status.success());
         let spans = receiver.spans.lock().unwrap().clone();
         let publish = spans.iter().find(|s| s.name == "publish").unwrap_or_else(|| {

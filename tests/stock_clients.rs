@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::process::{BrokerProcess, ChildGuard, metric_sum, spawn_piped};
+use common::process::{BrokerProcess, ChildGuard, metric_sum};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -76,11 +76,12 @@ struct Script {
 
 impl Script {
     fn spawn(command: &mut Command, limit: Duration) -> Self {
-        let (mut guard, stderr) = spawn_piped(command.current_dir(clients_dir()).env("PYTHONUNBUFFERED", "1"));
+        let mut guard =
+            ChildGuard::spawn(command.current_dir(clients_dir()).env("PYTHONUNBUFFERED", "1")).reading_stdout();
         Self {
             stdout: guard.stdout.take().expect("stdout"),
+            stderr: guard.stderr.take().expect("stderr"),
             guard,
-            stderr,
             deadline: Instant::now() + limit,
             stderr_seen: Vec::new(),
         }
