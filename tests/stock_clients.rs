@@ -142,7 +142,7 @@ fn pause_broker_when_told(script: &mut Script, broker: &BrokerProcess) -> serde_
 }
 
 async fn published_total(broker: &BrokerProcess) -> f64 {
-    let (_, body) = common::http_get(broker.metrics_addr, "/metrics").await;
+    let body = common::scrape(broker.metrics_addr).await;
     metric_sum(&body, "tinybroker_messages_published_total")
 }
 
