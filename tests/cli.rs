@@ -2,42 +2,16 @@
 
 mod common;
 
+use common::process::{ChildGuard, cli, exit_status, spawn_cli_subscriber};
 use common::*;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::{Read, Write};
+use std::process::Stdio;
 use std::time::Duration;
-
-fn tinybroker() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
-    command.env_remove("TINYBROKER_AUTH_TOKEN");
-    command
-}
-
-/// Spawns `tinybroker subscribe ...` and returns it with a line reader.
-fn spawn_subscriber(args: &[&str]) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
-    let mut child = tinybroker()
-        .arg("subscribe")
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (child, rx)
-}
 
 /// Publishes through the CLI until the subscriber prints a line.
 async fn publish_until_received(url: &str, topic: &str, rx: &std::sync::mpsc::Receiver<String>) -> String {
     loop {
-        let output = tinybroker()
+        let output = cli(&[])
             .args(["publish", topic, "hello world", "--header", "k=v", "--addr", url])
             .output()
             .unwrap();
@@ -55,26 +29,32 @@ async fn subscribe_prints_payloads_and_publish_reports_the_sequence() {
     timeout(async {
         let broker = start().await;
         let url = broker.url();
-        let (mut child, rx) = spawn_subscriber(&["cli.*", "--addr", &url, "--count", "2"]);
+        let mut child = spawn_cli_subscriber(&url, &["cli.*", "--count", "2"]);
+        let rx = child.stdout.take().expect("stdout");
         let line = publish_until_received(&url, "cli.a", &rx).await;
         assert_eq!(line, "hello world");
 
         // Payload from stdin when absent.
-        let mut publisher = tinybroker()
-            .args(["publish", "cli.b", "--addr", &url])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        publisher.stdin.take().unwrap().write_all(b"from stdin").unwrap();
-        let output = publisher.wait_with_output().unwrap();
-        assert!(output.status.success());
-        assert!(String::from_utf8_lossy(&output.stdout).contains("matched_subscriptions=1"));
-        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "from stdin");
-        let status = tokio::task::spawn_blocking(move || child.wait())
-            .await
+        let mut publisher = ChildGuard::new(
+            cli(&["publish", "cli.b", "--addr", &url])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        publisher.child.stdin.take().unwrap().write_all(b"from stdin").unwrap();
+        let mut stdout = String::new();
+        publisher
+            .child
+            .stdout
+            .take()
             .unwrap()
+            .read_to_string(&mut stdout)
             .unwrap();
+        assert!(publisher.child.wait().unwrap().success());
+        assert!(stdout.contains("matched_subscriptions=1"));
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "from stdin");
+        let status = exit_status(&mut child, TEST_TIMEOUT).await;
         assert!(status.success(), "exits after --count messages");
     })
     .await
@@ -85,21 +65,22 @@ async fn subscribe_json_prints_one_object_per_line() {
     timeout(async {
         let broker = start().await;
         let url = broker.url();
-        let (mut child, rx) = spawn_subscriber(&["j.>", "--json", "--addr", &url, "--count", "1"]);
+        let mut child = spawn_cli_subscriber(&url, &["j.>", "--json", "--count", "1"]);
+        let rx = child.stdout.take().expect("stdout");
         let line = publish_until_received(&url, "j.x.y", &rx).await;
         let value: serde_json::Value = serde_json::from_str(&line).unwrap();
         assert_eq!(value["topic"], "j.x.y");
         assert_eq!(value["payload"], "hello world");
         assert_eq!(value["headers"]["k"], "v");
         assert!(value["sequence"].as_u64().unwrap() > 0);
-        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        let _ = exit_status(&mut child, TEST_TIMEOUT).await;
     })
     .await
 }
 
 #[test]
 fn help_and_version() {
-    let output = tinybroker().arg("--version").output().unwrap();
+    let output = cli(&["--version"]).output().unwrap();
     assert!(output.status.success());
     assert_eq!(
         String::from_utf8_lossy(&output.stdout).trim(),
@@ -111,13 +92,12 @@ fn help_and_version() {
         &["publish", "--help"],
         &["subscribe", "--help"],
     ] {
-        let output = tinybroker().args(sub).output().unwrap();
+        let output = cli(sub).output().unwrap();
         assert!(output.status.success(), "{sub:?}");
         let text = String::from_utf8_lossy(&output.stdout);
         assert!(text.contains("Usage:"), "{text}");
     }
-    let text =
-        String::from_utf8_lossy(&tinybroker().args(["subscribe", "--help"]).output().unwrap().stdout).into_owned();
+    let text = String::from_utf8_lossy(&cli(&["subscribe", "--help"]).output().unwrap().stdout).into_owned();
     for flag in ["--group", "--manual-ack", "--json", "--addr"] {
         assert!(text.contains(flag), "{flag} in {text}");
     }
@@ -127,7 +107,7 @@ fn help_and_version() {
 async fn cli_errors_name_the_problem() {
     timeout(async {
         let broker = start().await;
-        let output = tinybroker()
+        let output = cli(&[])
             .args(["publish", "bad topic", "x", "--addr", &broker.url()])
             .output()
             .unwrap();
@@ -138,7 +118,7 @@ async fn cli_errors_name_the_problem() {
             "{stderr}"
         );
         assert!(stderr.contains("bad topic"), "{stderr}");
-        let output = tinybroker()
+        let output = cli(&[])
             .args(["publish", "a", "x", "--addr", "http://127.0.0.1:1"])
             .output()
             .unwrap();
@@ -153,16 +133,11 @@ async fn subscribe_with_a_group_and_manual_ack_acks_what_it_prints() {
     timeout(async {
         let broker = start().await;
         let url = broker.url();
-        let (mut child, rx) = spawn_subscriber(&[
-            "work.*",
-            "--group",
-            "cli-workers",
-            "--manual-ack",
-            "--addr",
+        let mut child = spawn_cli_subscriber(
             &url,
-            "--count",
-            "2",
-        ]);
+            &["work.*", "--group", "cli-workers", "--manual-ack", "--count", "2"],
+        );
+        let rx = child.stdout.take().expect("stdout");
         wait_until("the CLI member to join", || async {
             broker.group("cli-workers").await.is_some_and(|g| g.members == 1)
         })
@@ -178,10 +153,7 @@ async fn subscribe_with_a_group_and_manual_ack_acks_what_it_prints() {
         }
         assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), "one");
         assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), "two");
-        let status = tokio::task::spawn_blocking(move || child.wait())
-            .await
-            .unwrap()
-            .unwrap();
+        let status = exit_status(&mut child, TEST_TIMEOUT).await;
         assert!(status.success());
         let g = broker.group("cli-workers").await.unwrap();
         assert_eq!(

@@ -9,14 +9,6 @@ use common::*;
 use std::time::Duration;
 use tinybroker::pb;
 
-async fn listed(broker: &TestBroker, id: &str) -> Option<pb::SubscriptionInfo> {
-    broker
-        .subscriptions()
-        .await
-        .into_iter()
-        .find(|s| s.subscription_id == id)
-}
-
 /// Waits (off the runtime) for a line from a child's stdout.
 async fn next_line(rx: std::sync::mpsc::Receiver<String>) -> (String, std::sync::mpsc::Receiver<String>) {
     tokio::task::spawn_blocking(move || {
@@ -33,7 +25,7 @@ async fn a_killed_subscriber_process_is_reaped() {
         let broker = start().await;
         let mut child = spawn_cli_subscriber(&broker.url(), &["faults.>", "--id", "doomed"]);
         wait_until("the CLI subscription to be listed", || async {
-            listed(&broker, "doomed").await.is_some()
+            listed(broker.subscriptions().await, "doomed").is_some()
         })
         .await;
         let mut client = broker.client().await;
@@ -43,10 +35,10 @@ async fn a_killed_subscriber_process_is_reaped() {
 
         child.kill();
         wait_until("the killed subscriber's subscription to be reaped", || async {
-            listed(&broker, "doomed").await.is_none()
+            listed(broker.subscriptions().await, "doomed").is_none()
         })
         .await;
-        let m = broker.http_get("/metrics").await.1;
+        let m = scrape(broker.metrics_addr).await;
         assert_eq!(common::process::metric_sum(&m, "tinybroker_subscriptions"), 0.0, "{m}");
         let routed = client
             .publish(publish_request("faults.a", "after"))
@@ -75,7 +67,7 @@ async fn a_killed_manual_member_s_unacked_messages_go_to_another_member() {
             ],
         );
         wait_until("the CLI member to join", || async {
-            listed(&broker, "cli-member").await.is_some()
+            listed(broker.subscriptions().await, "cli-member").is_some()
         })
         .await;
         // Frozen, the CLI cannot ack what the broker streams to it; its
@@ -91,7 +83,7 @@ async fn a_killed_manual_member_s_unacked_messages_go_to_another_member() {
             sequences.push(r.into_inner().sequence);
         }
         wait_until("the five jobs to be streamed to the frozen member", || async {
-            listed(&broker, "cli-member").await.is_some_and(|s| s.delivered == 5)
+            listed(broker.subscriptions().await, "cli-member").is_some_and(|s| s.delivered == 5)
         })
         .await;
         assert_eq!(broker.group("workers").await.unwrap().in_flight, 5);
@@ -102,7 +94,7 @@ async fn a_killed_manual_member_s_unacked_messages_go_to_another_member() {
         let (mut stream, id) = open(&mut client, member_request(&["work"], "workers", true, 10)).await;
         cli.kill();
         wait_until("the killed member to be reaped", || async {
-            listed(&broker, "cli-member").await.is_none()
+            listed(broker.subscriptions().await, "cli-member").is_none()
         })
         .await;
         let mut redelivered = Vec::new();

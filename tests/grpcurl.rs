@@ -4,9 +4,10 @@
 
 mod common;
 
+use common::process::ChildGuard;
 use common::*;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 fn grpcurl_available() -> bool {
     let found = Command::new("grpcurl")
@@ -59,14 +60,12 @@ async fn readme_grpcurl_examples_work() {
         let (ok, described) = grpcurl(&addr, &[], &["describe", "tinybroker.v1.OpenSubscriptionRequest"]);
         assert!(ok && described.contains("topic_patterns"), "{described}");
 
-        let mut subscriber = Command::new("grpcurl")
-            .args(["-plaintext", "-d", r#"{"topic_patterns": ["deploy.*"]}"#, &addr])
-            .arg("tinybroker.v1.Broker/OpenSubscription")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdout = subscriber.stdout.take().unwrap();
+        let mut subscriber = ChildGuard::spawn(
+            Command::new("grpcurl")
+                .args(["-plaintext", "-d", r#"{"topic_patterns": ["deploy.*"]}"#, &addr])
+                .arg("tinybroker.v1.Broker/OpenSubscription"),
+        );
+        let stdout = subscriber.child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<String>();
         std::thread::spawn(move || {
             let mut object = String::new();
@@ -86,8 +85,7 @@ async fn readme_grpcurl_examples_work() {
                 break rx.recv_timeout(std::time::Duration::from_secs(20)).unwrap();
             }
         };
-        let _ = subscriber.kill();
-        let _ = subscriber.wait();
+        subscriber.kill();
         let message: serde_json::Value = serde_json::from_str(&received).unwrap();
         assert_eq!(message["topic"], "deploy.rollout");
         assert_eq!(message["payload"], "aGVsbG8=");

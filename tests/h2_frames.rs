@@ -228,10 +228,6 @@ async fn stream_failed(sent: usize, error: &h2::Error, connection: &mut Connecti
     )
 }
 
-async fn metrics(broker: &BrokerProcess) -> String {
-    http_get(broker.metrics_addr, "/metrics").await.1
-}
-
 /// One gRPC message per DATA frame, 100,000 of them (28 bytes each) on one
 /// PublishStream; the broker is SIGSTOPped and the client writes its whole
 /// window (tens of thousands of frames) before the broker resumes and reads
@@ -310,7 +306,7 @@ async fn one_data_frame_per_message_with_a_window_buffered_is_accepted() {
         stream.send_data(grpc_frame(&publish_request(COUNT)), true).unwrap();
         let (status, message, _) = read_response(response).await.unwrap();
         assert_eq!(status, "0", "{message}");
-        let m = metrics(&broker).await;
+        let m = scrape(broker.metrics_addr).await;
         assert_eq!(
             common::process::metric_sum(&m, "tinybroker_messages_published_total"),
             COUNT as f64 + 1.0
@@ -498,7 +494,7 @@ async fn a_flood_close_is_counted_and_logged_with_the_peer() {
         );
 
         // The counter.
-        let m = metrics(&broker).await;
+        let m = scrape(broker.metrics_addr).await;
         let rejected = metric_with_label(
             &m,
             "tinybroker_connections_rejected_total",

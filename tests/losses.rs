@@ -48,15 +48,9 @@ async fn admin(url: &str) -> AdminClient<Channel> {
 }
 
 /// Open subscriptions whose patterns are exactly `[pattern]`.
-async fn listed(url: &str, pattern: &str) -> Vec<pb::SubscriptionInfo> {
-    let subscriptions = admin(url)
+async fn on_pattern(url: &str, pattern: &str) -> Vec<pb::SubscriptionInfo> {
+    subscriptions(url)
         .await
-        .list_subscriptions(pb::ListSubscriptionsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .subscriptions;
-    subscriptions
         .into_iter()
         .filter(|s| s.topic_patterns == [pattern])
         .collect()
@@ -66,7 +60,7 @@ async fn listed(url: &str, pattern: &str) -> Vec<pb::SubscriptionInfo> {
 async fn wait_listed(url: &str, pattern: &str) -> String {
     let deadline = Instant::now() + WAIT;
     loop {
-        let found = listed(url, pattern).await;
+        let found = on_pattern(url, pattern).await;
         assert!(found.len() <= 1, "one subscription on {pattern}: {found:?}");
         if let Some(s) = found.first() {
             return s.subscription_id.clone();
@@ -84,7 +78,7 @@ async fn wait_listed(url: &str, pattern: &str) -> String {
 async fn queue_empties(url: &str, pattern: &str, limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
-        match listed(url, pattern).await.first() {
+        match on_pattern(url, pattern).await.first() {
             Some(s) if s.queue_depth == 0 => return true,
             Some(_) => tokio::time::sleep(Duration::from_millis(5)).await,
             None => return false,
@@ -234,7 +228,7 @@ async fn a_cli_subscriber_closed_by_an_admin_says_so_exits_0_and_does_not_come_b
         assert_eq!(status.code(), Some(0), "{status:?}");
         let rest: Vec<String> = stderr(&cli).try_iter().collect();
         assert!(rest.iter().all(|l| !l.contains("re-subscrib")), "{rest:?}");
-        assert!(listed(&url, "adm.>").await.is_empty(), "it did not subscribe again");
+        assert!(on_pattern(&url, "adm.>").await.is_empty(), "it did not subscribe again");
 
         let (log, _) = line_containing(&broker.log, "subscription closed by an admin", WAIT).await;
         assert!(log.contains("INFO"), "{log}");
@@ -427,7 +421,7 @@ async fn a_scraper_every_second_sees_what_a_shutdown_put_at_risk_and_then_lost()
 // === dead letters obey the message limits ===
 
 async fn dropped_invalid(broker: &TestBroker) -> f64 {
-    let (_, text) = broker.http_get("/metrics").await;
+    let text = scrape(broker.metrics_addr).await;
     metric_sum(
         &text,
         r#"tinybroker_messages_dropped_total{reason="dead_letter_invalid"}"#,

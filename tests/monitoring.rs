@@ -104,11 +104,7 @@ impl Prometheus {
                 .stderr(log)
                 .spawn()
                 .expect("run prometheus (Debian package prometheus; scripts/check-alerts-live.sh installs it)");
-            let mut guard = ChildGuard {
-                child,
-                stdout: None,
-                stderr: None,
-            };
+            let mut guard = ChildGuard::new(child);
             let deadline = Instant::now() + Duration::from_secs(30);
             while Instant::now() < deadline {
                 if guard.child.try_wait().unwrap().is_some() {

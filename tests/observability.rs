@@ -39,10 +39,8 @@ fn parse_exposition(text: &str) -> HashMap<String, f64> {
     series
 }
 
-async fn scrape(broker: &TestBroker) -> HashMap<String, f64> {
-    let (status, body) = broker.http_get("/metrics").await;
-    assert_eq!(status, 200);
-    parse_exposition(&body)
+async fn series(broker: &TestBroker) -> HashMap<String, f64> {
+    parse_exposition(&scrape(broker.metrics_addr).await)
 }
 
 fn value(series: &HashMap<String, f64>, name: &str) -> f64 {
@@ -62,7 +60,7 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
         })
         .await;
         let mut client = broker.client().await;
-        let m = scrape(&broker).await;
+        let m = series(&broker).await;
         assert_eq!(value(&m, "tinybroker_messages_published_total"), 0.0);
         assert_eq!(value(&m, r#"tinybroker_build_info{version="0.1.0"}"#), 1.0);
         assert!(m.keys().any(|k| k.starts_with("process_resident_memory_bytes")));
@@ -115,7 +113,7 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
 
         let published = (2 + 3 + flooded + 1) as f64;
         wait_until("the delivered counters to be flushed", || async {
-            let m = scrape(&broker).await;
+            let m = series(&broker).await;
             m.get(r#"tinybroker_messages_delivered_total{mode="single"}"#) == Some(&2.0)
                 && m.get(r#"tinybroker_messages_delivered_total{mode="multi"}"#)
                     .is_some_and(|v| *v >= 3.0)
@@ -124,7 +122,7 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
         // The redelivered message has been unacked at least since it
         // arrived, and at most since it was first published.
         let unacked_at_least = redelivered_at.elapsed().as_secs_f64();
-        let m = scrape(&broker).await;
+        let m = series(&broker).await;
         let unacked_at_most = published_at.elapsed().as_secs_f64();
         assert_eq!(value(&m, "tinybroker_messages_published_total"), published);
         // The two, plus flood messages published after the eviction.
@@ -188,8 +186,8 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
         // eviction is within the last two scrape intervals.
         let ratios = value(&m, "tinybroker_queue_fill_ratio_count");
         assert!(ratios == 2.0 || ratios == 3.0, "{ratios}");
-        scrape(&broker).await;
-        assert_eq!(value(&scrape(&broker).await, "tinybroker_queue_fill_ratio_count"), 2.0);
+        series(&broker).await;
+        assert_eq!(value(&series(&broker).await, "tinybroker_queue_fill_ratio_count"), 2.0);
         assert_eq!(value(&m, "tinybroker_messages_discarded_on_shutdown_total"), 0.0);
 
         // Closing the reader and acking removes their traces.
@@ -202,10 +200,10 @@ async fn metrics_follow_a_publish_evict_and_redeliver_scenario() {
             .await
             .unwrap();
         wait_until("the closed reader's series to disappear", || async {
-            !scrape(&broker).await.keys().any(|k| k.contains(&reader_id))
+            !series(&broker).await.keys().any(|k| k.contains(&reader_id))
         })
         .await;
-        let m = scrape(&broker).await;
+        let m = series(&broker).await;
         assert_eq!(
             value(&m, r#"tinybroker_consumer_group_in_flight{consumer_group="grp"}"#),
             0.0
@@ -225,7 +223,7 @@ async fn per_subscription_series_can_be_turned_off() {
         .await;
         let mut client = broker.client().await;
         let (_s, id) = subscribe(&mut client, &["a"]).await;
-        let m = scrape(&broker).await;
+        let m = series(&broker).await;
         assert!(!m.keys().any(|k| k.contains(&id)));
         assert_eq!(value(&m, r#"tinybroker_queued_messages{mode="multi"}"#), 0.0);
     })
@@ -404,17 +402,19 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
     use std::process::{Command, Stdio};
     timeout(async {
         let (otlp_addr, receiver) = otlp::start().await;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
-            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
-            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
-            .env("OTEL_SERVICE_NAME", "tinybroker-test")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut child = common::process::ChildGuard::new(
+            Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+                .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+                .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+                .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
+                .env("OTEL_SERVICE_NAME", "tinybroker-test")
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut lines = BufReader::new(child.child.stderr.take().unwrap()).lines();
         let started = loop {
             let line = lines.next().expect("broker log").unwrap();
             if line.contains("tinybroker started") {
@@ -449,13 +449,10 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
 
         // SIGTERM: spans are flushed before the process exits.
         Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
+            .args(["-TERM", &child.pid().to_string()])
             .status()
             .unwrap();
-        let status = tokio::task::spawn_blocking(move || child.wait())
-            .await
-            .unwrap()
-            .unwrap();
+        let status = common::process::exit_status(&mut child, TEST_TIMEOUT).await;
         assert!(status.success());
         let spans = receiver.spans.lock().unwrap().clone();
         let publish = spans.iter().find(|s| s.name == "publish").unwrap_or_else(|| {

@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::process::{BrokerProcess, metric_sum};
-use common::{TEST_TIMEOUT, member_request, subscribe_request};
+use common::process::{BrokerProcess, metric_sum, metric_with_label};
+use common::{TEST_TIMEOUT, member_request, scrape, subscribe_request};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use tinybroker::pb;
@@ -39,25 +39,6 @@ fn peak_rss_mib(pid: u32) -> usize {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .expect("VmHWM");
     kib / 1024
-}
-
-fn scrape(broker: &BrokerProcess) -> String {
-    let out = Command::new("curl")
-        .args(["-sf", &format!("http://{}/metrics", broker.metrics_addr)])
-        .output()
-        .expect("run curl");
-    assert!(out.status.success(), "scrape /metrics");
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// The value of the one sample of `name` whose labels contain `labels`.
-fn sample(text: &str, name: &str, labels: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['{', ' '])))
-        .filter(|l| l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 async fn channel(url: &str) -> Channel {
@@ -123,7 +104,7 @@ async fn a_stalled_reader_is_evicted_at_its_byte_limit_and_memory_stays_bounded(
         let (_stalled, _c) = stalled_subscriber(&url, "big.one").await;
         let published = publish_big(&url, "big.one", 600).await.unwrap();
         assert_eq!(published.accepted, 600);
-        let metrics = scrape(&broker);
+        let metrics = scrape(broker.metrics_addr).await;
         assert_eq!(metric_sum(&metrics, "tinybroker_evictions_total"), 1.0, "{metrics}");
         let peak = peak_rss_mib(broker.guard.pid());
         // 600 MiB went through; the subscriber could hold 64 MiB of them.
@@ -153,7 +134,7 @@ async fn four_stalled_readers_on_four_topics_are_each_bounded() {
             let published = publish_big(&url, &format!("four.{i}"), 150).await.unwrap();
             assert_eq!(published.accepted, 150);
         }
-        let metrics = scrape(&broker);
+        let metrics = scrape(broker.metrics_addr).await;
         assert_eq!(metric_sum(&metrics, "tinybroker_evictions_total"), 4.0, "{metrics}");
         let peak = peak_rss_mib(broker.guard.pid());
         assert!(
@@ -181,9 +162,19 @@ async fn a_memberless_group_keeps_at_most_its_byte_limit() {
         drop(member);
         let published = publish_big(&url, "jobs.big", 500).await.unwrap();
         assert_eq!(published.accepted, 500);
-        let metrics = scrape(&broker);
-        let backlog = sample(&metrics, "tinybroker_consumer_group_backlog", "workers");
-        let dropped = sample(&metrics, "tinybroker_messages_dropped_total", "group_overflow");
+        let metrics = scrape(broker.metrics_addr).await;
+        let backlog = metric_with_label(
+            &metrics,
+            "tinybroker_consumer_group_backlog",
+            r#"consumer_group="workers""#,
+        )
+        .unwrap_or(0.0);
+        let dropped = metric_with_label(
+            &metrics,
+            "tinybroker_messages_dropped_total",
+            r#"reason="group_overflow""#,
+        )
+        .unwrap_or(0.0);
         assert!(
             (120.0..=128.0).contains(&backlog),
             "backlog {backlog}: 128 MiB of 1 MiB messages"
@@ -212,7 +203,7 @@ async fn the_broker_wide_limit_evicts_the_fullest_queues_then_refuses_publishes(
         let (_a, _ca) = stalled_subscriber(&url, "wide.>").await;
         let (_b, _cb) = stalled_subscriber(&url, "wide.>").await;
         assert_eq!(publish_big(&url, "wide.t", 100).await.unwrap().accepted, 100);
-        let metrics = scrape(&broker);
+        let metrics = scrape(broker.metrics_addr).await;
         let used = metric_sum(&metrics, "tinybroker_memory_used_bytes");
         // (less the message or two each reader's transport buffers took)
         assert!(
@@ -237,14 +228,22 @@ async fn the_broker_wide_limit_evicts_the_fullest_queues_then_refuses_publishes(
             "{}",
             refused.message()
         );
-        let metrics = scrape(&broker);
+        let metrics = scrape(broker.metrics_addr).await;
         let relevant: Vec<&str> = metrics
             .lines()
             .filter(|l| l.starts_with("tinybroker_") && !l.contains("_bucket"))
             .collect();
         assert_eq!(metric_sum(&metrics, "tinybroker_evictions_total"), 2.0, "{relevant:#?}");
         assert_eq!(metric_sum(&metrics, "tinybroker_memory_limit_evictions_total"), 2.0);
-        assert!(sample(&metrics, "tinybroker_requests_refused_total", "memory_limit") >= 1.0);
+        assert!(
+            metric_with_label(
+                &metrics,
+                "tinybroker_requests_refused_total",
+                r#"reason="memory_limit""#
+            )
+            .unwrap_or(0.0)
+                >= 1.0
+        );
         assert!(metric_sum(&metrics, "tinybroker_memory_used_bytes") <= 160.0 * MIB as f64);
         assert_eq!(
             metric_sum(&metrics, "tinybroker_memory_limit_bytes"),
@@ -305,8 +304,8 @@ async fn half_sent_requests_are_bounded_per_connection() {
             }
         }
         assert!(held <= 16, "{held} half-sent requests of 1 MiB held by one connection");
-        let metrics = scrape(&broker);
-        let refused = sample(&metrics, "tinybroker_requests_refused_total", "connection_incoming_limit");
+        let metrics = scrape(broker.metrics_addr).await;
+        let refused = metric_with_label(&metrics, "tinybroker_requests_refused_total", r#"reason="connection_incoming_limit""#).unwrap_or(0.0);
         assert!(exhausted >= 100, "{exhausted} of 512 refused with RESOURCE_EXHAUSTED");
         // (a refusal whose answer was lost with the connection is counted too)
         assert!(refused >= exhausted as f64, "every refusal counted: {refused} < {exhausted}");
@@ -349,9 +348,14 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
             closed_within(&mut fourth, Duration::from_secs(5)).await,
             "the fourth is closed"
         );
-        let metrics = scrape(&broker);
+        let metrics = scrape(broker.metrics_addr).await;
         assert_eq!(
-            sample(&metrics, "tinybroker_connections_rejected_total", "connection_limit"),
+            metric_with_label(
+                &metrics,
+                "tinybroker_connections_rejected_total",
+                r#"reason="connection_limit""#
+            )
+            .unwrap_or(0.0),
             1.0
         );
         assert_eq!(metric_sum(&metrics, "tinybroker_connections"), 3.0);
@@ -361,7 +365,7 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
         drop(open.pop());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            if metric_sum(&scrape(&broker), "tinybroker_connections") == 2.0 {
+            if metric_sum(&scrape(broker.metrics_addr).await, "tinybroker_connections") == 2.0 {
                 break;
             }
             assert!(
@@ -401,13 +405,23 @@ async fn silent_and_non_http2_connections_are_closed_after_the_handshake_timeout
                 "a silent client is closed"
             );
         }
-        let metrics = scrape(&broker);
+        let metrics = scrape(broker.metrics_addr).await;
         assert_eq!(
-            sample(&metrics, "tinybroker_connections_rejected_total", "handshake_timeout"),
+            metric_with_label(
+                &metrics,
+                "tinybroker_connections_rejected_total",
+                r#"reason="handshake_timeout""#
+            )
+            .unwrap_or(0.0),
             200.0
         );
         assert_eq!(
-            sample(&metrics, "tinybroker_connections_rejected_total", "not_http2"),
+            metric_with_label(
+                &metrics,
+                "tinybroker_connections_rejected_total",
+                r#"reason="not_http2""#
+            )
+            .unwrap_or(0.0),
             1.0
         );
         assert!(
@@ -444,8 +458,15 @@ async fn the_fd_limit_is_raised_and_the_cap_kept_under_it() {
         }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let metrics = scrape(&tight);
-            if sample(&metrics, "tinybroker_connections_rejected_total", "connection_limit") == 36.0 {
+            let metrics = scrape(tight.metrics_addr).await;
+            if metric_with_label(
+                &metrics,
+                "tinybroker_connections_rejected_total",
+                r#"reason="connection_limit""#,
+            )
+            .unwrap_or(0.0)
+                == 36.0
+            {
                 assert_eq!(metric_sum(&metrics, "tinybroker_accept_errors_total"), 0.0);
                 break;
             }

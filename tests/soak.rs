@@ -33,7 +33,7 @@
 mod common;
 
 use common::process::{BrokerProcess, ChildGuard, metric_sum, spawn_cli_subscriber};
-use common::{publish_request, subscribe_request};
+use common::{listed, publish_request, subscribe_request};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
@@ -373,13 +373,6 @@ async fn admin_subscriptions(mut admin: AdminClient<Channel>) -> Vec<pb::Subscri
     .subscriptions
 }
 
-async fn listed(admin: AdminClient<Channel>, id: &str) -> Option<pb::SubscriptionInfo> {
-    admin_subscriptions(admin)
-        .await
-        .into_iter()
-        .find(|s| s.subscription_id == id)
-}
-
 /// Waits until `id` is listed by Admin (or, with `present` false, no longer
 /// is) and `also` holds for it; false after `limit`.
 async fn wait_listed(
@@ -392,7 +385,7 @@ async fn wait_listed(
     poll_until(limit, || {
         let (admin, also) = (admin.clone(), &also);
         async move {
-            match listed(admin, id).await {
+            match listed(admin_subscriptions(admin).await, id) {
                 Some(info) => present && also(&info),
                 None => !present,
             }
@@ -518,7 +511,7 @@ async fn kill_group_clis(
             break;
         }
         child.signal("STOP");
-        let before = listed(admin.clone(), &id).await.map_or(0, |s| s.delivered);
+        let before = listed(admin_subscriptions(admin.clone()).await, &id).map_or(0, |s| s.delivered);
         let streamed = wait_listed(&admin, &id, true, Duration::from_secs(20), |s| {
             s.delivered >= before + 3
         })
@@ -541,10 +534,9 @@ async fn kill_group_clis(
 }
 
 async fn metrics(addr: std::net::SocketAddr) -> String {
-    tokio::time::timeout(Duration::from_secs(20), common::http_get(addr, "/metrics"))
+    tokio::time::timeout(Duration::from_secs(20), common::scrape(addr))
         .await
         .expect("/metrics in time")
-        .1
 }
 
 async fn connect(url: &str, narrow: bool) -> Channel {

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::process::{BrokerProcess, ChildGuard, metric_sum, spawn_piped};
+use common::process::{BrokerProcess, ChildGuard, metric_sum};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -76,11 +76,12 @@ struct Script {
 
 impl Script {
     fn spawn(command: &mut Command, limit: Duration) -> Self {
-        let (mut guard, stderr) = spawn_piped(command.current_dir(clients_dir()).env("PYTHONUNBUFFERED", "1"));
+        let mut guard =
+            ChildGuard::spawn(command.current_dir(clients_dir()).env("PYTHONUNBUFFERED", "1")).reading_stdout();
         Self {
             stdout: guard.stdout.take().expect("stdout"),
+            stderr: guard.stderr.take().expect("stderr"),
             guard,
-            stderr,
             deadline: Instant::now() + limit,
             stderr_seen: Vec::new(),
         }
@@ -141,7 +142,7 @@ fn pause_broker_when_told(script: &mut Script, broker: &BrokerProcess) -> serde_
 }
 
 async fn published_total(broker: &BrokerProcess) -> f64 {
-    let (_, body) = common::http_get(broker.metrics_addr, "/metrics").await;
+    let body = common::scrape(broker.metrics_addr).await;
     metric_sum(&body, "tinybroker_messages_published_total")
 }
 

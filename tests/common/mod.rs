@@ -107,13 +107,7 @@ impl TestBroker {
 
     /// Every open subscription as the Admin API lists it.
     pub async fn subscriptions(&self) -> Vec<pb::SubscriptionInfo> {
-        self.admin()
-            .await
-            .list_subscriptions(pb::ListSubscriptionsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .subscriptions
+        subscriptions(&self.url()).await
     }
 
     /// The consumer group `name` as the Admin API lists it.
@@ -174,6 +168,32 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Every open subscription as the Admin API at `url` lists it.
+pub async fn subscriptions(url: &str) -> Vec<pb::SubscriptionInfo> {
+    AdminClient::connect(url.to_owned())
+        .await
+        .unwrap()
+        .list_subscriptions(pb::ListSubscriptionsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .subscriptions
+}
+
+/// The subscription `id` among `subscriptions` (as Admin lists them), if it
+/// is there.
+pub fn listed(subscriptions: Vec<pb::SubscriptionInfo>, id: &str) -> Option<pb::SubscriptionInfo> {
+    subscriptions.into_iter().find(|s| s.subscription_id == id)
+}
+
+/// The body of GET /metrics (the Prometheus text exposition), which must
+/// answer 200.
+pub async fn scrape(addr: SocketAddr) -> String {
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200, "scrape /metrics");
+    body
 }
 
 pub fn publish_request(topic: &str, payload: &str) -> pb::PublishRequest {

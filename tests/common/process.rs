@@ -19,6 +19,39 @@ pub struct ChildGuard {
 }
 
 impl ChildGuard {
+    /// Holds `child`, its pipes left as they are.
+    pub fn new(child: Child) -> Self {
+        Self {
+            child,
+            stdout: None,
+            stderr: None,
+        }
+    }
+
+    /// Spawns `command` with stdin null and stdout and stderr piped: stderr
+    /// read line by line into [`ChildGuard::stderr`], stdout left unread
+    /// (see [`ChildGuard::read_stdout`] and [`ChildGuard::reading_stdout`]).
+    pub fn spawn(command: &mut Command) -> Self {
+        let mut child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+        let stderr = child.stderr.take().map(lines);
+        Self {
+            child,
+            stdout: None,
+            stderr,
+        }
+    }
+
+    /// This guard, its stdout read line by line into [`ChildGuard::stdout`].
+    pub fn reading_stdout(mut self) -> Self {
+        self.stdout = Some(self.read_stdout());
+        self
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -32,8 +65,8 @@ impl ChildGuard {
         assert!(status.success(), "kill -{name} {}", self.pid());
     }
 
-    /// Starts reading stdout, left unread by [`spawn_cli`] until now, line
-    /// by line.
+    /// Starts reading stdout, left unread by [`ChildGuard::spawn`] until
+    /// now, line by line.
     pub fn read_stdout(&mut self) -> Receiver<String> {
         lines(self.child.stdout.take().expect("stdout was piped and not read yet"))
     }
@@ -78,73 +111,45 @@ fn lines(reader: impl std::io::Read + Send + 'static) -> Receiver<String> {
     rx
 }
 
-/// `tinybroker subscribe ARGS... --addr URL`, stdout piped to a line reader.
-pub fn spawn_cli_subscriber(url: &str, args: &[&str]) -> ChildGuard {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tinybroker"))
-        .env_remove("TINYBROKER_AUTH_TOKEN")
-        .env("RUST_LOG", "warn")
-        .arg("subscribe")
-        .args(args)
-        .args(["--addr", url])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn tinybroker subscribe");
-    let stdout = child.stdout.take().map(lines);
-    ChildGuard {
-        child,
-        stdout,
-        stderr: None,
-    }
+/// `tinybroker ARGS...` (any subcommand), without the caller's auth token:
+/// the one way a test builds the CLI's command line.
+pub fn cli(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+    command.env_remove("TINYBROKER_AUTH_TOKEN").args(args);
+    command
 }
 
-/// `tinybroker ARGS...` (any subcommand) with `env` set, stdout piped but
-/// NOT read (a reader that stalls once the pipe is full; call
-/// [`ChildGuard::read_stdout`] to start reading) and stderr read line by
+/// `tinybroker ARGS...` (any subcommand) with `RUST_LOG=warn` and `env` set,
+/// stdout piped but NOT read (a reader that stalls once the pipe is full;
+/// call [`ChildGuard::read_stdout`] to start reading) and stderr read line by
 /// line into [`ChildGuard::stderr`].
 pub fn spawn_cli(args: &[&str], env: &[(&str, &str)]) -> ChildGuard {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
-    command
-        .env_remove("TINYBROKER_AUTH_TOKEN")
-        .env("RUST_LOG", "warn")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let mut child = command.spawn().expect("spawn tinybroker");
-    let stderr = child.stderr.take().map(lines);
-    ChildGuard {
-        child,
-        stdout: None,
-        stderr,
-    }
+    let mut command = cli(args);
+    command.env("RUST_LOG", "warn").envs(env.iter().copied());
+    ChildGuard::spawn(&mut command)
+}
+
+/// `tinybroker subscribe ARGS... --addr URL`, stdout read line by line into
+/// [`ChildGuard::stdout`], stderr into [`ChildGuard::stderr`].
+pub fn spawn_cli_subscriber(url: &str, args: &[&str]) -> ChildGuard {
+    let mut all = vec!["subscribe"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--addr", url]);
+    spawn_cli(&all, &[]).reading_stdout()
 }
 
 /// Runs `tinybroker ARGS...` to completion (killed after 30 s) and returns
 /// its exit status, stdout and stderr.
 pub fn run_cli(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, String, String) {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
+    let mut command = cli(args);
     command
-        .env_remove("TINYBROKER_AUTH_TOKEN")
-        .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let mut child = command.spawn().expect("spawn tinybroker");
-    let stdout = child.stdout.take().map(read_all);
-    let stderr = child.stderr.take().map(read_all);
-    let mut guard = ChildGuard {
-        child,
-        stdout: None,
-        stderr: None,
-    };
+    let mut guard = ChildGuard::new(command.spawn().expect("spawn tinybroker"));
+    let stdout = guard.child.stdout.take().map(read_all);
+    let stderr = guard.child.stderr.take().map(read_all);
     let status = guard.wait_exit(Duration::from_secs(30));
     let text = |rx: Option<Receiver<String>>| {
         rx.and_then(|rx| rx.recv_timeout(Duration::from_secs(5)).ok())
@@ -246,13 +251,8 @@ impl BrokerProcess {
     /// Starts `command` (a broker with its stderr piped, perhaps under a
     /// wrapper such as prlimit) and waits for its `tinybroker started` line.
     pub fn from_command(mut command: Command) -> Self {
-        let mut child = command.spawn().expect("spawn tinybroker serve");
-        let log = lines(child.stderr.take().expect("stderr"));
-        let guard = ChildGuard {
-            child,
-            stdout: None,
-            stderr: None,
-        };
+        let mut guard = ChildGuard::new(command.spawn().expect("spawn tinybroker serve"));
+        let log = lines(guard.child.stderr.take().expect("stderr"));
         let mut before_start = Vec::new();
         let started = loop {
             let line = log.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
@@ -340,28 +340,6 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
         .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['{', ' '])))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// Spawns `command` with stdout and stderr piped, each read line by line by
-/// a thread: stdout into the guard's `stdout`, stderr into the returned
-/// receiver (for failure messages). Killed and reaped when the guard drops.
-pub fn spawn_piped(command: &mut Command) -> (ChildGuard, Receiver<String>) {
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
-    let stdout = child.stdout.take().map(lines);
-    let stderr = lines(child.stderr.take().expect("stderr"));
-    (
-        ChildGuard {
-            child,
-            stdout,
-            stderr: None,
-        },
-        stderr,
-    )
 }
 
 /// The sample of metric `name` whose labels include `label` (e.g.
