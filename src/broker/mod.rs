@@ -286,7 +286,9 @@ struct Shared {
     drain_signal: CancellationToken,
     started_at: SystemTime,
     started: Instant,
-    /// Bytes of every message alive and of requests being received.
+    /// Bytes of every message alive: the messages' share (7/8) of
+    /// `TINYBROKER_MAX_MEMORY_BYTES` (requests being received have the rest,
+    /// in the gRPC layer).
     memory: &'static MemoryBudget,
 }
 
@@ -354,7 +356,7 @@ impl Broker {
         &self.shared.stats
     }
 
-    /// The memory budget shared with the gRPC layer (requests being received).
+    /// The messages' memory budget (what the metrics report).
     pub fn memory(&self) -> &'static MemoryBudget {
         self.shared.memory
     }
