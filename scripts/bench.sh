@@ -28,5 +28,12 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# BENCH_PROFILE=dev runs the debug build instead (CI's smoke run checks that no
+# message is lost, not speed, and reuses the test build); figures worth
+# reading come only from the release build.
+if [[ ${BENCH_PROFILE:-release} == dev ]]; then
+    cargo build --locked -p tinybroker -p tinybroker-bench
+    exec target/debug/tinybroker-bench --tinybroker-bin target/debug/tinybroker "$@"
+fi
 cargo build --release --locked -p tinybroker -p tinybroker-bench
 exec target/release/tinybroker-bench --tinybroker-bin target/release/tinybroker "$@"
