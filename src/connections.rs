@@ -14,7 +14,7 @@
 //! costs about 8 MiB of budget, and the connection window of
 //! [`CONNECTION_WINDOW`] gives 16 MiB, so two such streams fit at once,
 //! while a peer sending 1-byte frames it never lets the broker read is cut
-//! off after about 64 KiB of them.
+//! off once about 64 KiB of them (65,000 frames) wait unread.
 
 use crate::incoming::{BoundedBody, ConnectionIncoming, IncomingLimits};
 use bytes::{Buf, Bytes};
