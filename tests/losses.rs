@@ -131,12 +131,7 @@ async fn an_evicted_cli_subscriber_says_what_it_lost_and_resumes() {
                 stalled = !queue_empties(&url, "ev.>", Duration::from_secs(1)).await;
                 continue;
             }
-            let evictions = admin
-                .list_evictions(pb::ListEvictionsRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-                .evictions;
+            let evictions = common::evictions(&mut admin).await;
             if let Some(e) = evictions.into_iter().find(|e| e.subscription_id == first_id) {
                 break e;
             }
@@ -370,13 +365,7 @@ async fn a_scraper_every_second_sees_what_a_shutdown_put_at_risk_and_then_lost()
         client.publish_stream(futures::stream::iter(requests)).await.unwrap();
         let held = member.message().await.unwrap().unwrap();
         assert_eq!(&held.payload[..], b"0");
-        let groups = admin(&url)
-            .await
-            .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .groups;
+        let groups = common::groups(&mut admin(&url).await).await;
         let g = groups.iter().find(|g| g.name == "workers").unwrap();
         assert_eq!((g.backlog, g.in_flight), (BACKLOG, 1));
         // At risk: the backlog and the unacked message, which the shutdown

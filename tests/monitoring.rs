@@ -465,12 +465,7 @@ fn drain(mut stream: tonic::Streaming<pb::Message>) -> tokio::task::JoinHandle<(
 }
 
 async fn group_members(admin: &mut AdminClient<Channel>, name: &str) -> Option<u32> {
-    let groups = admin
-        .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .groups;
+    let groups = common::groups(admin).await;
     groups.into_iter().find(|g| g.name == name).map(|g| g.members)
 }
 
@@ -836,12 +831,7 @@ async fn session(dir: &Path) {
         assert!(flooded < 100_000, "slow-1 was never evicted");
         let requests: Vec<_> = (0..50).map(|_| publish("live.slow", 4096)).collect();
         client.publish_stream(futures::stream::iter(requests)).await.unwrap();
-        let evictions = admin
-            .list_evictions(pb::ListEvictionsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .evictions;
+        let evictions = common::evictions(&mut admin).await;
         if let Some(e) = evictions.into_iter().find(|e| e.subscription_id == "slow-1") {
             break e;
         }

@@ -258,12 +258,7 @@ async fn admin_lists_what_is_open_and_closes_subscriptions() {
         assert_eq!((m.consumer_group.as_str(), m.capacity), ("workers", 7));
         assert_eq!(m.ack_mode, pb::AckMode::Manual as i32);
 
-        let groups = admin
-            .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .groups;
+        let groups = common::groups(&mut admin).await;
         assert_eq!(groups.len(), 1);
         assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 1));
 
@@ -322,12 +317,7 @@ async fn evictions_are_listed_with_id_patterns_depth_and_peer() {
         let eviction = loop {
             let requests: Vec<_> = (0..100).map(|_| publish_request("slow.x", &"s".repeat(4096))).collect();
             client.publish_stream(futures::stream::iter(requests)).await.unwrap();
-            let evictions = admin
-                .list_evictions(pb::ListEvictionsRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-                .evictions;
+            let evictions = common::evictions(&mut admin).await;
             if let Some(e) = evictions.into_iter().next() {
                 break e;
             }

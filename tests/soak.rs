@@ -949,12 +949,7 @@ async fn round(
     })
     .await;
     assert!(groups_done, "consumer groups did not drain");
-    let groups = admin
-        .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .groups;
+    let groups = common::groups(&mut admin).await;
     let mut group_messages = 0;
     let mut redelivered_seen = 0;
     for ((name, _, topics), log) in GROUPS.iter().zip(&group_logs) {
@@ -1007,12 +1002,7 @@ async fn round(
     }
     let m = metrics(broker.metrics_addr).await;
     assert_eq!(metric_sum(&m, "tinybroker_subscriptions"), expected.len() as f64);
-    let evictions = admin
-        .list_evictions(pb::ListEvictionsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .evictions;
+    let evictions = common::evictions(&mut admin).await;
     stalled_so_far.extend(stalled_ids.iter().cloned());
     let evicted: HashSet<String> = evictions.iter().map(|e| e.subscription_id.clone()).collect();
     for id in &evicted {

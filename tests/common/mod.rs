@@ -112,15 +112,10 @@ impl TestBroker {
 
     /// The consumer group `name` as the Admin API lists it.
     pub async fn group(&self, name: &str) -> Option<pb::ConsumerGroupInfo> {
-        let groups = self
-            .admin()
+        groups(&mut self.admin().await)
             .await
-            .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .groups;
-        groups.into_iter().find(|g| g.name == name)
+            .into_iter()
+            .find(|g| g.name == name)
     }
 
     /// Begins shutdown (as SIGTERM would).
@@ -258,4 +253,24 @@ where
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Every consumer group, as Admin/ListConsumerGroups lists them.
+pub async fn groups(admin: &mut AdminClient<Channel>) -> Vec<pb::ConsumerGroupInfo> {
+    admin
+        .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .groups
+}
+
+/// The recent evictions, as Admin/ListEvictions lists them (newest first).
+pub async fn evictions(admin: &mut AdminClient<Channel>) -> Vec<pb::EvictionInfo> {
+    admin
+        .list_evictions(pb::ListEvictionsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .evictions
 }
