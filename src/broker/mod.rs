@@ -598,7 +598,8 @@ impl Broker {
                 message.topic
             )));
         }
-        Ok(message_size(&message.topic, &message.payload, &message.headers))
+        // message_size, from the sum just made rather than a second pass.
+        Ok(memory::MESSAGE_OVERHEAD + message.topic.len() + size + message.headers.len() * memory::HEADER_OVERHEAD)
     }
 
     // === subscribing ===
@@ -1233,6 +1234,18 @@ mod tests {
         }
         let group = broker.groups().into_iter().next().unwrap();
         assert_eq!(group.snapshot(tokio::time::Instant::now()).backlog, 0, "all 8 fit");
+    }
+
+    #[test]
+    fn validation_charges_what_message_size_says() {
+        let broker = Broker::new(Limits::default());
+        let message = NewMessage {
+            topic: "a.b".into(),
+            payload: Bytes::from_static(b"12345"),
+            headers: HashMap::from([("k".into(), "vv".into()), ("kk".into(), "v".into())]),
+        };
+        let expected = message_size(&message.topic, &message.payload, &message.headers);
+        assert_eq!(broker.validate_message(&message), Ok(expected));
     }
 
     #[test]
