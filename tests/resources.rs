@@ -405,25 +405,25 @@ async fn silent_and_non_http2_connections_are_closed_after_the_handshake_timeout
                 "a silent client is closed"
             );
         }
-        let metrics = scrape(broker.metrics_addr).await;
-        assert_eq!(
+        // Each is counted as its connection closes: wait for the last counts.
+        let rejected = |metrics: &str, reason: &str| {
             metric_with_label(
-                &metrics,
+                metrics,
                 "tinybroker_connections_rejected_total",
-                r#"reason="handshake_timeout""#
+                &format!("reason=\"{reason}\""),
             )
-            .unwrap_or(0.0),
-            200.0
-        );
-        assert_eq!(
-            metric_with_label(
-                &metrics,
-                "tinybroker_connections_rejected_total",
-                r#"reason="not_http2""#
-            )
-            .unwrap_or(0.0),
-            1.0
-        );
+            .unwrap_or(0.0)
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let metrics = loop {
+            let metrics = scrape(broker.metrics_addr).await;
+            if rejected(&metrics, "handshake_timeout") >= 200.0 || tokio::time::Instant::now() > deadline {
+                break metrics;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(rejected(&metrics, "handshake_timeout"), 200.0);
+        assert_eq!(rejected(&metrics, "not_http2"), 1.0);
         assert!(
             fds() <= before + 2,
             "descriptors released: {} before, {} after",
