@@ -1,10 +1,12 @@
-//! The gRPC layer: adapts the broker core to the tonic services of
-//! `tinybroker.v1`. It holds no broker logic: it converts requests, maps
+//! The gRPC layer: adapts an [`Engine`] to the tonic services of
+//! `tinybroker.v1`. It holds no broker logic: it converts requests (every
+//! proto↔engine conversion is written once, at the end of this file), maps
 //! [`BrokerError`]s to status codes, and turns deliveries into messages.
 
-use crate::broker::{
-    AckMode, Broker, BrokerError, Delivery, DeliveryMode, NewMessage, PublishOutcome, PublishTime, RouteCache,
-    SubscribeRequest, SubscriptionStream, WakeBatch,
+use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
+use crate::engine::{
+    AckMode, BrokerError, Delivery, DeliveryMode, DeliveryStream, Engine, NewMessage, PublishOutcome, PublishTime,
+    SubscribeRequest,
 };
 use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
@@ -17,6 +19,7 @@ use std::time::SystemTime;
 use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Most messages of one PublishStream routed before the task yields.
@@ -46,29 +49,33 @@ pub fn status(error: BrokerError) -> Status {
 }
 
 /// The `Broker` service.
-pub struct BrokerService {
-    broker: Broker,
+pub struct BrokerService<E: Engine> {
+    engine: E,
     metrics: Metrics,
 }
 
-impl BrokerService {
-    pub fn new(broker: Broker, metrics: Metrics) -> Self {
-        Self { broker, metrics }
+impl<E: Engine> BrokerService<E> {
+    pub fn new(engine: E, metrics: Metrics) -> Self {
+        Self { engine, metrics }
     }
 
     /// Publishes one message. With tracing on, in a `publish` span whose
     /// parent is the caller's `traceparent`, and the span's own context goes
     /// into the message's headers (unless the publisher set one) so consumers
     /// can continue it.
-    fn publish_one(
+    async fn publish_one(
         &self,
         mut request: pb::PublishRequest,
         parent: Option<&opentelemetry::Context>,
-        cache: Option<&mut RouteCache>,
+        publisher: &mut E::Publisher,
         at: PublishTime,
     ) -> Result<PublishOutcome, Status> {
         let Some(parent) = parent else {
-            return self.broker.publish_at(new_message(request), cache, at).map_err(status);
+            return self
+                .engine
+                .publish(new_message(request), publisher, at)
+                .await
+                .map_err(status);
         };
         let span = tracing::info_span!(
             "publish",
@@ -82,7 +89,12 @@ impl BrokerService {
         if !request.headers.contains_key(TRACEPARENT) {
             telemetry::inject(&span.context(), &mut request.headers);
         }
-        let outcome = span.in_scope(|| self.broker.publish_at(new_message(request), cache, at).map_err(status));
+        let outcome = self
+            .engine
+            .publish(new_message(request), publisher, at)
+            .instrument(span.clone())
+            .await
+            .map_err(status);
         if let Ok(o) = &outcome {
             span.record("messaging.message.id", o.sequence);
         }
@@ -92,7 +104,7 @@ impl BrokerService {
     /// The tonic server for this service, with the decoding limit derived
     /// from `max_message_bytes` so no request can make it allocate more.
     pub fn into_server(self) -> pb::broker_server::BrokerServer<Self> {
-        let limit = decoding_limit(self.broker.limits().max_message_bytes);
+        let limit = decoding_limit(self.engine.limits().max_message_bytes);
         pb::broker_server::BrokerServer::new(self).max_decoding_message_size(limit)
     }
 }
@@ -113,11 +125,14 @@ fn new_message(request: pb::PublishRequest) -> NewMessage {
 }
 
 #[tonic::async_trait]
-impl pb::broker_server::Broker for BrokerService {
+impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
     async fn publish(&self, request: Request<pb::PublishRequest>) -> Result<Response<pb::PublishResponse>, Status> {
         let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
         let at = PublishTime::now();
-        let outcome = self.publish_one(request.into_inner(), parent.as_ref(), None, at)?;
+        let mut publisher = E::Publisher::default();
+        let outcome = self
+            .publish_one(request.into_inner(), parent.as_ref(), &mut publisher, at)
+            .await?;
         self.metrics.observe_publish(at.monotonic.elapsed().as_secs_f64());
         Ok(Response::new(pb::PublishResponse {
             sequence: outcome.sequence,
@@ -132,10 +147,10 @@ impl pb::broker_server::Broker for BrokerService {
     ) -> Result<Response<pb::PublishStreamResponse>, Status> {
         let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
         let mut stream = request.into_inner();
-        let mut cache = RouteCache::default();
+        let mut publisher = E::Publisher::default();
         let mut timer = self.metrics.publish_duration();
         let mut response = pb::PublishStreamResponse::default();
-        let draining = self.broker.draining();
+        let draining = self.engine.draining();
         tokio::pin!(draining);
         loop {
             let next = tokio::select! {
@@ -159,13 +174,13 @@ impl pb::broker_server::Broker for BrokerService {
             // clocks for the batch, its duration shared among its messages
             // (decoding included) for tinybroker_publish_duration_seconds.
             let at = PublishTime::now();
-            let batch = WakeBatch::begin();
+            let burst = self.engine.burst();
             let mut routed = 0;
             // Set when the stream ends inside the batch (its last message, or
             // an error): returned once the batch is accounted for.
             let mut ended = None;
             loop {
-                match self.publish_one(next, parent.as_ref(), Some(&mut cache), at) {
+                match self.publish_one(next, parent.as_ref(), &mut publisher, at).await {
                     Ok(outcome) => {
                         if response.accepted == 0 {
                             response.first_sequence = outcome.sequence;
@@ -196,7 +211,7 @@ impl pb::broker_server::Broker for BrokerService {
                     None => break,
                 };
             }
-            drop(batch);
+            drop(burst);
             if routed > 0 {
                 timer.observe_many(at.monotonic.elapsed().as_secs_f64() / routed as f64, routed);
                 timer.flush();
@@ -212,7 +227,7 @@ impl pb::broker_server::Broker for BrokerService {
         }
     }
 
-    type OpenSubscriptionStream = MessageStream;
+    type OpenSubscriptionStream = MessageStream<E::Stream>;
 
     async fn open_subscription(
         &self,
@@ -220,28 +235,10 @@ impl pb::broker_server::Broker for BrokerService {
     ) -> Result<Response<Self::OpenSubscriptionStream>, Status> {
         let peer = request.remote_addr();
         let request = request.into_inner();
-        let mode = match pb::DeliveryMode::try_from(request.mode) {
-            Ok(pb::DeliveryMode::Unspecified | pb::DeliveryMode::Multi) => DeliveryMode::Broadcast,
-            Ok(pb::DeliveryMode::Single) => DeliveryMode::Group,
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "mode {} is not a DeliveryMode (0 UNSPECIFIED, 1 MULTI, 2 SINGLE)",
-                    request.mode
-                )));
-            }
-        };
-        let ack_mode = match pb::AckMode::try_from(request.ack_mode) {
-            Ok(pb::AckMode::Unspecified | pb::AckMode::Auto) => AckMode::Auto,
-            Ok(pb::AckMode::Manual) => AckMode::Manual,
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "ack_mode {} is not an AckMode (0 UNSPECIFIED, 1 AUTO, 2 MANUAL)",
-                    request.ack_mode
-                )));
-            }
-        };
+        let mode = delivery_mode(request.mode)?;
+        let ack_mode = ack_mode(request.ack_mode)?;
         let stream = self
-            .broker
+            .engine
             .subscribe(SubscribeRequest {
                 topic_patterns: request.topic_patterns,
                 subscription_id: request.subscription_id,
@@ -252,9 +249,10 @@ impl pb::broker_server::Broker for BrokerService {
                 ack_deadline_ms: request.ack_deadline_ms,
                 peer,
             })
+            .await
             .map_err(status)?;
         let id = stream.id().to_owned();
-        let consumer_group = stream.subscription().consumer_group().unwrap_or_default().to_owned();
+        let consumer_group = stream.consumer_group().unwrap_or_default().to_owned();
         let mut response = Response::new(MessageStream {
             inner: stream,
             subscription_id: id.clone(),
@@ -273,20 +271,28 @@ impl pb::broker_server::Broker for BrokerService {
 
     async fn ack(&self, request: Request<pb::AckRequest>) -> Result<Response<pb::AckResponse>, Status> {
         let request = request.into_inner();
-        let (acked, unknown) = self
-            .broker
+        let acked = self
+            .engine
             .ack(&request.subscription_id, &request.sequences)
+            .await
             .map_err(status)?;
-        Ok(Response::new(pb::AckResponse { acked, unknown }))
+        Ok(Response::new(pb::AckResponse {
+            acked: acked.acked,
+            unknown: acked.unknown,
+        }))
     }
 
     async fn nack(&self, request: Request<pb::NackRequest>) -> Result<Response<pb::NackResponse>, Status> {
         let request = request.into_inner();
-        let (requeued, unknown) = self
-            .broker
+        let nacked = self
+            .engine
             .nack(&request.subscription_id, &request.sequences)
+            .await
             .map_err(status)?;
-        Ok(Response::new(pb::NackResponse { requeued, unknown }))
+        Ok(Response::new(pb::NackResponse {
+            requeued: nacked.requeued,
+            unknown: nacked.unknown,
+        }))
     }
 }
 
@@ -336,8 +342,8 @@ pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Respo
 }
 
 /// A subscription's deliveries as `Message`s for tonic (see [`crate::wire`]).
-pub struct MessageStream {
-    inner: SubscriptionStream,
+pub struct MessageStream<S> {
+    inner: S,
     subscription_id: String,
     consumer_group: String,
     /// The delivery fields that are this subscription's own, encoded once.
@@ -351,7 +357,7 @@ pub struct MessageStream {
     ended: bool,
 }
 
-impl MessageStream {
+impl<S: DeliveryStream> MessageStream<S> {
     fn encode(&mut self, delivery: Delivery) -> EncodedMessage {
         let m = &delivery.message;
         let now = *self.now.get_or_insert_with(SystemTime::now);
@@ -376,7 +382,7 @@ impl MessageStream {
     }
 }
 
-impl Stream for MessageStream {
+impl<S: DeliveryStream> Stream for MessageStream<S> {
     type Item = Result<EncodedMessage, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -391,16 +397,12 @@ impl Stream for MessageStream {
                 // tell an eviction from an admin close or a shutdown, and
                 // how much it lost.
                 self.ended = true;
-                let subscription = self.inner.subscription();
                 let mut status = Status::ok("");
-                if let Some(reason) = subscription.close_reason() {
+                if let Some(end) = self.inner.end() {
                     let metadata = status.metadata_mut();
-                    metadata.insert(END_REASON_METADATA, MetadataValue::from_static(reason.label()));
-                    metadata.insert(DROPPED_METADATA, MetadataValue::from(subscription.dropped_at_close()));
-                    metadata.insert(
-                        LAST_SEQUENCE_METADATA,
-                        MetadataValue::from(subscription.last_delivered_sequence()),
-                    );
+                    metadata.insert(END_REASON_METADATA, MetadataValue::from_static(end.reason.label()));
+                    metadata.insert(DROPPED_METADATA, MetadataValue::from(end.dropped));
+                    metadata.insert(LAST_SEQUENCE_METADATA, MetadataValue::from(end.last_sequence));
                 }
                 Poll::Ready(Some(Err(status)))
             }
@@ -414,18 +416,18 @@ impl Stream for MessageStream {
 }
 
 /// The `Admin` service: read-mostly views for operators.
-pub struct AdminService {
-    broker: Broker,
+pub struct AdminService<E: Engine> {
+    engine: E,
     auth_enabled: bool,
     tls_enabled: bool,
     shutdown_grace: std::time::Duration,
     connections: crate::config::ConnectionLimits,
 }
 
-impl AdminService {
-    pub fn new(broker: Broker, auth_enabled: bool, tls_enabled: bool) -> Self {
+impl<E: Engine> AdminService<E> {
+    pub fn new(engine: E, auth_enabled: bool, tls_enabled: bool) -> Self {
         Self {
-            broker,
+            engine,
             auth_enabled,
             tls_enabled,
             shutdown_grace: std::time::Duration::ZERO,
@@ -433,7 +435,7 @@ impl AdminService {
         }
     }
 
-    /// Reported by GetBrokerInfo (the broker core does not know it).
+    /// Reported by GetBrokerInfo (the engine does not know it).
     pub fn with_shutdown_grace(mut self, grace: std::time::Duration) -> Self {
         self.shutdown_grace = grace;
         self
@@ -450,68 +452,26 @@ impl AdminService {
     }
 }
 
-fn peer_string(peer: Option<std::net::SocketAddr>) -> String {
-    peer.map(|p| p.to_string()).unwrap_or_default()
-}
-
 #[tonic::async_trait]
-impl pb::admin_server::Admin for AdminService {
+impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
     async fn list_subscriptions(
         &self,
         _request: Request<pb::ListSubscriptionsRequest>,
     ) -> Result<Response<pb::ListSubscriptionsResponse>, Status> {
-        let subscriptions = self
-            .broker
-            .subscriptions()
-            .iter()
-            .map(|s| {
-                let info = s.info();
-                let (mode, consumer_group, ack_mode) = match info.consumer_group {
-                    Some((group, AckMode::Auto)) => (pb::DeliveryMode::Single, group, pb::AckMode::Auto),
-                    Some((group, AckMode::Manual)) => (pb::DeliveryMode::Single, group, pb::AckMode::Manual),
-                    None => (pb::DeliveryMode::Multi, String::new(), pb::AckMode::Unspecified),
-                };
-                pb::SubscriptionInfo {
-                    subscription_id: info.subscription_id,
-                    mode: mode as i32,
-                    consumer_group,
-                    topic_patterns: info.topic_patterns,
-                    queue_depth: info.queue_depth as u64,
-                    capacity: info.capacity as u64,
-                    delivered: info.delivered,
-                    opened_at: Some(info.opened_at.into()),
-                    peer_address: peer_string(info.peer),
-                    ack_mode: ack_mode as i32,
-                }
-            })
-            .collect();
-        Ok(Response::new(pb::ListSubscriptionsResponse { subscriptions }))
+        let subscriptions = self.engine.list_subscriptions().await.map_err(status)?;
+        Ok(Response::new(pb::ListSubscriptionsResponse {
+            subscriptions: subscriptions.into_iter().map(Into::into).collect(),
+        }))
     }
 
     async fn list_consumer_groups(
         &self,
         _request: Request<pb::ListConsumerGroupsRequest>,
     ) -> Result<Response<pb::ListConsumerGroupsResponse>, Status> {
-        let now = tokio::time::Instant::now();
-        let groups = self
-            .broker
-            .groups()
-            .iter()
-            .map(|g| {
-                let snapshot = g.snapshot(now);
-                pb::ConsumerGroupInfo {
-                    name: g.name().to_owned(),
-                    topic_patterns: g.patterns().iter().map(|p| p.to_string()).collect(),
-                    members: snapshot.members as u32,
-                    backlog: snapshot.backlog as u64,
-                    in_flight: snapshot.in_flight as u64,
-                    redeliveries: g.redeliveries(),
-                    dead_lettered: g.dead_lettered(),
-                    dropped: g.dropped(),
-                }
-            })
-            .collect();
-        Ok(Response::new(pb::ListConsumerGroupsResponse { groups }))
+        let groups = self.engine.list_groups().await.map_err(status)?;
+        Ok(Response::new(pb::ListConsumerGroupsResponse {
+            groups: groups.into_iter().map(Into::into).collect(),
+        }))
     }
 
     async fn close_subscription(
@@ -519,12 +479,7 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::CloseSubscriptionRequest>,
     ) -> Result<Response<pb::CloseSubscriptionResponse>, Status> {
         let id = request.into_inner().subscription_id;
-        if id.is_empty() {
-            return Err(Status::invalid_argument(
-                "CloseSubscription needs a subscription_id; it was empty",
-            ));
-        }
-        self.broker.close_subscription(&id).map_err(status)?;
+        self.engine.close_subscription(&id).await.map_err(status)?;
         Ok(Response::new(pb::CloseSubscriptionResponse {}))
     }
 
@@ -532,35 +487,25 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         _request: Request<pb::ListEvictionsRequest>,
     ) -> Result<Response<pb::ListEvictionsResponse>, Status> {
-        let evictions = self
-            .broker
-            .evictions()
-            .into_iter()
-            .map(|e| pb::EvictionInfo {
-                subscription_id: e.subscription_id,
-                evicted_at: Some(e.evicted_at.into()),
-                topic_patterns: e.topic_patterns,
-                queue_depth: e.queue_depth as u64,
-                last_delivered_sequence: e.last_delivered_sequence,
-                peer_address: peer_string(e.peer),
-            })
-            .collect();
-        Ok(Response::new(pb::ListEvictionsResponse { evictions }))
+        let evictions = self.engine.list_evictions().await.map_err(status)?;
+        Ok(Response::new(pb::ListEvictionsResponse {
+            evictions: evictions.into_iter().map(Into::into).collect(),
+        }))
     }
 
     async fn get_broker_info(
         &self,
         _request: Request<pb::GetBrokerInfoRequest>,
     ) -> Result<Response<pb::GetBrokerInfoResponse>, Status> {
-        let l = self.broker.limits();
-        let uptime = self.broker.uptime();
+        let info = self.engine.info().await.map_err(status)?;
+        let l = self.engine.limits();
         Ok(Response::new(pb::GetBrokerInfoResponse {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime: Some(prost_types::Duration {
-                seconds: uptime.as_secs() as i64,
-                nanos: uptime.subsec_nanos() as i32,
+                seconds: info.uptime.as_secs() as i64,
+                nanos: info.uptime.subsec_nanos() as i32,
             }),
-            started_at: Some(self.broker.started_at().into()),
+            started_at: Some(info.started_at.into()),
             limits: Some(pb::BrokerLimits {
                 consumer_capacity: l.consumer_capacity as u64,
                 group_capacity: l.group_capacity as u64,
@@ -571,20 +516,112 @@ impl pb::admin_server::Admin for AdminService {
                 max_message_bytes: l.max_message_bytes as u64,
                 max_subscriptions: l.max_subscriptions as u64,
                 shutdown_grace_seconds: self.shutdown_grace.as_secs(),
-                max_patterns_per_subscription: crate::broker::MAX_PATTERNS_PER_SUBSCRIPTION as u32,
+                max_patterns_per_subscription: MAX_PATTERNS_PER_SUBSCRIPTION as u32,
                 max_topic_bytes: crate::topic::MAX_TOPIC_BYTES as u32,
-                max_headers: crate::broker::MAX_HEADERS as u32,
+                max_headers: MAX_HEADERS as u32,
                 consumer_max_bytes: l.consumer_max_bytes as u64,
                 group_max_bytes: l.group_max_bytes as u64,
                 max_memory_bytes: l.max_memory_bytes.unwrap_or(0) as u64,
                 max_connections: self.connections.max_connections as u64,
                 handshake_timeout_seconds: self.connections.handshake_timeout.as_secs(),
             }),
-            subscriptions: self.broker.subscription_count() as u64,
-            consumer_groups: self.broker.groups().len() as u64,
-            last_sequence: self.broker.last_sequence(),
+            subscriptions: info.subscriptions,
+            consumer_groups: info.consumer_groups,
+            last_sequence: info.last_sequence,
             auth_enabled: self.auth_enabled,
             tls_enabled: self.tls_enabled,
         }))
+    }
+}
+
+// === proto ↔ engine conversions, each written once ===
+
+fn delivery_mode(raw: i32) -> Result<DeliveryMode, Status> {
+    match pb::DeliveryMode::try_from(raw) {
+        Ok(pb::DeliveryMode::Unspecified | pb::DeliveryMode::Multi) => Ok(DeliveryMode::Multi),
+        Ok(pb::DeliveryMode::Single) => Ok(DeliveryMode::Single),
+        Err(_) => Err(Status::invalid_argument(format!(
+            "mode {raw} is not a DeliveryMode (0 UNSPECIFIED, 1 MULTI, 2 SINGLE)"
+        ))),
+    }
+}
+
+fn ack_mode(raw: i32) -> Result<AckMode, Status> {
+    match pb::AckMode::try_from(raw) {
+        Ok(pb::AckMode::Unspecified | pb::AckMode::Auto) => Ok(AckMode::Auto),
+        Ok(pb::AckMode::Manual) => Ok(AckMode::Manual),
+        Err(_) => Err(Status::invalid_argument(format!(
+            "ack_mode {raw} is not an AckMode (0 UNSPECIFIED, 1 AUTO, 2 MANUAL)"
+        ))),
+    }
+}
+
+impl From<DeliveryMode> for pb::DeliveryMode {
+    fn from(mode: DeliveryMode) -> Self {
+        match mode {
+            DeliveryMode::Multi => pb::DeliveryMode::Multi,
+            DeliveryMode::Single => pb::DeliveryMode::Single,
+        }
+    }
+}
+
+impl From<Option<AckMode>> for pb::AckMode {
+    /// None (a broadcast subscription) is UNSPECIFIED.
+    fn from(mode: Option<AckMode>) -> Self {
+        match mode {
+            None => pb::AckMode::Unspecified,
+            Some(AckMode::Auto) => pb::AckMode::Auto,
+            Some(AckMode::Manual) => pb::AckMode::Manual,
+        }
+    }
+}
+
+/// A peer address in a proto record: empty when unknown.
+fn peer_address(peer: Option<std::net::SocketAddr>) -> String {
+    peer.map(|p| p.to_string()).unwrap_or_default()
+}
+
+impl From<crate::engine::SubscriptionInfo> for pb::SubscriptionInfo {
+    fn from(info: crate::engine::SubscriptionInfo) -> Self {
+        pb::SubscriptionInfo {
+            subscription_id: info.subscription_id,
+            mode: pb::DeliveryMode::from(info.mode) as i32,
+            consumer_group: info.consumer_group,
+            topic_patterns: info.topic_patterns,
+            queue_depth: info.queue_depth as u64,
+            capacity: info.capacity as u64,
+            delivered: info.delivered,
+            opened_at: Some(info.opened_at.into()),
+            peer_address: peer_address(info.peer),
+            ack_mode: pb::AckMode::from(info.ack_mode) as i32,
+        }
+    }
+}
+
+impl From<crate::engine::GroupInfo> for pb::ConsumerGroupInfo {
+    fn from(group: crate::engine::GroupInfo) -> Self {
+        pb::ConsumerGroupInfo {
+            name: group.name,
+            topic_patterns: group.topic_patterns,
+            members: group.members as u32,
+            backlog: group.backlog as u64,
+            in_flight: group.in_flight as u64,
+            redeliveries: group.redeliveries,
+            dead_lettered: group.dead_lettered,
+            dropped: group.dropped,
+        }
+    }
+}
+
+impl From<crate::engine::EvictionRecord> for pb::EvictionInfo {
+    fn from(e: crate::engine::EvictionRecord) -> Self {
+        pb::EvictionInfo {
+            subscription_id: e.subscription_id,
+            evicted_at: Some(e.evicted_at.into()),
+            topic_patterns: e.topic_patterns,
+            queue_depth: e.queue_depth as u64,
+            last_delivered_sequence: e.last_delivered_sequence,
+            peer_address: peer_address(e.peer),
+        }
     }
 }

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod connections;
+pub mod engine;
 pub mod grpc;
 pub mod incoming;
 pub mod memory;

@@ -8,8 +8,8 @@
 //! happen (lock-free atomics). Each scrape starts a new peak period of every
 //! queue, so peaks cover the last two scrape intervals.
 
-use crate::broker::{Broker, EvictionRecord, GroupRemoval};
 use crate::connections::{ConnectionStats, Rejection};
+use crate::engine::{DeliveryMode, Engine, EvictionRecord, GroupRemoval, Peaks, Snapshot, display_peer};
 use crate::incoming::IncomingLimits;
 use prometheus::core::{Collector, Desc};
 use prometheus::local::LocalHistogram;
@@ -27,19 +27,25 @@ pub const MODE_MULTI: &str = "multi";
 /// Label value of `mode` for consumer-group members.
 pub const MODE_SINGLE: &str = "single";
 
+/// Where the collectors read the engine's state at scrape time (a scrape is
+/// rare, so one dynamic call per scrape keeps `Metrics` free of the engine
+/// type).
+type SnapshotSource = Arc<dyn Fn(Peaks) -> Snapshot + Send + Sync>;
+
 /// The registry and the histograms observed on the hot paths.
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
-    broker: Broker,
+    source: SnapshotSource,
     publish_duration: Histogram,
     delivery_lag_multi: Histogram,
     delivery_lag_single: Histogram,
 }
 
 impl Metrics {
-    /// Builds the registry for `broker`.
-    pub fn new(broker: Broker, per_subscription: bool) -> Self {
+    /// Builds the registry for `engine`.
+    pub fn new<E: Engine>(engine: E, per_subscription: bool) -> Self {
+        let source: SnapshotSource = Arc::new(move |peaks| engine.snapshot(peaks));
         let registry = Registry::new();
         let publish_duration = Histogram::with_opts(
             HistogramOpts::new(
@@ -80,14 +86,14 @@ impl Metrics {
             Box::new(delivery_lag.clone()),
             Box::new(build_info),
             Box::new(prometheus::process_collector::ProcessCollector::for_self()),
-            Box::new(BrokerCollector::new(broker.clone(), per_subscription)),
+            Box::new(BrokerCollector::new(source.clone(), per_subscription)),
         ];
         for collector in collectors {
             registry.register(collector).expect("metric names are unique");
         }
         Self {
             registry,
-            broker,
+            source,
             publish_duration,
             delivery_lag_multi: delivery_lag.with_label_values(&[MODE_MULTI]),
             delivery_lag_single: delivery_lag.with_label_values(&[MODE_SINGLE]),
@@ -97,7 +103,7 @@ impl Metrics {
     /// Adds the gRPC listener's metrics: open and rejected connections, and
     /// requests refused for what they would hold.
     pub fn with_connections(self, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
-        let collector = ResourceCollector::new(self.broker.clone(), connections, incoming);
+        let collector = ResourceCollector::new(self.source.clone(), connections, incoming);
         self.registry
             .register(Box::new(collector))
             .expect("metric names are unique");
@@ -181,7 +187,7 @@ impl Drop for LocalObserver {
 
 /// Reads the broker's live state at scrape time.
 struct BrokerCollector {
-    broker: Broker,
+    source: SnapshotSource,
     per_subscription: bool,
     /// Templates: they give `desc()` and the options of the fresh metrics
     /// built at every scrape.
@@ -442,7 +448,7 @@ impl OperatorTemplates {
     /// Sets the recent-eviction and recent-removal series.
     fn set_recent(&self, evictions: &[EvictionRecord], removals: &[GroupRemoval], now: SystemTime) {
         for e in recent(evictions, now, |e| &e.subscription_id, |e| e.evicted_at) {
-            let peer = crate::broker::display_peer(e.peer);
+            let peer = display_peer(e.peer);
             let patterns = patterns_label(&e.topic_patterns);
             self.recent_eviction
                 .with_label_values(&[e.subscription_id.as_str(), &peer, &patterns])
@@ -512,9 +518,9 @@ fn patterns_label(patterns: &[String]) -> String {
 }
 
 impl BrokerCollector {
-    fn new(broker: Broker, per_subscription: bool) -> Self {
+    fn new(source: SnapshotSource, per_subscription: bool) -> Self {
         Self {
-            broker,
+            source,
             per_subscription,
             t: Templates::new().expect("valid metric definitions"),
             o: OperatorTemplates::new().expect("valid metric definitions"),
@@ -528,80 +534,65 @@ impl BrokerCollector {
         let mut marks = self.marks.lock();
         let m = Templates::new()?;
         let o = OperatorTemplates::new()?;
-        let stats = self.broker.stats();
-        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        m.published.inc_by(load(&stats.published));
-        m.unrouted.inc_by(load(&stats.unrouted));
-        m.evictions.inc_by(load(&stats.evictions));
-        m.discarded_on_shutdown.inc_by(load(&stats.discarded_on_shutdown));
-        m.delivered
-            .with_label_values(&[MODE_MULTI])
-            .inc_by(load(&stats.delivered_broadcast));
-        m.delivered
-            .with_label_values(&[MODE_SINGLE])
-            .inc_by(load(&stats.delivered_group));
-        for (reason, counter) in [
-            ("evicted", &stats.dropped_evicted),
-            ("closed", &stats.dropped_closed),
-            ("group_overflow", &stats.dropped_group_overflow),
-            ("group_expired", &stats.dropped_group_expired),
-            ("dead_letter_invalid", &stats.dropped_dead_letter_invalid),
+        let snapshot = (self.source)(Peaks::Take);
+        let c = &snapshot.counters;
+        m.published.inc_by(c.published);
+        m.unrouted.inc_by(c.unrouted);
+        m.evictions.inc_by(c.evictions);
+        m.discarded_on_shutdown.inc_by(c.discarded_on_shutdown);
+        m.delivered.with_label_values(&[MODE_MULTI]).inc_by(c.delivered_multi);
+        m.delivered.with_label_values(&[MODE_SINGLE]).inc_by(c.delivered_single);
+        for (reason, count) in [
+            ("evicted", c.dropped_evicted),
+            ("closed", c.dropped_closed),
+            ("group_overflow", c.dropped_group_overflow),
+            ("group_expired", c.dropped_group_expired),
+            ("dead_letter_invalid", c.dropped_dead_letter_invalid),
         ] {
-            m.dropped.with_label_values(&[reason]).inc_by(load(counter));
+            m.dropped.with_label_values(&[reason]).inc_by(count);
         }
 
         let (mut subs, mut queued) = ([0i64; 2], [0i64; 2]);
-        for sub in self.broker.subscriptions() {
-            let group = sub.consumer_group();
-            let mode = usize::from(group.is_some());
-            let depth = sub.queue_depth();
+        for sub in &snapshot.subscriptions {
+            let mode = usize::from(sub.mode == DeliveryMode::Single);
             subs[mode] += 1;
-            queued[mode] += depth as i64;
-            let peak = sub.take_queue_peak();
-            m.fill_ratio.observe(peak as f64 / sub.capacity().max(1) as f64);
+            queued[mode] += sub.queue_depth as i64;
+            m.fill_ratio.observe(sub.queue_peak as f64 / sub.capacity.max(1) as f64);
             if self.per_subscription {
-                m.queue_depth
-                    .with_label_values(&[sub.id(), group.unwrap_or("")])
-                    .set(depth as i64);
-                o.queue_depth_peak
-                    .with_label_values(&[sub.id(), group.unwrap_or("")])
-                    .set(peak as i64);
+                let labels = &[sub.subscription_id.as_str(), sub.consumer_group.as_str()];
+                m.queue_depth.with_label_values(labels).set(sub.queue_depth as i64);
+                o.queue_depth_peak.with_label_values(labels).set(sub.queue_peak as i64);
             }
         }
         // An evicted subscription's queue was full.
-        for _ in 0..marks.evicted_recently(load(&stats.evictions)) {
+        for _ in 0..marks.evicted_recently(c.evictions) {
             m.fill_ratio.observe(1.0);
         }
         drop(marks);
-        for (i, mode) in [MODE_MULTI, MODE_SINGLE].into_iter().enumerate() {
-            m.subscriptions.with_label_values(&[mode]).set(subs[i]);
-            m.queued.with_label_values(&[mode]).set(queued[i]);
+        for mode in [DeliveryMode::Multi, DeliveryMode::Single] {
+            let i = usize::from(mode == DeliveryMode::Single);
+            m.subscriptions.with_label_values(&[mode.label()]).set(subs[i]);
+            m.queued.with_label_values(&[mode.label()]).set(queued[i]);
         }
 
-        let now = tokio::time::Instant::now();
-        for group in self.broker.groups() {
-            let s = group.snapshot(now);
-            let name = &[group.name()];
-            m.group_members.with_label_values(name).set(s.members as i64);
-            m.group_backlog.with_label_values(name).set(s.backlog as i64);
-            m.group_in_flight.with_label_values(name).set(s.in_flight as i64);
-            m.redeliveries.with_label_values(name).inc_by(group.redeliveries());
-            m.dead_lettered.with_label_values(name).inc_by(group.dead_lettered());
+        for g in &snapshot.groups {
+            let name = &[g.name.as_str()];
+            m.group_members.with_label_values(name).set(g.members as i64);
+            m.group_backlog.with_label_values(name).set(g.backlog as i64);
+            m.group_in_flight.with_label_values(name).set(g.in_flight as i64);
+            m.redeliveries.with_label_values(name).inc_by(g.redeliveries);
+            m.dead_lettered.with_label_values(name).inc_by(g.dead_lettered);
             m.oldest_unacked
                 .with_label_values(name)
-                .set(s.oldest_unacked_age.map_or(0.0, |d| d.as_secs_f64()));
-            o.group_stalled.with_label_values(name).set(s.stalled.as_secs_f64());
+                .set(g.oldest_unacked_age.map_or(0.0, |d| d.as_secs_f64()));
+            o.group_stalled.with_label_values(name).set(g.stalled.as_secs_f64());
             o.group_memberless
                 .with_label_values(name)
-                .set(s.memberless.map_or(0.0, |d| d.as_secs_f64()));
-            o.group_acked.with_label_values(name).inc_by(group.acked());
-            o.group_delivered.with_label_values(name).inc_by(group.delivered());
+                .set(g.memberless.map_or(0.0, |d| d.as_secs_f64()));
+            o.group_acked.with_label_values(name).inc_by(g.acked);
+            o.group_delivered.with_label_values(name).inc_by(g.delivered);
         }
-        o.set_recent(
-            &self.broker.evictions(),
-            &self.broker.group_removals(),
-            SystemTime::now(),
-        );
+        o.set_recent(&snapshot.evictions, &snapshot.group_removals, SystemTime::now());
         Ok((m, o))
     }
 }
@@ -636,7 +627,7 @@ impl Collector for BrokerCollector {
 /// The broker's resources and what protects them: memory in use and its
 /// limit, connections, refusals, and shutdown progress. Read at scrape time.
 struct ResourceCollector {
-    broker: Broker,
+    source: SnapshotSource,
     connections: Arc<ConnectionStats>,
     incoming: Arc<IncomingLimits>,
     t: ResourceMetrics,
@@ -715,9 +706,9 @@ impl ResourceMetrics {
 }
 
 impl ResourceCollector {
-    fn new(broker: Broker, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
+    fn new(source: SnapshotSource, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
         Self {
-            broker,
+            source,
             connections,
             incoming,
             t: ResourceMetrics::new().expect("valid metric definitions"),
@@ -727,13 +718,11 @@ impl ResourceCollector {
     fn snapshot(&self) -> prometheus::Result<ResourceMetrics> {
         let m = ResourceMetrics::new()?;
         let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        let (messages, incoming) = (self.broker.memory(), self.incoming.memory);
-        m.memory_used.set((messages.used() + incoming.used()) as i64);
-        m.memory_limit.set(
-            messages
-                .limit()
-                .map_or(0, |l| (l + incoming.limit().unwrap_or(0)) as i64),
-        );
+        let snapshot = (self.source)(Peaks::Keep);
+        let (messages, incoming) = (snapshot.memory, self.incoming.memory);
+        m.memory_used.set((messages.used + incoming.used()) as i64);
+        m.memory_limit
+            .set(messages.limit.map_or(0, |l| (l + incoming.limit().unwrap_or(0)) as i64));
         m.connections.set(self.connections.open() as i64);
         for reason in Rejection::ALL {
             m.rejected
@@ -741,42 +730,22 @@ impl ResourceCollector {
                 .inc_by(self.connections.rejected(reason));
         }
         m.accept_errors.inc_by(self.connections.accept_errors());
-        let stats = self.broker.stats();
+        let c = &snapshot.counters;
         m.refused
             .with_label_values(&["memory_limit"])
-            .inc_by(load(&stats.refused_memory_limit) + load(&self.incoming.refused_memory_limit));
+            .inc_by(c.refused_memory_limit + load(&self.incoming.refused_memory_limit));
         m.refused
             .with_label_values(&["connection_incoming_limit"])
             .inc_by(load(&self.incoming.refused_connection_limit));
-        m.memory_evictions.inc_by(load(&stats.evictions_memory_limit));
-        let shutting_down = self.broker.is_shutting_down();
-        m.shutting_down.set(i64::from(shutting_down));
-        m.shutdown_pending
-            .set(if shutting_down { at_risk(&self.broker) as i64 } else { 0 });
+        m.memory_evictions.inc_by(c.evictions_memory_limit);
+        m.shutting_down.set(i64::from(snapshot.shutting_down));
+        m.shutdown_pending.set(if snapshot.shutting_down {
+            snapshot.at_risk() as i64
+        } else {
+            0
+        });
         Ok(m)
     }
-}
-
-/// What a shutdown can still lose: messages queued for broadcast
-/// subscriptions, and everything consumer groups hold: their backlogs and
-/// what their members hold (queued for them, or delivered with manual ack
-/// and not acked yet: a member closed by the shutdown hands those back to
-/// the backlog, which is discarded with them).
-fn at_risk(broker: &Broker) -> usize {
-    let broadcast: usize = broker
-        .subscriptions()
-        .iter()
-        .filter(|s| s.consumer_group().is_none())
-        .map(|s| s.queue_depth())
-        .sum();
-    let now = tokio::time::Instant::now();
-    let groups: usize = broker
-        .groups()
-        .iter()
-        .map(|g| g.snapshot(now))
-        .map(|s| s.backlog + s.in_flight)
-        .sum();
-    broadcast + groups
 }
 
 impl Collector for ResourceCollector {
@@ -798,8 +767,9 @@ impl Collector for ResourceCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::{NewMessage, SubscribeRequest};
+    use crate::broker::Broker;
     use crate::config::Limits;
+    use crate::engine::{NewMessage, SubscribeRequest};
     use futures::StreamExt;
     use std::task::{Context, Poll, Waker};
 

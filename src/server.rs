@@ -6,6 +6,7 @@ use crate::auth::AuthLayer;
 use crate::broker::Broker;
 use crate::config::Config;
 use crate::connections::{self, ConnectionStats};
+use crate::engine::Engine;
 use crate::grpc::{self, AdminService, BrokerService};
 use crate::incoming::IncomingLimits;
 use crate::metrics::Metrics;
@@ -75,24 +76,35 @@ impl Health {
 }
 
 /// Runs until `shutdown` resolves, then drains for up to the configured grace
-/// period, ends every stream and returns.
+/// period, ends every stream and returns. The engine is picked here, once:
+/// the embedded single-node one.
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let engine = Broker::new(config.limits.clone());
+    serve(engine, config, listeners, shutdown).await
+}
+
+/// [`run`] with the engine chosen.
+async fn serve<E: Engine>(
+    engine: E,
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
     let grpc_addr = listeners.grpc.local_addr()?;
     let metrics_addr = listeners.metrics.local_addr()?;
     let tls = match &config.tls {
         Some(files) => Some(tokio_rustls::TlsAcceptor::from(Arc::new(files.server_config()?))),
         None => None,
     };
-    let broker = Broker::new(config.limits.clone());
     let connection_stats = Arc::new(ConnectionStats::default());
     let incoming = Arc::new(IncomingLimits::new(
         grpc::decoding_limit(config.limits.max_message_bytes),
         crate::memory::MemoryBudget::leak(crate::memory::split(config.limits.max_memory_bytes).1),
     ));
-    let metrics = Metrics::new(broker.clone(), config.metrics_per_subscription)
+    let metrics = Metrics::new(engine.clone(), config.metrics_per_subscription)
         .with_connections(connection_stats.clone(), incoming.clone());
     let (stop_maintenance, maintenance_stopped) = tokio::sync::oneshot::channel::<()>();
-    let maintenance = tokio::spawn(broker.clone().maintain(async {
+    let maintenance = tokio::spawn(engine.clone().maintain(async {
         let _ = maintenance_stopped.await;
     }));
 
@@ -115,9 +127,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let routes = tonic::service::Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(BrokerService::new(broker.clone(), metrics.clone()).into_server())
+        .add_service(BrokerService::new(engine.clone(), metrics.clone()).into_server())
         .add_service(
-            AdminService::new(broker.clone(), config.auth_token.is_some(), config.tls.is_some())
+            AdminService::new(engine.clone(), config.auth_token.is_some(), config.tls.is_some())
                 .with_shutdown_grace(config.shutdown_grace)
                 .with_connection_limits(config.connections.clone())
                 .into_server(),
@@ -159,11 +171,11 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         "shutdown requested: health NOT_SERVING, refusing new work, draining queues"
     );
     health.set(ServingStatus::NotServing).await;
-    broker.begin_shutdown();
-    let drained = drain(&broker, config.shutdown_grace).await;
+    engine.begin_shutdown();
+    let drained = drain(&engine, config.shutdown_grace).await;
     let _ = stop_maintenance.send(());
     let _ = maintenance.await;
-    let discarded = broker.close_all();
+    let discarded = engine.close_all();
     match (drained, discarded) {
         (_, 0) => tracing::info!("all queues drained"),
         (true, _) => tracing::warn!(
@@ -198,10 +210,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
 
 /// Waits until nothing that can drain is left or `grace` has passed; true
 /// if drained.
-async fn drain(broker: &Broker, grace: Duration) -> bool {
+async fn drain(engine: &impl Engine, grace: Duration) -> bool {
     let deadline = Instant::now() + grace;
     loop {
-        if broker.drainable() == 0 {
+        if engine.drainable() == 0 {
             return true;
         }
         if Instant::now() >= deadline {

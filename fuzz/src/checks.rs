@@ -23,8 +23,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
-use tinybroker::broker::{Broker, MAX_HEADER_BYTES, MAX_HEADERS, MAX_NAME_BYTES, MAX_PATTERNS_PER_SUBSCRIPTION};
+use tinybroker::broker::{Broker, SubscriptionStream};
 use tinybroker::config::Limits;
+use tinybroker::engine::validate::{MAX_HEADER_BYTES, MAX_HEADERS, MAX_NAME_BYTES, MAX_PATTERNS_PER_SUBSCRIPTION};
 use tinybroker::grpc::{AdminService, BrokerService, MessageStream, SUBSCRIPTION_ID_METADATA};
 use tinybroker::metrics::Metrics;
 use tinybroker::pb;
@@ -533,7 +534,7 @@ pub async fn run_scenario(scenario: Scenario) {
 
 struct Sub {
     id: String,
-    stream: Option<MessageStream>,
+    stream: Option<MessageStream<SubscriptionStream>>,
     /// Open as far as the broker is concerned (not dropped, evicted or closed).
     open: bool,
     kind: Kind,
@@ -575,8 +576,8 @@ struct PublishedMessage {
 
 pub struct Harness {
     broker: Broker,
-    service: BrokerService,
-    admin: AdminService,
+    service: BrokerService<Broker>,
+    admin: AdminService<Broker>,
     metrics: Metrics,
     limits: Limits,
     subs: Vec<Sub>,
@@ -609,7 +610,7 @@ fn check_status(call: &str, status: &Status, allowed: &[Code]) {
 
 /// The next delivery, decoded as a client would from the bytes the stream
 /// sends (`wire::EncodedMessage`).
-fn poll_once(stream: &mut MessageStream) -> Poll<Option<Result<pb::Message, Status>>> {
+fn poll_once(stream: &mut MessageStream<SubscriptionStream>) -> Poll<Option<Result<pb::Message, Status>>> {
     let mut cx = Context::from_waker(Waker::noop());
     Pin::new(stream).poll_next(&mut cx).map(|next| {
         next.map(|item| {
@@ -870,12 +871,12 @@ impl Harness {
         for group in self.broker.groups() {
             let model = self
                 .groups
-                .get_mut(group.name())
-                .unwrap_or_else(|| panic!("broker has group {:?} the model never opened", group.name()));
-            let dead = group.dead_lettered();
+                .get_mut(&group.name)
+                .unwrap_or_else(|| panic!("broker has group {:?} the model never opened", group.name));
+            let dead = group.dead_lettered;
             assert!(dead >= model.dead_seen, "dead_lettered went down");
             for _ in model.dead_seen..dead {
-                letters.push(group.name().to_owned());
+                letters.push(group.name.clone());
             }
             coverage::add(&coverage::DEAD_LETTERED, dead - model.dead_seen);
             model.dead_seen = dead;

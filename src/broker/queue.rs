@@ -8,6 +8,7 @@
 use super::Delivery;
 #[cfg(doc)]
 use super::Published;
+use crate::engine::CloseReason;
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -65,32 +66,6 @@ fn wake(waker: Waker) {
     });
     if let Some(waker) = deferred {
         waker.wake();
-    }
-}
-
-/// Why a queue was closed; decides what happens to what it still held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CloseReason {
-    /// The subscriber fell too far behind.
-    Evicted,
-    /// The client cancelled its stream.
-    Cancelled,
-    /// An operator closed it through the Admin API.
-    ClosedByAdmin,
-    /// The broker is shutting down.
-    Shutdown,
-}
-
-impl CloseReason {
-    /// The value of the `tinybroker-end-reason` trailer a stream ended by the
-    /// broker carries.
-    pub fn label(self) -> &'static str {
-        match self {
-            CloseReason::Evicted => "evicted",
-            CloseReason::Cancelled => "cancelled",
-            CloseReason::ClosedByAdmin => "closed_by_admin",
-            CloseReason::Shutdown => "shutdown",
-        }
     }
 }
 
@@ -235,6 +210,13 @@ impl Queue {
         let [previous, current] = state.peak;
         state.peak = [current, len];
         previous.max(current).max(len)
+    }
+
+    /// What [`Queue::take_peak`] would return, without starting a period.
+    pub(crate) fn peak(&self) -> usize {
+        let state = self.state.lock();
+        let [previous, current] = state.peak;
+        previous.max(current).max(state.items.len())
     }
 
     /// Takes back a message that is still waiting in the queue.

@@ -1,8 +1,9 @@
 //! One open subscription and the stream of its deliveries.
 
-use super::group::{AckMode, ConsumerGroup, MemberSettings};
+use super::group::{ConsumerGroup, MemberSettings};
 use super::queue::Queue;
 use super::{Broker, Delivery};
+use crate::engine::{AckMode, CloseReason, DeliveryMode, Peaks, SubscriptionInfo};
 use crate::topic::TopicPattern;
 use futures::Stream;
 use std::net::SocketAddr;
@@ -33,20 +34,6 @@ pub struct Subscription {
 pub(crate) struct Membership {
     pub(crate) group: Arc<ConsumerGroup>,
     pub(crate) settings: MemberSettings,
-}
-
-/// A point-in-time view for the Admin API.
-#[derive(Debug, Clone)]
-pub struct SubscriptionInfo {
-    pub subscription_id: String,
-    pub topic_patterns: Vec<String>,
-    pub queue_depth: usize,
-    pub capacity: usize,
-    /// Group members: the group's name and ack mode.
-    pub consumer_group: Option<(String, AckMode)>,
-    pub delivered: u64,
-    pub opened_at: SystemTime,
-    pub peer: Option<SocketAddr>,
 }
 
 impl Subscription {
@@ -107,7 +94,7 @@ impl Subscription {
     }
 
     /// Why the broker ended it, once it has (None while open).
-    pub fn close_reason(&self) -> Option<super::CloseReason> {
+    pub fn close_reason(&self) -> Option<CloseReason> {
         self.queue.close_reason()
     }
 
@@ -127,23 +114,31 @@ impl Subscription {
         self.queue.capacity()
     }
 
-    /// The highest queue depth since the call before the previous one, and
-    /// starts a new period: called once per scrape, so every scrape sees the
-    /// peak of the last two scrape intervals (see [`Queue::take_peak`]).
-    pub fn take_queue_peak(&self) -> usize {
-        self.queue.take_peak()
-    }
-
-    pub fn info(&self) -> SubscriptionInfo {
+    /// What Admin and the metrics see. With [`Peaks::Take`] the queue
+    /// starts a new peak period: called once per scrape, so every scrape
+    /// sees the peak of the last two scrape intervals (see
+    /// [`Queue::take_peak`]).
+    pub fn info(&self, peaks: Peaks) -> SubscriptionInfo {
+        let (mode, consumer_group, ack_mode) = match &self.membership {
+            Some(m) => (
+                DeliveryMode::Single,
+                m.group.name().to_owned(),
+                Some(m.settings.ack_mode),
+            ),
+            None => (DeliveryMode::Multi, String::new(), None),
+        };
         SubscriptionInfo {
             subscription_id: self.id.to_string(),
+            mode,
+            consumer_group,
+            ack_mode,
             topic_patterns: self.patterns.iter().map(|p| p.to_string()).collect(),
             queue_depth: self.queue_depth(),
+            queue_peak: match peaks {
+                Peaks::Take => self.queue.take_peak(),
+                Peaks::Keep => self.queue.peak(),
+            },
             capacity: self.capacity(),
-            consumer_group: self
-                .membership
-                .as_ref()
-                .map(|m| (m.group.name().to_owned(), m.settings.ack_mode)),
             delivered: self.delivered(),
             opened_at: self.opened_at,
             peer: self.peer,
@@ -207,9 +202,9 @@ impl SubscriptionStream {
         if self.unflushed > 0 {
             let stats = self.broker.stats();
             let counter = if self.subscription.membership.is_some() {
-                &stats.delivered_group
+                &stats.delivered_single
             } else {
-                &stats.delivered_broadcast
+                &stats.delivered_multi
             };
             counter.fetch_add(self.unflushed, Ordering::Relaxed);
             if let Some(m) = &self.subscription.membership {

@@ -47,7 +47,29 @@ pub async fn start_with_limits(limits: Limits) -> TestBroker {
     start_with(Config { limits, ..config() }).await
 }
 
+/// The engine a test broker runs: `TB_ENGINE`, `memory` (the default,
+/// the embedded single-node engine). Suites that state the contract
+/// (`tests/contract/`) run against whichever is picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestEngine {
+    Memory,
+}
+
+pub fn test_engine() -> TestEngine {
+    match std::env::var("TB_ENGINE").as_deref() {
+        Err(_) | Ok("" | "memory") => TestEngine::Memory,
+        Ok(other) => panic!("TB_ENGINE={other:?}: this tree has one engine, memory"),
+    }
+}
+
 pub async fn start_with(config: Config) -> TestBroker {
+    match test_engine() {
+        TestEngine::Memory => start_embedded(config).await,
+    }
+}
+
+/// A broker with the embedded engine, in this process.
+async fn start_embedded(config: Config) -> TestBroker {
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let grpc_addr = grpc.local_addr().unwrap();

@@ -1,9 +1,7 @@
 //! Broadcast publish/subscribe over real gRPC: fan-out, message fields,
 //! ordering, eviction, subscription ids and error codes.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::collections::HashMap;
 use tinybroker::config::Limits;
 use tinybroker::pb;

@@ -1,9 +1,7 @@
 //! Consumer groups over real gRPC: sharing, routing around slow members,
 //! backlog, manual ack, redelivery, dead letters, overflow and idle TTL.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tinybroker::config::{Config, Limits};

@@ -1,0 +1,119 @@
+//! The embedded engine behind the seam: every call is answered in this
+//! process, so each future is ready when returned.
+
+use super::subscription::SubscriptionStream;
+use super::{Broker, RouteCache, WakeBatch};
+use crate::config::Limits;
+use crate::engine::{
+    Acked, BrokerError, DeliveryStream, Engine, EngineInfo, EvictionRecord, GroupInfo, Nacked, NewMessage, Peaks,
+    PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
+};
+use std::future::{Future, ready};
+
+impl Engine for Broker {
+    type Publisher = RouteCache;
+    /// Wake-ups of the streams a run of publishes filled wait for its end.
+    /// Sound across the `.await` of [`Engine::publish`] because its future
+    /// is ready: the task never yields (or moves threads) in between.
+    type Burst = WakeBatch;
+    type Stream = SubscriptionStream;
+
+    fn limits(&self) -> &Limits {
+        Broker::limits(self)
+    }
+
+    fn publish(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send {
+        ready(self.publish_at(message, Some(publisher), at))
+    }
+
+    fn burst(&self) -> WakeBatch {
+        WakeBatch::begin()
+    }
+
+    fn subscribe(
+        &self,
+        request: SubscribeRequest,
+    ) -> impl Future<Output = Result<SubscriptionStream, BrokerError>> + Send {
+        ready(Broker::subscribe(self, request))
+    }
+
+    fn ack(&self, subscription_id: &str, sequences: &[u64]) -> impl Future<Output = Result<Acked, BrokerError>> + Send {
+        ready(Broker::ack(self, subscription_id, sequences))
+    }
+
+    fn nack(
+        &self,
+        subscription_id: &str,
+        sequences: &[u64],
+    ) -> impl Future<Output = Result<Nacked, BrokerError>> + Send {
+        ready(Broker::nack(self, subscription_id, sequences))
+    }
+
+    fn close_subscription(&self, subscription_id: &str) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        ready(Broker::close_subscription(self, subscription_id))
+    }
+
+    fn list_subscriptions(&self) -> impl Future<Output = Result<Vec<SubscriptionInfo>, BrokerError>> + Send {
+        ready(Ok(self.subscriptions(Peaks::Keep)))
+    }
+
+    fn list_groups(&self) -> impl Future<Output = Result<Vec<GroupInfo>, BrokerError>> + Send {
+        ready(Ok(self.groups()))
+    }
+
+    fn list_evictions(&self) -> impl Future<Output = Result<Vec<EvictionRecord>, BrokerError>> + Send {
+        ready(Ok(self.evictions()))
+    }
+
+    fn info(&self) -> impl Future<Output = Result<EngineInfo, BrokerError>> + Send {
+        ready(Ok(Broker::info(self)))
+    }
+
+    fn snapshot(&self, peaks: Peaks) -> Snapshot {
+        Broker::snapshot(self, peaks)
+    }
+
+    fn draining(&self) -> impl Future<Output = ()> + Send + 'static {
+        Broker::draining(self)
+    }
+
+    fn begin_shutdown(&self) {
+        Broker::begin_shutdown(self)
+    }
+
+    fn drainable(&self) -> usize {
+        Broker::drainable(self)
+    }
+
+    fn close_all(&self) -> usize {
+        Broker::close_all(self)
+    }
+
+    fn maintain(self, stop: impl Future<Output = ()> + Send + 'static) -> impl Future<Output = ()> + Send + 'static {
+        Broker::maintain(self, stop)
+    }
+}
+
+impl DeliveryStream for SubscriptionStream {
+    fn id(&self) -> &str {
+        SubscriptionStream::id(self)
+    }
+
+    fn consumer_group(&self) -> Option<&str> {
+        self.subscription().consumer_group()
+    }
+
+    fn end(&self) -> Option<StreamEnd> {
+        let subscription = self.subscription();
+        subscription.close_reason().map(|reason| StreamEnd {
+            reason,
+            dropped: subscription.dropped_at_close(),
+            last_sequence: subscription.last_delivered_sequence(),
+        })
+    }
+}

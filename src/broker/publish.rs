@@ -1,0 +1,225 @@
+//! Publishing: validation, the memory budget, routing to queues and
+//! groups, and dead letters.
+
+use super::close::Eviction;
+use super::group::{ConsumerGroup, DeadLetter};
+use super::queue::Push;
+use super::{Broker, DELIVERY_ATTEMPTS_HEADER, Delivery, ORIGINAL_TOPIC_HEADER, Published, Subscription};
+use crate::engine::validate::{self, DEAD_LETTER_PREFIX, truncate};
+use crate::engine::{BrokerError, NewMessage, PublishOutcome, PublishTime};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// A routing target of the trie.
+#[derive(Clone)]
+pub(super) enum Route {
+    Subscription(Arc<Subscription>),
+    Group(Arc<ConsumerGroup>),
+}
+
+/// A publisher's own memo of topic → routes, valid while the broker's route
+/// generation is unchanged. Lets a long `PublishStream` skip the shared trie
+/// (and its locks) for topics it has seen. Hashed with foldhash (randomly
+/// seeded, a fraction of SipHash's cost per lookup); the cache is the
+/// stream's own and bounded, so colliding topics could only slow their
+/// own publisher.
+#[derive(Default)]
+pub struct RouteCache {
+    generation: u64,
+    routes: HashMap<String, Arc<[Route]>, foldhash::fast::RandomState>,
+}
+
+impl RouteCache {
+    const CAPACITY: usize = 256;
+}
+
+impl Broker {
+    /// Validates and routes one message to every matching subscription.
+    pub fn publish(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> Result<PublishOutcome, BrokerError> {
+        self.publish_at(message, cache, PublishTime::now())
+    }
+
+    /// [`Broker::publish`] with the publish time read by the caller, so a
+    /// burst of messages received together reads the clocks once.
+    pub fn publish_at(
+        &self,
+        message: NewMessage,
+        cache: Option<&mut RouteCache>,
+        at: PublishTime,
+    ) -> Result<PublishOutcome, BrokerError> {
+        self.check_open()?;
+        let size = validate::message(&message, self.shared.limits.max_message_bytes)?;
+        self.reserve(size, &message.topic)?;
+        Ok(self.route(message, size, cache, at))
+    }
+
+    /// Charges a new message of `size` bytes to the memory budget. When the
+    /// budget is spent, first evicts the broadcast subscriptions that hold
+    /// the most bytes (the readers furthest behind: evicting frees what only
+    /// they hold), then refuses the message.
+    fn reserve(&self, size: usize, topic: &str) -> Result<(), BrokerError> {
+        const MOST_EVICTIONS_PER_MESSAGE: usize = 4;
+        let memory = self.shared.memory;
+        if memory.try_charge(size) {
+            return Ok(());
+        }
+        for _ in 0..MOST_EVICTIONS_PER_MESSAGE {
+            let Some((subscription, depth, bytes)) = self.fullest_broadcast_queue() else {
+                break;
+            };
+            self.evict(&subscription, Eviction::MemoryLimit { depth, bytes });
+            if memory.try_charge(size) {
+                return Ok(());
+            }
+        }
+        self.shared.stats.refused_memory_limit.fetch_add(1, Ordering::Relaxed);
+        Err(BrokerError::ResourceExhausted(format!(
+            "the broker's memory limit is reached: messages held for subscribers and consumer groups take {} bytes, and the message to {:?} ({size} bytes) does not fit in their share ({} bytes, 7/8) of max_memory_bytes (TINYBROKER_MAX_MEMORY_BYTES); consumer groups' backlogs hold the rest, try again once their members catch up",
+            memory.used(),
+            truncate(topic),
+            memory.limit().unwrap_or(usize::MAX)
+        )))
+    }
+
+    /// The broadcast subscription whose queue holds the most bytes (and its
+    /// depth and bytes), if one holds enough to be a reader far behind: at
+    /// least 1/64 of the message budget (and 1 MiB). A reader that keeps up
+    /// holds next to nothing, and is never evicted because consumer groups'
+    /// backlogs filled the budget.
+    fn fullest_broadcast_queue(&self) -> Option<(Arc<Subscription>, usize, usize)> {
+        let budget = self.shared.memory.limit().unwrap_or(usize::MAX);
+        let far_behind = (budget / 64).max(1 << 20);
+        let subscriptions = self.shared.subscriptions.lock();
+        subscriptions
+            .values()
+            .filter(|s| s.membership().is_none())
+            .map(|s| (s, s.queue.bytes()))
+            .filter(|(_, bytes)| *bytes >= far_behind)
+            .max_by_key(|(_, bytes)| *bytes)
+            .map(|(s, bytes)| (s.clone(), s.queue_depth(), bytes))
+    }
+
+    /// Assigns the sequence and hands the message, already charged `size`
+    /// bytes, to every matching subscription and group. Never waits.
+    pub(super) fn route(
+        &self,
+        message: NewMessage,
+        size: usize,
+        cache: Option<&mut RouteCache>,
+        at: PublishTime,
+    ) -> PublishOutcome {
+        let routes = match cache {
+            Some(cache) => self.routes_cached(&message.topic, cache),
+            None => self.shared.routes.read().matches(&message.topic),
+        };
+        let sequence = self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        let published = Arc::new(Published {
+            topic: message.topic,
+            payload: message.payload,
+            headers: message.headers,
+            sequence,
+            publish_time: at.wall,
+            size,
+            budget: self.shared.memory,
+        });
+        let stats = &self.shared.stats;
+        stats.published.fetch_add(1, Ordering::Relaxed);
+        if routes.is_empty() {
+            stats.unrouted.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut outcome = PublishOutcome {
+            sequence,
+            matched_subscriptions: 0,
+            matched_groups: 0,
+        };
+        for route in routes.iter() {
+            match route {
+                Route::Subscription(sub) => {
+                    let delivery = Delivery {
+                        message: published.clone(),
+                        attempt: 1,
+                    };
+                    match sub.queue.push(delivery) {
+                        Push::Queued => outcome.matched_subscriptions += 1,
+                        Push::Full { depth, bytes, .. } => self.evict(sub, Eviction::QueueFull { depth, bytes }),
+                        Push::Closed(_) => {}
+                    }
+                }
+                Route::Group(group) => {
+                    outcome.matched_groups += 1;
+                    let dropped = group.offer(published.clone(), at.monotonic);
+                    if dropped > 0 {
+                        stats.dropped_group_overflow.fetch_add(dropped, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Publishes dead letters to `_dlq.<group>`, with the original topic and
+    /// the attempts in headers. Runs even while shutting down.
+    pub(super) fn dead_letter(&self, group: &str, letters: Vec<DeadLetter>) {
+        for letter in letters {
+            let original = &letter.message;
+            tracing::warn!(
+                consumer_group = group,
+                sequence = original.sequence,
+                topic = %original.topic,
+                attempts = letter.attempts,
+                "message dead-lettered after its last delivery attempt"
+            );
+            let mut headers = original.headers.clone();
+            headers.insert(ORIGINAL_TOPIC_HEADER.into(), original.topic.clone());
+            headers.insert(DELIVERY_ATTEMPTS_HEADER.into(), letter.attempts.to_string());
+            let letter = NewMessage {
+                topic: format!("{DEAD_LETTER_PREFIX}{group}"),
+                payload: original.payload.clone(),
+                headers,
+            };
+            // A dead letter obeys the limits of every message a subscriber
+            // can receive. One that breaks them (its original had more than
+            // MAX_HEADERS - 2 headers, or was within the two headers' bytes
+            // of max_message_bytes) is dropped and counted, never delivered
+            // over a limit a client may rely on.
+            let size = match validate::message(&letter, self.shared.limits.max_message_bytes) {
+                Ok(size) => size,
+                Err(error) => {
+                    self.shared
+                        .stats
+                        .dropped_dead_letter_invalid
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        consumer_group = group,
+                        sequence = original.sequence,
+                        %error,
+                        "dead letter dropped: with the broker's two dead-letter headers it breaks a message limit"
+                    );
+                    continue;
+                }
+            };
+            // The original is released as the letter takes its place: charged
+            // whatever the limit, so a dead letter is never lost to it.
+            self.shared.memory.charge(size);
+            self.route(letter, size, None, PublishTime::now());
+        }
+    }
+
+    fn routes_cached(&self, topic: &str, cache: &mut RouteCache) -> Arc<[Route]> {
+        let generation = self.shared.routes_generation.load(Ordering::Acquire);
+        if cache.generation != generation {
+            cache.routes.clear();
+            cache.generation = generation;
+        }
+        if let Some(routes) = cache.routes.get(topic) {
+            return routes.clone();
+        }
+        let routes = self.shared.routes.read().matches(topic);
+        if cache.routes.len() >= RouteCache::CAPACITY {
+            cache.routes.clear();
+        }
+        cache.routes.insert(topic.to_owned(), routes.clone());
+        routes
+    }
+}

@@ -1,0 +1,182 @@
+//! Opening subscriptions: broadcast ones into the trie, members into their
+//! consumer group (created on first use).
+
+use super::Broker;
+use super::group::{ConsumerGroup, GroupLimits, MemberSettings};
+use super::publish::Route;
+use super::queue::Queue;
+use super::subscription::{Membership, Subscription, SubscriptionStream};
+use crate::engine::validate::{self, truncate};
+use crate::engine::{BrokerError, DeliveryMode, SubscribeRequest};
+use crate::topic::TopicPattern;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+impl Broker {
+    /// Opens a subscription. Registration is complete when this returns: every
+    /// message published afterwards that matches reaches the stream.
+    pub fn subscribe(&self, request: SubscribeRequest) -> Result<SubscriptionStream, BrokerError> {
+        self.check_open()?;
+        let patterns = validate::patterns(&request.topic_patterns)?;
+        match request.mode {
+            DeliveryMode::Multi if !request.consumer_group.is_empty() => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "consumer_group {:?} was given with DELIVERY_MODE_MULTI (broadcast); consumer groups need DELIVERY_MODE_SINGLE",
+                    truncate(&request.consumer_group)
+                )));
+            }
+            DeliveryMode::Multi => {}
+            DeliveryMode::Single if request.consumer_group.is_empty() => {
+                return Err(BrokerError::InvalidArgument(
+                    "DELIVERY_MODE_SINGLE needs a consumer_group; it was empty".into(),
+                ));
+            }
+            DeliveryMode::Single => validate::group_name(&request.consumer_group)?,
+        }
+        let id: Arc<str> = if request.subscription_id.is_empty() {
+            uuid::Uuid::new_v4().to_string().into()
+        } else {
+            validate::name_field("subscription_id", &request.subscription_id)?;
+            request.subscription_id.as_str().into()
+        };
+        let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
+        if request.mode == DeliveryMode::Single {
+            return self.join_group(request, key, id, patterns);
+        }
+        let subscription = Arc::new(Subscription::new(
+            key,
+            id,
+            patterns,
+            request.peer,
+            Queue::new(
+                self.shared.limits.consumer_capacity,
+                self.shared.limits.consumer_max_bytes,
+            ),
+            None,
+        ));
+        self.register(&subscription)?;
+        self.add_routes(
+            subscription.key,
+            subscription.patterns(),
+            Route::Subscription(subscription.clone()),
+        );
+        Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+
+    /// Routes `patterns` to `route` and tells publishers' caches.
+    pub(super) fn add_routes(&self, key: u64, patterns: &[TopicPattern], route: Route) {
+        let mut routes = self.shared.routes.write();
+        for pattern in patterns {
+            routes.insert(pattern, key, route.clone());
+        }
+        self.shared.routes_generation.fetch_add(1, Ordering::Release);
+    }
+
+    pub(super) fn remove_routes(&self, key: u64, patterns: &[TopicPattern]) {
+        let mut routes = self.shared.routes.write();
+        for pattern in patterns {
+            routes.remove(pattern, key);
+        }
+        self.shared.routes_generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// Adds a subscription to the registry, enforcing unique ids and the
+    /// subscription limit.
+    fn register(&self, subscription: &Arc<Subscription>) -> Result<(), BrokerError> {
+        let id: Arc<str> = subscription.id().into();
+        {
+            let mut subs = self.shared.subscriptions.lock();
+            // Checked under the registry lock, so a subscription can never
+            // slip in after shutdown began closing them all.
+            self.check_open()?;
+            if subs.contains_key(&id) {
+                return Err(BrokerError::AlreadyExists(format!(
+                    "subscription id {:?} is already open",
+                    &*id
+                )));
+            }
+            let max = self.shared.limits.max_subscriptions;
+            if subs.len() >= max {
+                return Err(BrokerError::ResourceExhausted(format!(
+                    "{} subscriptions are open, the limit is max_subscriptions {max} (TINYBROKER_MAX_SUBSCRIPTIONS)",
+                    subs.len()
+                )));
+            }
+            subs.insert(id, subscription.clone());
+        }
+        Ok(())
+    }
+
+    /// Opens a consumer-group member, creating the group on first use.
+    fn join_group(
+        &self,
+        request: SubscribeRequest,
+        key: u64,
+        id: Arc<str>,
+        patterns: Vec<TopicPattern>,
+    ) -> Result<SubscriptionStream, BrokerError> {
+        let limits = &self.shared.limits;
+        let settings = MemberSettings {
+            ack_mode: request.ack_mode,
+            max_in_flight: match request.max_in_flight {
+                0 => limits.default_max_in_flight,
+                n => n,
+            },
+            ack_deadline: match request.ack_deadline_ms {
+                0 => limits.default_ack_deadline,
+                ms => Duration::from_millis(ms.into()),
+            },
+        };
+        let name = request.consumer_group.as_str();
+        let mut groups = self.shared.groups.lock();
+        let existing = groups.get(name).cloned();
+        if let Some(group) = &existing
+            && group.patterns() != patterns.as_slice()
+        {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "consumer group {name:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                validate::pattern_list(group.patterns()),
+                validate::pattern_list(&patterns)
+            )));
+        }
+        let is_new = existing.is_none();
+        let group = existing.unwrap_or_else(|| {
+            Arc::new(ConsumerGroup::new(
+                self.shared.next_key.fetch_add(1, Ordering::Relaxed),
+                name.into(),
+                patterns.clone(),
+                GroupLimits {
+                    capacity: limits.group_capacity,
+                    max_bytes: limits.group_max_bytes,
+                    max_delivery_attempts: limits.max_delivery_attempts,
+                },
+                tokio::time::Instant::now(),
+            ))
+        });
+        let subscription = Arc::new(Subscription::new(
+            key,
+            id,
+            patterns,
+            request.peer,
+            Queue::new(settings.max_in_flight as usize, usize::MAX),
+            Some(Membership {
+                group: group.clone(),
+                settings,
+            }),
+        ));
+        // Registered before a new group is published, so a refused member
+        // (id in use, too many subscriptions) leaves no group behind.
+        self.register(&subscription)?;
+        if is_new {
+            self.add_routes(group.key, group.patterns(), Route::Group(group.clone()));
+            groups.insert(name.into(), group.clone());
+        }
+        // Under the registry lock, so the idle sweep cannot remove the group
+        // between the lookup and the join.
+        let joined = group.join(subscription.clone(), settings, tokio::time::Instant::now());
+        debug_assert!(joined, "groups are only removed under the registry lock");
+        drop(groups);
+        Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+}

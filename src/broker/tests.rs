@@ -1,0 +1,176 @@
+//! Tests of the engine as a whole (each part has its own beside it).
+
+use super::*;
+use crate::engine::validate;
+use crate::engine::{BrokerError, DeliveryMode, NewMessage, SubscribeRequest};
+use bytes::Bytes;
+
+fn member(id: &str, group: &str, pattern: &str) -> SubscribeRequest {
+    SubscribeRequest {
+        topic_patterns: vec![pattern.into()],
+        subscription_id: id.into(),
+        mode: DeliveryMode::Single,
+        consumer_group: group.into(),
+        ..Default::default()
+    }
+}
+
+fn message(topic: &str) -> NewMessage {
+    NewMessage {
+        topic: topic.into(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn an_auto_ack_member_reports_what_it_streamed_when_its_queue_runs_dry() {
+    use futures::StreamExt;
+    use std::task::{Context, Poll, Waker};
+    let broker = Broker::new(Limits::default());
+    // max_in_flight 8: streamed messages are reported two at a time.
+    let mut stream = broker
+        .subscribe(SubscribeRequest {
+            max_in_flight: 8,
+            ..member("", "g", "t")
+        })
+        .unwrap();
+    let mut cx = Context::from_waker(Waker::noop());
+    for _ in 0..3 {
+        broker.publish(message("t"), None).unwrap();
+    }
+    for _ in 0..3 {
+        assert!(matches!(stream.poll_next_unpin(&mut cx), Poll::Ready(Some(_))));
+    }
+    // The third is reported when the queue runs dry, not left counted
+    // against the member's room.
+    assert!(stream.poll_next_unpin(&mut cx).is_pending());
+    for _ in 0..8 {
+        broker.publish(message("t"), None).unwrap();
+    }
+    let group = broker.groups().into_iter().next().unwrap();
+    assert_eq!(group.backlog, 0, "all 8 fit");
+}
+
+#[test]
+fn validation_charges_what_message_size_says() {
+    let broker = Broker::new(Limits::default());
+    let message = NewMessage {
+        topic: "a.b".into(),
+        payload: Bytes::from_static(b"12345"),
+        headers: HashMap::from([("k".into(), "vv".into()), ("kk".into(), "v".into())]),
+    };
+    let expected = message_size(&message.topic, &message.payload, &message.headers);
+    assert_eq!(
+        validate::message(&message, broker.limits().max_message_bytes),
+        Ok(expected)
+    );
+}
+
+#[test]
+fn the_memory_limit_evicts_a_reader_far_behind_but_never_one_that_keeps_up() {
+    let big = |topic: &str| NewMessage {
+        topic: topic.into(),
+        payload: Bytes::from(vec![0u8; 1 << 20]),
+        ..Default::default()
+    };
+    // 63 MiB for messages (7/8 of the limit).
+    let broker = Broker::new(Limits {
+        max_memory_bytes: Some(72 << 20),
+        ..Limits::default()
+    });
+    let limit = broker.shared.memory.limit().unwrap();
+    let _keeps_up = broker
+        .subscribe(SubscribeRequest {
+            topic_patterns: vec!["small".into()],
+            ..Default::default()
+        })
+        .unwrap();
+    broker.publish(message("small"), None).unwrap();
+    let _member = broker.subscribe(member("", "g", "jobs")).unwrap();
+    drop(_member);
+    // The memberless group fills the budget: the reader holding one small
+    // message stays, the publish is refused.
+    let mut refused = None;
+    for _ in 0..(limit >> 20) + 2 {
+        if let Err(e) = broker.publish(big("jobs"), None) {
+            refused = Some(e);
+            break;
+        }
+    }
+    assert!(
+        matches!(refused, Some(BrokerError::ResourceExhausted(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        broker.stats().evictions.load(Ordering::Relaxed),
+        0,
+        "the reader that keeps up stays"
+    );
+    assert_eq!(broker.subscription_count(), 1);
+}
+
+#[test]
+fn a_refused_member_leaves_no_group_behind() {
+    let broker = Broker::new(Limits::default());
+    let _a = broker.subscribe(member("same-id", "first", "x")).unwrap();
+    let err = broker.subscribe(member("same-id", "second", "x")).err().unwrap();
+    assert!(matches!(err, BrokerError::AlreadyExists(_)), "{err}");
+    let names: Vec<String> = broker.groups().into_iter().map(|g| g.name).collect();
+    assert_eq!(names, ["first"]);
+    assert_eq!(broker.publish(message("x"), None).unwrap().matched_groups, 1);
+}
+
+#[test]
+fn groups_removed_with_messages_are_remembered_bounded() {
+    let broker = Broker::new(Limits::default());
+    let ttl = broker.limits().group_idle_ttl;
+    let now = tokio::time::Instant::now();
+    drop(broker.subscribe(member("", "empty", "e")).unwrap());
+    drop(broker.subscribe(member("", "full", "f")).unwrap());
+    broker.publish(message("f"), None).unwrap();
+    broker.publish(message("f"), None).unwrap();
+    broker.tick(now + ttl + Duration::from_secs(1));
+    assert!(broker.groups().is_empty());
+    let removals = broker.group_removals();
+    assert_eq!(removals.len(), 1, "only the group that lost messages: {removals:?}");
+    assert_eq!((removals[0].consumer_group.as_str(), removals[0].dropped), ("full", 2));
+    for i in 0..GROUP_REMOVAL_HISTORY + 5 {
+        drop(broker.subscribe(member("", &format!("g{i}"), "f")).unwrap());
+    }
+    broker.publish(message("f"), None).unwrap();
+    broker.tick(tokio::time::Instant::now() + ttl + Duration::from_secs(1));
+    let removals = broker.group_removals();
+    assert_eq!(removals.len(), GROUP_REMOVAL_HISTORY);
+    assert!(removals.iter().all(|r| r.dropped == 1 && r.consumer_group != "full"));
+}
+
+#[test]
+fn what_is_left_at_shutdown_is_counted_as_discarded() {
+    let broker = Broker::new(Limits::default());
+    let broadcast = broker
+        .subscribe(SubscribeRequest {
+            topic_patterns: vec!["t".into()],
+            ..Default::default()
+        })
+        .unwrap();
+    let member_stream = broker.subscribe(member("", "g", "t")).unwrap();
+    drop(member_stream);
+    for _ in 0..3 {
+        broker.publish(message("t"), None).unwrap();
+    }
+    assert_eq!(
+        broker.queued_total(),
+        6,
+        "3 queued for the subscriber, 3 in the group backlog"
+    );
+    assert_eq!(broker.drainable(), 3, "the memberless group's backlog cannot drain");
+    broker.begin_shutdown();
+    assert!(matches!(
+        broker.publish(message("t"), None),
+        Err(BrokerError::Unavailable(_))
+    ));
+    assert_eq!(broker.close_all(), 6);
+    assert_eq!(broker.stats().discarded_on_shutdown.load(Ordering::Relaxed), 6);
+    assert_eq!(broker.subscription_count(), 0);
+    drop(broadcast);
+}

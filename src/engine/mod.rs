@@ -1,0 +1,429 @@
+//! The seam between the front (the gRPC services, Admin, metrics and the
+//! server's lifecycle) and the engine that carries messages.
+//!
+//! An engine is what [`Engine`] says it is: it publishes, opens
+//! subscriptions whose deliveries come out of a [`DeliveryStream`], takes
+//! acks, nacks and admin closes, and reports itself as plain snapshots
+//! (never live objects). The front is generic over it and `server` picks one
+//! at start-up, so calls are statically dispatched: the in-memory engine's
+//! publish path has no boxed future and no `dyn` call per message.
+//!
+//! Engines today: [`crate::broker::Broker`], the embedded single-node
+//! engine. A NATS-backed cluster engine (docs/contract.md, "Cluster mode")
+//! implements the same trait and reuses the local fan-out machinery of
+//! `broker` (trie, bounded queues, eviction, subscription streams) for its
+//! own replica's subscribers.
+//!
+//! The types here are the engine-neutral vocabulary of both sides: requests,
+//! outcomes, refusals and snapshots. [`validate`] holds the checks every
+//! engine applies to what clients send.
+
+pub mod validate;
+
+use crate::config::Limits;
+use bytes::Bytes;
+use futures::Stream;
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, SystemTime};
+
+pub use crate::broker::{Delivery, Published};
+
+/// An engine behind the gRPC front. Cheap to clone (a handle).
+///
+/// Calls that may have to ask other replicas (Ack, Nack, CloseSubscription,
+/// the Admin listings) return futures; an engine that answers at once
+/// returns a ready one. `publish` does its work before returning its future
+/// for the in-memory engine, which is what lets a [`Engine::Burst`] hold
+/// wake-ups back around a run of publishes.
+pub trait Engine: Clone + Send + Sync + 'static {
+    /// A publish stream's own state, kept across its messages (the
+    /// in-memory engine: its route cache).
+    type Publisher: Default + Send;
+    /// Held while a run of messages received together is published; dropping
+    /// it lets the subscribers they reached run (each once for the run).
+    type Burst: Send;
+    /// The deliveries of one open subscription.
+    type Stream: DeliveryStream;
+
+    /// The limits this engine enforces.
+    fn limits(&self) -> &Limits;
+
+    /// Validates and publishes one message.
+    fn publish(
+        &self,
+        message: NewMessage,
+        publisher: &mut Self::Publisher,
+        at: PublishTime,
+    ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send;
+
+    /// Starts a run of publishes (see [`Engine::Burst`]).
+    fn burst(&self) -> Self::Burst;
+
+    /// Opens a subscription: once this resolves, every matching message
+    /// published afterwards reaches the stream.
+    fn subscribe(&self, request: SubscribeRequest) -> impl Future<Output = Result<Self::Stream, BrokerError>> + Send;
+
+    /// Acks manual-ack messages a group member holds.
+    fn ack(&self, subscription_id: &str, sequences: &[u64]) -> impl Future<Output = Result<Acked, BrokerError>> + Send;
+
+    /// Hands manual-ack messages back for redelivery.
+    fn nack(
+        &self,
+        subscription_id: &str,
+        sequences: &[u64],
+    ) -> impl Future<Output = Result<Nacked, BrokerError>> + Send;
+
+    /// Admin/CloseSubscription: ends one subscription's stream cleanly.
+    fn close_subscription(&self, subscription_id: &str) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Admin/ListSubscriptions: every open subscription, oldest first.
+    fn list_subscriptions(&self) -> impl Future<Output = Result<Vec<SubscriptionInfo>, BrokerError>> + Send;
+
+    /// Admin/ListConsumerGroups: every group, by name.
+    fn list_groups(&self) -> impl Future<Output = Result<Vec<GroupInfo>, BrokerError>> + Send;
+
+    /// Admin/ListEvictions: the most recent evictions, newest first.
+    fn list_evictions(&self) -> impl Future<Output = Result<Vec<EvictionRecord>, BrokerError>> + Send;
+
+    /// Admin/GetBrokerInfo's view of the engine.
+    fn info(&self) -> impl Future<Output = Result<EngineInfo, BrokerError>> + Send;
+
+    /// Everything the metrics report, read at once. With
+    /// [`Peaks::Take`], every queue starts a new peak period (one scrape).
+    fn snapshot(&self, peaks: Peaks) -> Snapshot;
+
+    /// Resolves when shutdown begins (ends idle publish streams).
+    fn draining(&self) -> impl Future<Output = ()> + Send + 'static;
+
+    /// Refuses new work from now on; what is queued keeps draining.
+    fn begin_shutdown(&self);
+
+    /// Messages that can still reach a subscriber (what shutdown waits for).
+    fn drainable(&self) -> usize;
+
+    /// Ends every stream; returns how many messages were discarded.
+    fn close_all(&self) -> usize;
+
+    /// The engine's background work (deadlines, idle groups), until `stop`.
+    fn maintain(self, stop: impl Future<Output = ()> + Send + 'static) -> impl Future<Output = ()> + Send + 'static;
+}
+
+/// The deliveries of one subscription, in order; ends when the engine ends
+/// the subscription (then [`DeliveryStream::end`] says why). Dropping it
+/// closes the subscription.
+pub trait DeliveryStream: Stream<Item = Delivery> + Send + Unpin + 'static {
+    fn id(&self) -> &str;
+    /// The group's name, for consumer-group members.
+    fn consumer_group(&self) -> Option<&str>;
+    /// Why the engine ended it, once it has (None while open).
+    fn end(&self) -> Option<StreamEnd>;
+}
+
+/// What a publisher sends.
+#[derive(Debug, Default, Clone)]
+pub struct NewMessage {
+    pub topic: String,
+    pub payload: Bytes,
+    pub headers: HashMap<String, String>,
+}
+
+/// When a message was published: the wall clock for its `publish_time`, the
+/// monotonic clock for its group's ack deadlines.
+#[derive(Debug, Clone, Copy)]
+pub struct PublishTime {
+    pub wall: SystemTime,
+    pub monotonic: tokio::time::Instant,
+}
+
+impl PublishTime {
+    pub fn now() -> Self {
+        Self {
+            wall: SystemTime::now(),
+            monotonic: tokio::time::Instant::now(),
+        }
+    }
+}
+
+/// Where a published message went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishOutcome {
+    pub sequence: u64,
+    pub matched_subscriptions: u32,
+    pub matched_groups: u32,
+}
+
+/// What a subscriber asks for.
+#[derive(Debug, Default, Clone)]
+pub struct SubscribeRequest {
+    pub topic_patterns: Vec<String>,
+    pub subscription_id: String,
+    pub mode: DeliveryMode,
+    pub consumer_group: String,
+    pub ack_mode: AckMode,
+    /// 0: the broker default.
+    pub max_in_flight: u32,
+    /// 0: the broker default.
+    pub ack_deadline_ms: u32,
+    pub peer: Option<SocketAddr>,
+}
+
+/// How a subscription receives: the contract's names (`DELIVERY_MODE_*`,
+/// and the `mode` label of the metrics).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryMode {
+    /// Broadcast: every matching message.
+    #[default]
+    Multi,
+    /// A consumer-group member: each message to one member of the group.
+    Single,
+}
+
+impl DeliveryMode {
+    /// The value of the metrics' `mode` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            DeliveryMode::Multi => "multi",
+            DeliveryMode::Single => "single",
+        }
+    }
+}
+
+/// How a member's messages count as done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckMode {
+    /// Done once handed to the member's stream (at most once).
+    #[default]
+    Auto,
+    /// In flight until acked; redelivered on deadline, nack or disconnect.
+    Manual,
+}
+
+/// What an Ack did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Acked {
+    pub acked: u32,
+    /// Sequences the member does not hold (never had, acked already, or
+    /// lost to a redelivery): they change nothing.
+    pub unknown: u32,
+}
+
+/// What a Nack did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Nacked {
+    /// Handed back (requeued, or dead-lettered after its last attempt).
+    pub requeued: u32,
+    pub unknown: u32,
+}
+
+/// A refused request. The gRPC layer maps each kind to its status code; the
+/// text names the bad value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BrokerError {
+    InvalidArgument(String),
+    FailedPrecondition(String),
+    AlreadyExists(String),
+    NotFound(String),
+    ResourceExhausted(String),
+    Unavailable(String),
+}
+
+impl fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (Self::InvalidArgument(m)
+        | Self::FailedPrecondition(m)
+        | Self::AlreadyExists(m)
+        | Self::NotFound(m)
+        | Self::ResourceExhausted(m)
+        | Self::Unavailable(m)) = self;
+        f.write_str(m)
+    }
+}
+
+impl std::error::Error for BrokerError {}
+
+/// Why the broker ended a subscription; decides what happens to what its
+/// queue still held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// The subscriber fell too far behind.
+    Evicted,
+    /// The client cancelled its stream.
+    Cancelled,
+    /// An operator closed it through the Admin API.
+    ClosedByAdmin,
+    /// The broker is shutting down.
+    Shutdown,
+}
+
+impl CloseReason {
+    /// The value of the `tinybroker-end-reason` trailer a stream ended by the
+    /// broker carries.
+    pub fn label(self) -> &'static str {
+        match self {
+            CloseReason::Evicted => "evicted",
+            CloseReason::Cancelled => "cancelled",
+            CloseReason::ClosedByAdmin => "closed_by_admin",
+            CloseReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// How a subscription's stream ended (its trailers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamEnd {
+    pub reason: CloseReason,
+    /// Messages queued for it that it lost (0 for group members, whose
+    /// messages go back to the group).
+    pub dropped: u64,
+    /// The sequence of the last message handed to the stream.
+    pub last_sequence: u64,
+}
+
+/// One open subscription, at one moment.
+#[derive(Debug, Clone)]
+pub struct SubscriptionInfo {
+    pub subscription_id: String,
+    pub mode: DeliveryMode,
+    /// The group of a member; empty for broadcast subscriptions.
+    pub consumer_group: String,
+    /// A member's ack mode; None for broadcast subscriptions.
+    pub ack_mode: Option<AckMode>,
+    pub topic_patterns: Vec<String>,
+    pub queue_depth: usize,
+    /// Highest queue depth of the last two peak periods (see [`Peaks`]).
+    pub queue_peak: usize,
+    pub capacity: usize,
+    pub delivered: u64,
+    pub opened_at: SystemTime,
+    pub peer: Option<SocketAddr>,
+}
+
+/// One consumer group, at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct GroupInfo {
+    pub name: String,
+    pub topic_patterns: Vec<String>,
+    pub members: usize,
+    pub backlog: usize,
+    /// Bytes of the backlog's messages.
+    pub backlog_bytes: usize,
+    /// Messages its members hold: queued for them, or on their streams and
+    /// not acked yet.
+    pub in_flight: usize,
+    pub oldest_unacked_age: Option<Duration>,
+    /// How long it has had work without completing any (zero with no work).
+    pub stalled: Duration,
+    /// How long it has had no member (None while one is connected).
+    pub memberless: Option<Duration>,
+    pub redeliveries: u64,
+    pub dead_lettered: u64,
+    /// Oldest backlog messages dropped because the backlog was full.
+    pub dropped: u64,
+    /// Messages acked by manual-ack members.
+    pub acked: u64,
+    /// Messages written to members' streams, redeliveries included.
+    pub delivered: u64,
+}
+
+/// One slow-consumer eviction, kept for the Admin API.
+#[derive(Debug, Clone)]
+pub struct EvictionRecord {
+    pub subscription_id: String,
+    pub evicted_at: SystemTime,
+    pub topic_patterns: Vec<String>,
+    pub queue_depth: usize,
+    pub last_delivered_sequence: u64,
+    pub peer: Option<SocketAddr>,
+}
+
+/// A consumer group removed after its idle TTL while it still held
+/// messages, kept for the metrics (`tinybroker_recent_group_removal_*`).
+#[derive(Debug, Clone)]
+pub struct GroupRemoval {
+    pub consumer_group: String,
+    pub removed_at: SystemTime,
+    /// Messages it still held, dropped with it.
+    pub dropped: usize,
+}
+
+/// Whether reading a [`Snapshot`] starts a new peak period of every queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peaks {
+    /// A scrape: each peak covers the last two scrape intervals.
+    Take,
+    /// A look that leaves the peaks as they are.
+    Keep,
+}
+
+/// Lifetime counters of an engine.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    pub published: u64,
+    pub unrouted: u64,
+    pub evictions: u64,
+    pub delivered_multi: u64,
+    pub delivered_single: u64,
+    pub dropped_evicted: u64,
+    pub dropped_closed: u64,
+    pub dropped_group_overflow: u64,
+    pub dropped_group_expired: u64,
+    pub dropped_dead_letter_invalid: u64,
+    pub discarded_on_shutdown: u64,
+    pub refused_memory_limit: u64,
+    pub evictions_memory_limit: u64,
+}
+
+/// Bytes charged to a memory budget, and its limit.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryUse {
+    pub used: usize,
+    pub limit: Option<usize>,
+}
+
+/// Everything the metrics report about an engine.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub counters: Counters,
+    pub subscriptions: Vec<SubscriptionInfo>,
+    pub groups: Vec<GroupInfo>,
+    pub evictions: Vec<EvictionRecord>,
+    pub group_removals: Vec<GroupRemoval>,
+    /// The messages' budget.
+    pub memory: MemoryUse,
+    pub shutting_down: bool,
+}
+
+impl Snapshot {
+    /// What a shutdown can still lose: messages queued for broadcast
+    /// subscriptions, and everything consumer groups hold (their backlogs,
+    /// and what their members hold: a member closed by the shutdown hands
+    /// those back to the backlog, which is discarded with it).
+    pub fn at_risk(&self) -> usize {
+        let multi: usize = self
+            .subscriptions
+            .iter()
+            .filter(|s| s.mode == DeliveryMode::Multi)
+            .map(|s| s.queue_depth)
+            .sum();
+        let groups: usize = self.groups.iter().map(|g| g.backlog + g.in_flight).sum();
+        multi + groups
+    }
+}
+
+/// GetBrokerInfo's view of an engine.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub started_at: SystemTime,
+    pub uptime: Duration,
+    pub subscriptions: u64,
+    pub consumer_groups: u64,
+    pub last_sequence: u64,
+}
+
+/// A peer address as logs and metrics labels show it.
+pub fn display_peer(peer: Option<SocketAddr>) -> String {
+    peer.map_or_else(|| "unknown".to_owned(), |p| p.to_string())
+}
