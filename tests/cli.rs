@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::process::{ChildGuard, cli, exit_status, spawn_cli_subscriber};
+use common::process::{ChildGuard, cli, exit_status, run_cli, spawn_cli_subscriber};
 use common::*;
 use std::io::{Read, Write};
 use std::process::Stdio;
@@ -11,12 +11,11 @@ use std::time::Duration;
 /// Publishes through the CLI until the subscriber prints a line.
 async fn publish_until_received(url: &str, topic: &str, rx: &std::sync::mpsc::Receiver<String>) -> String {
     loop {
-        let output = cli(&[])
-            .args(["publish", topic, "hello world", "--header", "k=v", "--addr", url])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        let stdout = String::from_utf8_lossy(&output.stdout);
+        let (status, stdout, stderr) = run_cli(
+            &["publish", topic, "hello world", "--header", "k=v", "--addr", url],
+            &[],
+        );
+        assert!(status.success(), "{stderr}");
         assert!(stdout.starts_with("sequence="), "{stdout}");
         if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
             return line;
@@ -80,24 +79,20 @@ async fn subscribe_json_prints_one_object_per_line() {
 
 #[test]
 fn help_and_version() {
-    let output = cli(&["--version"]).output().unwrap();
-    assert!(output.status.success());
-    assert_eq!(
-        String::from_utf8_lossy(&output.stdout).trim(),
-        format!("tinybroker {}", env!("CARGO_PKG_VERSION"))
-    );
+    let (status, stdout, _) = run_cli(&["--version"], &[]);
+    assert!(status.success());
+    assert_eq!(stdout.trim(), format!("tinybroker {}", env!("CARGO_PKG_VERSION")));
     for sub in [
         &["--help"][..],
         &["serve", "--help"],
         &["publish", "--help"],
         &["subscribe", "--help"],
     ] {
-        let output = cli(sub).output().unwrap();
-        assert!(output.status.success(), "{sub:?}");
-        let text = String::from_utf8_lossy(&output.stdout);
+        let (status, text, _) = run_cli(sub, &[]);
+        assert!(status.success(), "{sub:?}");
         assert!(text.contains("Usage:"), "{text}");
     }
-    let text = String::from_utf8_lossy(&cli(&["subscribe", "--help"]).output().unwrap().stdout).into_owned();
+    let (_, text, _) = run_cli(&["subscribe", "--help"], &[]);
     for flag in ["--group", "--manual-ack", "--json", "--addr"] {
         assert!(text.contains(flag), "{flag} in {text}");
     }
@@ -107,23 +102,16 @@ fn help_and_version() {
 async fn cli_errors_name_the_problem() {
     timeout(async {
         let broker = start().await;
-        let output = cli(&[])
-            .args(["publish", "bad topic", "x", "--addr", &broker.url()])
-            .output()
-            .unwrap();
-        assert!(!output.status.success());
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let (status, _, stderr) = run_cli(&["publish", "bad topic", "x", "--addr", &broker.url()], &[]);
+        assert!(!status.success());
         assert!(
             stderr.contains("InvalidArgument") || stderr.contains("Invalid argument"),
             "{stderr}"
         );
         assert!(stderr.contains("bad topic"), "{stderr}");
-        let output = cli(&[])
-            .args(["publish", "a", "x", "--addr", "http://127.0.0.1:1"])
-            .output()
-            .unwrap();
-        assert!(!output.status.success());
-        assert!(String::from_utf8_lossy(&output.stderr).contains("cannot connect"));
+        let (status, _, stderr) = run_cli(&["publish", "a", "x", "--addr", "http://127.0.0.1:1"], &[]);
+        assert!(!status.success());
+        assert!(stderr.contains("cannot connect"));
     })
     .await
 }

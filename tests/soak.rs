@@ -211,6 +211,18 @@ impl Order {
     }
 }
 
+/// The id the broker gave a subscription, from its response's metadata.
+fn subscription_id<T>(response: &tonic::Response<T>) -> Option<String> {
+    Some(
+        response
+            .metadata()
+            .get("tinybroker-subscription-id")?
+            .to_str()
+            .ok()?
+            .to_owned(),
+    )
+}
+
 struct Plan {
     channel: Channel,
     pattern: String,
@@ -248,12 +260,7 @@ async fn subscriber(ctl: Arc<Ctl>, plan: Plan) -> Outcome {
         }
     };
     let marks = shared.marks();
-    let id = response
-        .metadata()
-        .get("tinybroker-subscription-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+    let id = subscription_id(&response).unwrap_or_default();
     shared.opened.fetch_add(1, Ordering::Relaxed);
     let mut stream = response.into_inner();
     let mut order = Order::new(marks);
@@ -308,6 +315,9 @@ async fn subscriber(ctl: Arc<Ctl>, plan: Plan) -> Outcome {
     }
 }
 
+/// An open subscription: its stream and its id.
+type Open = (tonic::Streaming<pb::Message>, String);
+
 /// What group members (in-test and CLI) received: (topic, n) -> attempts seen.
 type GroupLog = Arc<Mutex<BTreeMap<(usize, u64), Vec<u32>>>>;
 
@@ -319,19 +329,14 @@ async fn member(
     group: &'static str,
     pattern: &'static str,
     log: GroupLog,
-) -> Option<(tonic::Streaming<pb::Message>, String)> {
+) -> Option<Open> {
     let mut client = BrokerClient::new(channel);
     let request = common::member_request(&[pattern], group, true, 0);
     let response = tokio::time::timeout(Duration::from_secs(30), client.open_subscription(request))
         .await
         .ok()?
         .ok()?;
-    let id = response
-        .metadata()
-        .get("tinybroker-subscription-id")?
-        .to_str()
-        .ok()?
-        .to_owned();
+    let id = subscription_id(&response)?;
     let mut stream = response.into_inner();
     loop {
         let m = tokio::select! {
@@ -371,6 +376,16 @@ async fn admin_subscriptions(mut admin: AdminClient<Channel>) -> Vec<pb::Subscri
     .expect("ListSubscriptions")
     .into_inner()
     .subscriptions
+}
+
+/// Every consumer group as Admin lists them; none when the call fails (for
+/// a poll, which asks again).
+async fn groups_or_empty(mut admin: AdminClient<Channel>) -> Vec<pb::ConsumerGroupInfo> {
+    admin
+        .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+        .await
+        .map(|r| r.into_inner().groups)
+        .unwrap_or_default()
 }
 
 /// Waits until `id` is listed by Admin (or, with `present` false, no longer
@@ -433,6 +448,13 @@ async fn cli_lines(child: &mut ChildGuard) -> Vec<(usize, u64, u32, u64)> {
             Some((t, n, v["delivery_attempt"].as_u64()? as u32, v["sequence"].as_u64()?))
         })
         .collect()
+}
+
+/// Adds what a killed CLI member printed to its group's log.
+async fn log_cli_deliveries(child: &mut ChildGuard, log: &GroupLog) {
+    for (t, n, attempt, _) in cli_lines(child).await {
+        log.lock().entry((t, n)).or_default().push(attempt);
+    }
 }
 
 /// Broadcast CLI subscribers on `soak.*`, each SIGKILLed mid-stream; what
@@ -505,9 +527,7 @@ async fn kill_group_clis(
         if ctl.stop.is_cancelled() {
             // Publishing is over: nothing more would reach it while frozen.
             child.kill();
-            for (t, n, attempt, _) in cli_lines(&mut child).await {
-                log.lock().entry((t, n)).or_default().push(attempt);
-            }
+            log_cli_deliveries(&mut child, &log).await;
             break;
         }
         child.signal("STOP");
@@ -522,9 +542,7 @@ async fn kill_group_clis(
         stranded += 3;
         child.kill();
         ctl.shared.kills.fetch_add(1, Ordering::Relaxed);
-        for (t, n, attempt, _) in cli_lines(&mut child).await {
-            log.lock().entry((t, n)).or_default().push(attempt);
-        }
+        log_cli_deliveries(&mut child, &log).await;
         if !wait_listed(&admin, &id, false, Duration::from_secs(30), |_| true).await {
             ctl.shared
                 .error(format!("killed member {id} was not reaped within 30 s"));
@@ -569,37 +587,10 @@ async fn soak() {
 
 async fn run(s: Settings) {
     let run_started = Instant::now();
-    let mut env = vec![
-        // `tinybroker started` (which names the ports) is logged at INFO.
-        ("RUST_LOG".to_owned(), "warn,tinybroker::server=info".to_owned()),
-        ("TINYBROKER_CONSUMER_CAPACITY".to_owned(), s.capacity.to_string()),
-        ("TINYBROKER_METRICS_PER_SUBSCRIPTION".to_owned(), "false".to_owned()),
-        (
-            "TINYBROKER_MAX_SUBSCRIPTIONS".to_owned(),
-            (s.subscribers * 2 + 100).to_string(),
-        ),
-    ];
-    env.extend(s.broker_env.iter().cloned());
-    let broker = BrokerProcess::spawn(&env);
-    let url = broker.url();
+    let broker = start_broker(&s);
     let pid = broker.guard.pid();
     let rss_start = broker.rss_kib();
-    let admin_channel = connect(&url, false).await;
-    let mut live_channels = Vec::new();
-    for _ in 0..s.connections {
-        live_channels.push(connect(&url, false).await);
-    }
-    let mut stall_channels = Vec::new();
-    for _ in 0..4 {
-        stall_channels.push(connect(&url, true).await);
-    }
-
-    let channels = Channels {
-        url: url.clone(),
-        admin: admin_channel,
-        live: live_channels,
-        stall: stall_channels,
-    };
+    let channels = open_channels(&broker.url(), s.connections).await;
     let mut stalled_so_far = HashSet::new();
     let warm_up = Duration::from_secs(s.warm_up_seconds);
     let warm = round(&s, &broker, &channels, warm_up, &mut stalled_so_far, 1).await;
@@ -627,8 +618,57 @@ async fn run(s: Settings) {
         main = Some(figures);
     }
     let main = main.expect("at least one main round");
+    check_rss_returns(&s, &broker, (rss_start, rss_before), &main, run_started).await;
+}
 
-    // RSS returns near its value after the warm-up round.
+/// Starts the broker binary, sized for `SOAK_SUBSCRIBERS` and
+/// `SOAK_CAPACITY`, with `SOAK_BROKER_ENV` on top.
+fn start_broker(s: &Settings) -> BrokerProcess {
+    let mut env = vec![
+        // `tinybroker started` (which names the ports) is logged at INFO.
+        ("RUST_LOG".to_owned(), "warn,tinybroker::server=info".to_owned()),
+        ("TINYBROKER_CONSUMER_CAPACITY".to_owned(), s.capacity.to_string()),
+        ("TINYBROKER_METRICS_PER_SUBSCRIPTION".to_owned(), "false".to_owned()),
+        (
+            "TINYBROKER_MAX_SUBSCRIPTIONS".to_owned(),
+            (s.subscribers * 2 + 100).to_string(),
+        ),
+    ];
+    env.extend(s.broker_env.iter().cloned());
+    BrokerProcess::spawn(&env)
+}
+
+/// Opens the connections every round shares: one for Admin, `connections`
+/// for live subscribers and four narrow ones for stalled subscribers.
+async fn open_channels(url: &str, connections: usize) -> Channels {
+    let admin = connect(url, false).await;
+    let mut live = Vec::new();
+    for _ in 0..connections {
+        live.push(connect(url, false).await);
+    }
+    let mut stall = Vec::new();
+    for _ in 0..4 {
+        stall.push(connect(url, true).await);
+    }
+    Channels {
+        url: url.to_owned(),
+        admin,
+        live,
+        stall,
+    }
+}
+
+/// After the main rounds: waits up to 10 s for the broker's RSS to return
+/// within `SOAK_RSS_MARGIN_PCT` plus 2 MiB of its value after the warm-up
+/// round, prints the run's figures, then asserts that it did.
+async fn check_rss_returns(
+    s: &Settings,
+    broker: &BrokerProcess,
+    (rss_start, rss_before): (u64, u64),
+    main: &Figures,
+    run_started: Instant,
+) {
+    let pid = broker.guard.pid();
     let allowed = rss_before + rss_before * s.rss_margin_pct / 100 + 2048;
     let settled = poll_until(Duration::from_secs(10), || async {
         common::process::rss_kib(pid) <= allowed
@@ -710,153 +750,509 @@ async fn round(
     stalled_so_far: &mut HashSet<String>,
     seed: u64,
 ) -> Figures {
-    let round_started = Instant::now();
-    let (url, pid) = (channels.url.clone(), broker.guard.pid());
-    let admin_channel = channels.admin.clone();
-    let mut admin = AdminClient::new(admin_channel.clone());
-    let (live_channels, stall_channels) = (&channels.live, &channels.stall);
-    let rss_before = broker.rss_kib();
-    let (finals_tx, finals_rx) = tokio::sync::watch::channel(None);
-    let ctl = Arc::new(Ctl {
-        shared: Arc::new(Shared::default()),
-        stop: CancellationToken::new(),
-        finals: finals_rx,
-        end: CancellationToken::new(),
-    });
-    let shared = ctl.shared.clone();
+    let r = Round::new(s, broker, channels, seed);
+    let sampler = r.sample_peak_rss();
+    let mut groups = r.start_group_members_and_cli_killers().await;
+    r.wait_for_group_members_to_join().await;
+    let broadcast_killer = r.start_killing_broadcast_clis();
+    let publishers = r.start_publishers().await;
+    let mut subscribers = r.start_churning_subscribers(run_for);
+    subscribers.replace_leavers_for(run_for).await;
 
-    // RSS sampler.
-    let peak = Arc::new(AtomicU64::new(rss_before));
-    let sampler = {
-        let (peak, end) = (peak.clone(), ctl.end.clone());
-        tokio::spawn(async move {
-            while !end.is_cancelled() {
-                peak.fetch_max(common::process::rss_kib(pid), Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        })
-    };
+    let finals = r.stop_churn_and_publishing(publishers).await;
+    let stranded = wait_for_cli_killers(broadcast_killer, &mut groups.killers).await;
+    let mut ended = subscribers.wait_for_survivors().await;
 
-    // Consumer groups: two in-test members each, plus killed CLI members.
-    let group_channel = connect(&url, false).await;
-    let mut members = JoinSet::new();
-    let mut group_logs = Vec::new();
-    let mut group_killers = JoinSet::new();
-    for (i, &(group, pattern, _)) in GROUPS.iter().enumerate() {
-        let log: GroupLog = Arc::default();
-        for _ in 0..2 {
-            members.spawn(member(ctl.clone(), group_channel.clone(), group, pattern, log.clone()));
-        }
-        group_killers.spawn(kill_group_clis(
-            ctl.clone(),
-            url.clone(),
-            admin_channel.clone(),
-            (group, pattern),
-            s.kills,
-            log.clone(),
-            0x9e37_79b9 + i as u64 + 7 * seed,
-        ));
-        group_logs.push(log);
+    r.wait_for_groups_to_drain().await;
+    let group_tally = r.check_group_deliveries(&groups.logs, &finals, stranded).await;
+    let members = r.end_members(groups.members).await;
+    let expected = r.check_admin_listing(&ended, &members).await;
+    r.check_metrics_and_evictions(&expected, &ended, stalled_so_far).await;
+    check_evicted_streams_end_cleanly(&mut ended.stalled).await;
+    let (survived, stalled) = (ended.survivors.len(), ended.stalled_ids().len());
+    r.check_everything_closes(ended, members).await;
+
+    let peak_rss = sampler.stop().await;
+    r.check_no_errors();
+    r.figures(survived, stalled, finals, group_tally, peak_rss)
+}
+
+/// What the steps of one round share.
+struct Round<'a> {
+    s: &'a Settings,
+    broker: &'a BrokerProcess,
+    channels: &'a Channels,
+    seed: u64,
+    started: Instant,
+    ctl: Arc<Ctl>,
+    /// Sends the final per-topic counts to `ctl.finals`.
+    finals: tokio::sync::watch::Sender<Option<[u64; TOPICS]>>,
+    admin: AdminClient<Channel>,
+}
+
+/// The RSS sampler of a round and the peak it has seen.
+struct RssSampler {
+    peak: Arc<AtomicU64>,
+    end: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RssSampler {
+    /// Stops sampling (if `Ctl::end` has not already) and returns the peak.
+    async fn stop(self) -> u64 {
+        self.end.cancel();
+        self.task.await.expect("sampler");
+        self.peak.load(Ordering::Relaxed)
     }
-    // A group exists once a member has joined: publishing starts after that,
-    // so that every group message has somewhere to go.
-    let joined = poll_until(Duration::from_secs(30), || {
-        let mut admin = admin.clone();
-        async move {
-            let groups = admin
-                .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-                .await
-                .map(|r| r.into_inner().groups)
-                .unwrap_or_default();
-            GROUPS
-                .iter()
-                .all(|(name, _, _)| groups.iter().any(|g| g.name == *name && g.members >= 2))
+}
+
+/// The consumer groups' side of a round.
+struct Groups {
+    /// The in-test members: each hands back its open stream at `Ctl::end`.
+    members: JoinSet<Option<Open>>,
+    /// Per group (in `GROUPS` order): what its members received.
+    logs: Vec<GroupLog>,
+    /// Per group: the CLI member killer, returning how many messages it
+    /// stranded on killed members.
+    killers: JoinSet<u64>,
+}
+
+/// The two publishers of a round.
+struct Publishers {
+    stream: tokio::task::JoinHandle<()>,
+    unary: tokio::task::JoinHandle<()>,
+}
+
+/// How the broadcast subscribers of a round ended, once publishing stopped.
+struct Ended {
+    /// Read every message up to the final counts; still open.
+    survivors: Vec<Open>,
+    /// Stopped reading (and must have been evicted); unread.
+    stalled: Vec<Open>,
+}
+
+impl Ended {
+    fn stalled_ids(&self) -> HashSet<String> {
+        self.stalled.iter().map(|(_, id)| id.clone()).collect()
+    }
+}
+
+/// What the group checks counted.
+struct GroupTally {
+    messages: u64,
+    redelivered: usize,
+}
+
+impl<'a> Round<'a> {
+    fn new(s: &'a Settings, broker: &'a BrokerProcess, channels: &'a Channels, seed: u64) -> Self {
+        let started = Instant::now();
+        let (finals, finals_rx) = tokio::sync::watch::channel(None);
+        Self {
+            s,
+            broker,
+            channels,
+            seed,
+            started,
+            ctl: Arc::new(Ctl {
+                shared: Arc::new(Shared::default()),
+                stop: CancellationToken::new(),
+                finals: finals_rx,
+                end: CancellationToken::new(),
+            }),
+            finals,
+            admin: AdminClient::new(channels.admin.clone()),
         }
-    })
-    .await;
-    assert!(joined, "the in-test group members did not join");
-    let broadcast_killer = tokio::spawn(kill_broadcast_clis(
-        ctl.clone(),
-        url.clone(),
-        admin_channel.clone(),
-        s.kills,
-        0x1234_5678 + seed,
-    ));
+    }
 
-    // Publishers: a PublishStream on topics 0 and 1, unary on 2 and 3.
-    let period = Duration::from_micros(1_000_000 / s.rate);
-    let stream_publisher = {
-        let (ctl, channel) = (ctl.clone(), connect(&url, false).await);
-        tokio::spawn(async move {
-            let (tx, rx) = tokio::sync::mpsc::channel(64);
-            let mut client = BrokerClient::new(channel);
-            let call = tokio::spawn(async move {
-                client
-                    .publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-                    .await
-                    .map(|r| r.into_inner())
-            });
-            let mut tick = tokio::time::interval(period);
-            while !ctl.stop.is_cancelled() {
-                tick.tick().await;
-                for t in 0..2 {
-                    let n = ctl.shared.started[t].fetch_add(1, Ordering::SeqCst);
-                    if tx
-                        .send(publish_request(&format!("soak.{t}"), &payload(t, n)))
-                        .await
-                        .is_err()
-                    {
-                        ctl.shared.error("the publish stream ended early".into());
-                        return;
-                    }
+    /// Samples the broker's RSS every 250 ms until `Ctl::end`, keeping the
+    /// peak.
+    fn sample_peak_rss(&self) -> RssSampler {
+        let pid = self.broker.guard.pid();
+        let peak = Arc::new(AtomicU64::new(self.broker.rss_kib()));
+        let task = {
+            let (peak, end) = (peak.clone(), self.ctl.end.clone());
+            tokio::spawn(async move {
+                while !end.is_cancelled() {
+                    peak.fetch_max(common::process::rss_kib(pid), Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(250)).await;
                 }
+            })
+        };
+        RssSampler {
+            peak,
+            end: self.ctl.end.clone(),
+            task,
+        }
+    }
+
+    /// Starts two in-test manual-ack members of each consumer group (on one
+    /// connection of their own) and, per group, the task that SIGKILLs CLI
+    /// members.
+    async fn start_group_members_and_cli_killers(&self) -> Groups {
+        let group_channel = connect(&self.channels.url, false).await;
+        let mut groups = Groups {
+            members: JoinSet::new(),
+            logs: Vec::new(),
+            killers: JoinSet::new(),
+        };
+        for (i, &(group, pattern, _)) in GROUPS.iter().enumerate() {
+            let log: GroupLog = Arc::default();
+            for _ in 0..2 {
+                groups.members.spawn(member(
+                    self.ctl.clone(),
+                    group_channel.clone(),
+                    group,
+                    pattern,
+                    log.clone(),
+                ));
             }
-            drop(tx);
-            match tokio::time::timeout(Duration::from_secs(30), call).await {
-                Ok(Ok(Ok(r))) => {
-                    let sent: u64 = (0..2).map(|t| ctl.shared.started[t].load(Ordering::SeqCst)).sum();
-                    if r.accepted != sent {
-                        ctl.shared
-                            .error(format!("PublishStream accepted {} of {sent}", r.accepted));
-                    }
-                }
-                other => ctl.shared.error(format!("PublishStream: {other:?}")),
+            groups.killers.spawn(kill_group_clis(
+                self.ctl.clone(),
+                self.channels.url.clone(),
+                self.channels.admin.clone(),
+                (group, pattern),
+                self.s.kills,
+                log.clone(),
+                0x9e37_79b9 + i as u64 + 7 * self.seed,
+            ));
+            groups.logs.push(log);
+        }
+        groups
+    }
+
+    /// Waits up to 30 s for both in-test members of every group to join. A
+    /// group exists once a member has joined: publishing starts after that,
+    /// so that every group message has somewhere to go.
+    async fn wait_for_group_members_to_join(&self) {
+        let joined = poll_until(Duration::from_secs(30), || {
+            let admin = self.admin.clone();
+            async move {
+                let groups = groups_or_empty(admin).await;
+                GROUPS
+                    .iter()
+                    .all(|(name, _, _)| groups.iter().any(|g| g.name == *name && g.members >= 2))
             }
         })
-    };
-    let unary_publisher = {
-        let (ctl, channel) = (ctl.clone(), connect(&url, false).await);
-        tokio::spawn(async move {
-            let mut client = BrokerClient::new(channel);
-            let mut tick = tokio::time::interval(period);
-            while !ctl.stop.is_cancelled() {
-                tick.tick().await;
-                for t in 2..4 {
-                    let n = ctl.shared.started[t].fetch_add(1, Ordering::SeqCst);
-                    let request = publish_request(&format!("soak.{t}"), &payload(t, n));
-                    match tokio::time::timeout(Duration::from_secs(10), client.publish(request)).await {
-                        Ok(Ok(_)) => {}
-                        other => {
-                            ctl.shared.error(format!("Publish #{n} to soak.{t}: {other:?}"));
-                            return;
-                        }
-                    }
-                }
+        .await;
+        assert!(joined, "the in-test group members did not join");
+    }
+
+    /// Starts the task that SIGKILLs broadcast CLI subscribers mid-stream.
+    fn start_killing_broadcast_clis(&self) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(kill_broadcast_clis(
+            self.ctl.clone(),
+            self.channels.url.clone(),
+            self.channels.admin.clone(),
+            self.s.kills,
+            0x1234_5678 + self.seed,
+        ))
+    }
+
+    /// Starts the publishers, each on a connection of its own, at
+    /// `SOAK_RATE` messages per second per topic: a PublishStream on topics
+    /// 0 and 1, unary Publish on 2 and 3.
+    async fn start_publishers(&self) -> Publishers {
+        let period = Duration::from_micros(1_000_000 / self.s.rate);
+        let url = &self.channels.url;
+        let stream = tokio::spawn(publish_on_a_stream(self.ctl.clone(), connect(url, false).await, period));
+        let unary = tokio::spawn(publish_unary(self.ctl.clone(), connect(url, false).await, period));
+        Publishers { stream, unary }
+    }
+
+    /// Opens `SOAK_SUBSCRIBERS` broadcast subscribers over the live
+    /// connections, each to leave after a random lifetime; a few
+    /// (`SOAK_STALLS` in all) stall on the narrow connections instead.
+    fn start_churning_subscribers(&self, run_for: Duration) -> Subscribers<'a> {
+        let mut planner = Planner::new(self.s, self.channels, run_for, self.seed);
+        let mut tasks = JoinSet::new();
+        for _ in 0..self.s.subscribers {
+            tasks.spawn(subscriber(self.ctl.clone(), planner.plan()));
+        }
+        Subscribers {
+            ctl: self.ctl.clone(),
+            planner,
+            tasks,
+            outcomes: Vec::new(),
+        }
+    }
+
+    /// Stops churn, the killers and the publishers; once the publishers have
+    /// returned, sends the final per-topic counts to the subscribers (which
+    /// then read up to them) and returns them.
+    async fn stop_churn_and_publishing(&self, publishers: Publishers) -> [u64; TOPICS] {
+        self.ctl.stop.cancel();
+        publishers.stream.await.expect("stream publisher");
+        publishers.unary.await.expect("unary publisher");
+        let finals = self.ctl.shared.marks();
+        self.finals.send(Some(finals)).expect("finals");
+        finals
+    }
+
+    /// Waits up to 60 s for every group message to be acked: no backlog and
+    /// nothing in flight in any group.
+    async fn wait_for_groups_to_drain(&self) {
+        let groups_done = poll_until(Duration::from_secs(60), || {
+            let admin = self.admin.clone();
+            async move {
+                let groups = groups_or_empty(admin).await;
+                groups.len() == GROUPS.len() && groups.iter().all(|g| g.backlog == 0 && g.in_flight == 0)
             }
         })
-    };
+        .await;
+        assert!(groups_done, "consumer groups did not drain");
+    }
 
-    // Subscribers: keep `subscribers` open, each leaving after a random
-    // lifetime and replaced; a few stall.
-    let mut rng = Rng(0xdead_beef ^ seed);
-    let stall_every = s
-        .subscribers
-        .checked_div(s.stalls)
-        .map_or(u64::MAX, |n| n.max(1) as u64);
-    let mut spawned = 0u64;
-    let mut stalled_planned = 0usize;
-    let plan = |rng: &mut Rng, spawned: &mut u64, stalled_planned: &mut usize| {
-        *spawned += 1;
+    /// Checks that every message published to a group's topics reached it
+    /// (redelivered ones may arrive twice), that none was dropped or
+    /// dead-lettered, and that each message stranded on a killed CLI member
+    /// was redelivered.
+    async fn check_group_deliveries(&self, logs: &[GroupLog], finals: &[u64; TOPICS], stranded: u64) -> GroupTally {
+        let groups = common::groups(&mut self.admin.clone()).await;
+        let mut group_messages = 0;
+        let mut redelivered_seen = 0;
+        for ((name, _, topics), log) in GROUPS.iter().zip(logs) {
+            let log = log.lock();
+            for &t in *topics {
+                for n in 0..finals[t] {
+                    if !log.contains_key(&(t, n)) {
+                        self.ctl
+                            .shared
+                            .error(format!("group {name}: soak.{t} #{n} was never delivered"));
+                    }
+                }
+                group_messages += finals[t];
+            }
+            redelivered_seen += log.values().flatten().filter(|a| **a > 1).count();
+            let info = groups.iter().find(|g| g.name == *name).expect("group listed");
+            assert_eq!((info.dropped, info.dead_lettered), (0, 0), "{info:?}");
+        }
+        assert!(
+            redelivered_seen as u64 >= stranded,
+            "{stranded} messages were stranded on killed members, only {redelivered_seen} redeliveries seen"
+        );
+        GroupTally {
+            messages: group_messages,
+            redelivered: redelivered_seen,
+        }
+    }
+
+    /// Ends the round's tasks (`Ctl::end`: the RSS sampler stops, in-test
+    /// members stop reading) and returns the members' streams, still open.
+    async fn end_members(&self, mut members: JoinSet<Option<Open>>) -> Vec<Open> {
+        self.ctl.end.cancel();
+        let mut member_streams = Vec::new();
+        while let Some(done) = members.join_next().await {
+            if let Some(m) = done.expect("member task") {
+                member_streams.push(m);
+            }
+        }
+        member_streams
+    }
+
+    /// Checks that Admin lists exactly the survivors and the in-test members
+    /// (so no stalled subscriber is left unevicted); returns their ids.
+    async fn check_admin_listing(&self, ended: &Ended, members: &[Open]) -> BTreeSet<String> {
+        let mut expected: BTreeSet<String> = ended.survivors.iter().map(|(_, id)| id.clone()).collect();
+        expected.extend(members.iter().map(|(_, id)| id.clone()));
+        let listed: BTreeSet<String> = admin_subscriptions(self.admin.clone())
+            .await
+            .into_iter()
+            .map(|s| s.subscription_id)
+            .collect();
+        let stalled_ids = ended.stalled_ids();
+        if listed != expected {
+            let extra: Vec<_> = listed.difference(&expected).collect();
+            let missing: Vec<_> = expected.difference(&listed).collect();
+            let extra_stalled = extra.iter().filter(|id| stalled_ids.contains(id.as_str())).count();
+            panic!(
+                "Admin lists {} subscriptions, expected {}: {} extra ({extra_stalled} stalled but not evicted) {:?}, missing {:?}",
+                listed.len(),
+                expected.len(),
+                extra.len(),
+                &extra[..extra.len().min(5)],
+                &missing[..missing.len().min(5)]
+            );
+        }
+        expected
+    }
+
+    /// Checks /metrics and Admin's evictions against the round: the
+    /// subscription gauge counts `expected`; every subscriber stalled this
+    /// round was evicted, and nothing evicted was not stalled (this round
+    /// or an earlier one, whose evictions Admin may still list); the
+    /// eviction counter counts every stall so far.
+    async fn check_metrics_and_evictions(
+        &self,
+        expected: &BTreeSet<String>,
+        ended: &Ended,
+        stalled_so_far: &mut HashSet<String>,
+    ) {
+        let m = metrics(self.broker.metrics_addr).await;
+        assert_eq!(metric_sum(&m, "tinybroker_subscriptions"), expected.len() as f64);
+        let evictions = common::evictions(&mut self.admin.clone()).await;
+        let stalled_ids = ended.stalled_ids();
+        stalled_so_far.extend(stalled_ids.iter().cloned());
+        let evicted: HashSet<String> = evictions.iter().map(|e| e.subscription_id.clone()).collect();
+        for id in &evicted {
+            assert!(stalled_so_far.contains(id), "{id} was evicted but never stalled");
+        }
+        for id in &stalled_ids {
+            assert!(evicted.contains(id), "stalled {id} was not evicted");
+        }
+        assert_eq!(
+            metric_sum(&m, "tinybroker_evictions_total"),
+            stalled_so_far.len() as f64
+        );
+    }
+
+    /// Closes every stream still open (survivors, members, evicted ones) and
+    /// waits up to 30 s for Admin and /metrics to show no subscription and
+    /// no group member left.
+    async fn check_everything_closes(&self, ended: Ended, members: Vec<Open>) {
+        let Ended { survivors, stalled } = ended;
+        drop(survivors);
+        drop(members);
+        drop(stalled);
+        let empty = poll_until(Duration::from_secs(30), || {
+            let admin = self.admin.clone();
+            let addr = self.broker.metrics_addr;
+            async move {
+                if !admin_subscriptions(admin).await.is_empty() {
+                    return false;
+                }
+                let m = metrics(addr).await;
+                metric_sum(&m, "tinybroker_subscriptions") == 0.0
+                    && metric_sum(&m, "tinybroker_consumer_group_members") == 0.0
+            }
+        })
+        .await;
+        assert!(empty, "subscriptions or group members left over after everyone closed");
+    }
+
+    /// Asserts that no task of the round reported an error.
+    fn check_no_errors(&self) {
+        let errors = self.ctl.shared.errors.lock().clone();
+        assert!(errors.is_empty(), "soak errors: {errors:#?}");
+    }
+
+    /// What the round did, for the report.
+    fn figures(
+        &self,
+        survived: usize,
+        stalled: usize,
+        finals: [u64; TOPICS],
+        groups: GroupTally,
+        peak_rss: u64,
+    ) -> Figures {
+        let shared = &self.ctl.shared;
+        Figures {
+            seconds: self.started.elapsed().as_secs_f64(),
+            opened: shared.opened.load(Ordering::Relaxed),
+            left: shared.left.load(Ordering::Relaxed),
+            survived,
+            stalled,
+            kills: shared.kills.load(Ordering::Relaxed),
+            finals,
+            checked: shared.delivered.load(Ordering::Relaxed),
+            group_messages: groups.messages,
+            redelivered: groups.redelivered,
+            peak_rss,
+        }
+    }
+}
+
+/// Publishes to topics 0 and 1 through one PublishStream, both every
+/// `period`, until churn stops; then checks that it accepted them all.
+async fn publish_on_a_stream(ctl: Arc<Ctl>, channel: Channel, period: Duration) {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let mut client = BrokerClient::new(channel);
+    let call = tokio::spawn(async move {
+        client
+            .publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map(|r| r.into_inner())
+    });
+    let mut tick = tokio::time::interval(period);
+    while !ctl.stop.is_cancelled() {
+        tick.tick().await;
+        for t in 0..2 {
+            let n = ctl.shared.started[t].fetch_add(1, Ordering::SeqCst);
+            if tx
+                .send(publish_request(&format!("soak.{t}"), &payload(t, n)))
+                .await
+                .is_err()
+            {
+                ctl.shared.error("the publish stream ended early".into());
+                return;
+            }
+        }
+    }
+    drop(tx);
+    match tokio::time::timeout(Duration::from_secs(30), call).await {
+        Ok(Ok(Ok(r))) => {
+            let sent: u64 = (0..2).map(|t| ctl.shared.started[t].load(Ordering::SeqCst)).sum();
+            if r.accepted != sent {
+                ctl.shared
+                    .error(format!("PublishStream accepted {} of {sent}", r.accepted));
+            }
+        }
+        other => ctl.shared.error(format!("PublishStream: {other:?}")),
+    }
+}
+
+/// Publishes to topics 2 and 3 with unary Publish calls, both every
+/// `period`, until churn stops.
+async fn publish_unary(ctl: Arc<Ctl>, channel: Channel, period: Duration) {
+    let mut client = BrokerClient::new(channel);
+    let mut tick = tokio::time::interval(period);
+    while !ctl.stop.is_cancelled() {
+        tick.tick().await;
+        for t in 2..4 {
+            let n = ctl.shared.started[t].fetch_add(1, Ordering::SeqCst);
+            let request = publish_request(&format!("soak.{t}"), &payload(t, n));
+            match tokio::time::timeout(Duration::from_secs(10), client.publish(request)).await {
+                Ok(Ok(_)) => {}
+                other => {
+                    ctl.shared.error(format!("Publish #{n} to soak.{t}: {other:?}"));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Plans each new subscriber of a round: its connection, pattern, lifetime,
+/// and whether (and when) it stalls.
+struct Planner<'a> {
+    s: &'a Settings,
+    channels: &'a Channels,
+    run_for: Duration,
+    rng: Rng,
+    /// One subscriber in this many stalls (until `SOAK_STALLS` have).
+    stall_every: u64,
+    spawned: u64,
+    stalled_planned: usize,
+}
+
+impl<'a> Planner<'a> {
+    fn new(s: &'a Settings, channels: &'a Channels, run_for: Duration, seed: u64) -> Self {
+        Self {
+            s,
+            channels,
+            run_for,
+            rng: Rng(0xdead_beef ^ seed),
+            stall_every: s
+                .subscribers
+                .checked_div(s.stalls)
+                .map_or(u64::MAX, |n| n.max(1) as u64),
+            spawned: 0,
+            stalled_planned: 0,
+        }
+    }
+
+    fn plan(&mut self) -> Plan {
+        self.spawned += 1;
+        let rng = &mut self.rng;
         let wildcard = rng.below(10) == 0;
         let t = rng.below(TOPICS as u64) as usize;
         let (pattern, topics) = if wildcard {
@@ -864,160 +1260,99 @@ async fn round(
         } else {
             (format!("soak.{t}"), vec![t])
         };
-        let stall = *stalled_planned < s.stalls && spawned.is_multiple_of(stall_every);
+        let stall = self.stalled_planned < self.s.stalls && self.spawned.is_multiple_of(self.stall_every);
         if stall {
-            *stalled_planned += 1;
+            self.stalled_planned += 1;
         }
+        let (live_channels, stall_channels) = (&self.channels.live, &self.channels.stall);
         Plan {
             channel: if stall {
-                stall_channels[*spawned as usize % stall_channels.len()].clone()
+                stall_channels[self.spawned as usize % stall_channels.len()].clone()
             } else {
-                live_channels[*spawned as usize % live_channels.len()].clone()
+                live_channels[self.spawned as usize % live_channels.len()].clone()
             },
             // Stalled ones subscribe to everything, so they fill up sooner.
             pattern: if stall { "soak.*".to_owned() } else { pattern },
             topics: if stall { (0..TOPICS).collect() } else { topics },
             lifetime: if stall {
-                run_for * 10
+                self.run_for * 10
             } else {
-                rng.millis(2_000, run_for.as_millis() as u64 * 2)
+                rng.millis(2_000, self.run_for.as_millis() as u64 * 2)
             },
             stall_after: stall.then(|| rng.millis(500, 3_000)),
         }
-    };
-    let mut subscribers = JoinSet::new();
-    for _ in 0..s.subscribers {
-        subscribers.spawn(subscriber(
-            ctl.clone(),
-            plan(&mut rng, &mut spawned, &mut stalled_planned),
-        ));
     }
-    let churn_until = tokio::time::Instant::now() + run_for;
-    let mut outcomes = Vec::new();
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep_until(churn_until) => break,
-            done = subscribers.join_next() => match done {
-                Some(Ok(Outcome::Left)) => {
-                    subscribers.spawn(subscriber(ctl.clone(), plan(&mut rng, &mut spawned, &mut stalled_planned)));
+}
+
+/// The broadcast subscribers of a round: the tasks still running and the
+/// outcomes of those that ended other than by leaving.
+struct Subscribers<'a> {
+    ctl: Arc<Ctl>,
+    planner: Planner<'a>,
+    tasks: JoinSet<Outcome>,
+    outcomes: Vec<Outcome>,
+}
+
+impl Subscribers<'_> {
+    /// For `run_for`, replaces every subscriber that leaves with a new one.
+    async fn replace_leavers_for(&mut self, run_for: Duration) {
+        let churn_until = tokio::time::Instant::now() + run_for;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(churn_until) => break,
+                done = self.tasks.join_next() => match done {
+                    Some(Ok(Outcome::Left)) => {
+                        self.tasks.spawn(subscriber(self.ctl.clone(), self.planner.plan()));
+                    }
+                    Some(Ok(outcome)) => self.outcomes.push(outcome),
+                    Some(Err(e)) => panic!("subscriber task: {e}"),
+                    None => break,
                 }
-                Some(Ok(outcome)) => outcomes.push(outcome),
-                Some(Err(e)) => panic!("subscriber task: {e}"),
-                None => break,
             }
         }
     }
 
-    // Stop: churn ends, publishing ends, survivors read to the end.
-    ctl.stop.cancel();
-    stream_publisher.await.expect("stream publisher");
-    unary_publisher.await.expect("unary publisher");
-    let finals = shared.marks();
-    finals_tx.send(Some(finals)).expect("finals");
-    broadcast_killer.await.expect("broadcast killer");
+    /// Once publishing has stopped: waits up to 120 s for every subscriber
+    /// to end (survivors once they have read everything) and sorts out the
+    /// survivors and the stalled ones.
+    async fn wait_for_survivors(mut self) -> Ended {
+        while let Some(done) = tokio::time::timeout(Duration::from_secs(120), self.tasks.join_next())
+            .await
+            .expect("survivors read everything within 120 s")
+        {
+            self.outcomes.push(done.expect("subscriber task"));
+        }
+        let mut ended = Ended {
+            survivors: Vec::new(),
+            stalled: Vec::new(),
+        };
+        for outcome in self.outcomes {
+            match outcome {
+                Outcome::Survivor(stream, id) => ended.survivors.push((stream, id)),
+                Outcome::Stalled(stream, id) => ended.stalled.push((stream, id)),
+                Outcome::Left | Outcome::Failed => {}
+            }
+        }
+        ended
+    }
+}
+
+/// Waits for the CLI killers (broadcast and per group) to finish; returns
+/// how many messages were stranded on killed group members.
+async fn wait_for_cli_killers(broadcast: tokio::task::JoinHandle<()>, groups: &mut JoinSet<u64>) -> u64 {
+    broadcast.await.expect("broadcast killer");
     let mut stranded = 0;
-    while let Some(done) = group_killers.join_next().await {
+    while let Some(done) = groups.join_next().await {
         stranded += done.expect("group killer");
     }
-    while let Some(done) = tokio::time::timeout(Duration::from_secs(120), subscribers.join_next())
-        .await
-        .expect("survivors read everything within 120 s")
-    {
-        outcomes.push(done.expect("subscriber task"));
-    }
-    let mut survivors = Vec::new();
-    let mut stalled = Vec::new();
-    for outcome in outcomes {
-        match outcome {
-            Outcome::Survivor(stream, id) => survivors.push((stream, id)),
-            Outcome::Stalled(stream, id) => stalled.push((stream, id)),
-            Outcome::Left | Outcome::Failed => {}
-        }
-    }
+    stranded
+}
 
-    // Every group message is acked (redelivered ones may arrive twice).
-    let groups_done = poll_until(Duration::from_secs(60), || {
-        let mut admin = admin.clone();
-        async move {
-            let groups = admin
-                .list_consumer_groups(pb::ListConsumerGroupsRequest {})
-                .await
-                .map(|r| r.into_inner().groups)
-                .unwrap_or_default();
-            groups.len() == GROUPS.len() && groups.iter().all(|g| g.backlog == 0 && g.in_flight == 0)
-        }
-    })
-    .await;
-    assert!(groups_done, "consumer groups did not drain");
-    let groups = common::groups(&mut admin).await;
-    let mut group_messages = 0;
-    let mut redelivered_seen = 0;
-    for ((name, _, topics), log) in GROUPS.iter().zip(&group_logs) {
-        let log = log.lock();
-        for &t in *topics {
-            for n in 0..finals[t] {
-                if !log.contains_key(&(t, n)) {
-                    shared.error(format!("group {name}: soak.{t} #{n} was never delivered"));
-                }
-            }
-            group_messages += finals[t];
-        }
-        redelivered_seen += log.values().flatten().filter(|a| **a > 1).count();
-        let info = groups.iter().find(|g| g.name == *name).expect("group listed");
-        assert_eq!((info.dropped, info.dead_lettered), (0, 0), "{info:?}");
-    }
-    assert!(
-        redelivered_seen as u64 >= stranded,
-        "{stranded} messages were stranded on killed members, only {redelivered_seen} redeliveries seen"
-    );
-
-    // Admin and metrics agree with the survivors and the in-test members.
-    ctl.end.cancel();
-    let mut member_streams = Vec::new();
-    while let Some(done) = members.join_next().await {
-        if let Some(m) = done.expect("member task") {
-            member_streams.push(m);
-        }
-    }
-    let mut expected: BTreeSet<String> = survivors.iter().map(|(_, id)| id.clone()).collect();
-    expected.extend(member_streams.iter().map(|(_, id)| id.clone()));
-    let listed: BTreeSet<String> = admin_subscriptions(admin.clone())
-        .await
-        .into_iter()
-        .map(|s| s.subscription_id)
-        .collect();
-    let stalled_ids: HashSet<String> = stalled.iter().map(|(_, id)| id.clone()).collect();
-    if listed != expected {
-        let extra: Vec<_> = listed.difference(&expected).collect();
-        let missing: Vec<_> = expected.difference(&listed).collect();
-        let extra_stalled = extra.iter().filter(|id| stalled_ids.contains(id.as_str())).count();
-        panic!(
-            "Admin lists {} subscriptions, expected {}: {} extra ({extra_stalled} stalled but not evicted) {:?}, missing {:?}",
-            listed.len(),
-            expected.len(),
-            extra.len(),
-            &extra[..extra.len().min(5)],
-            &missing[..missing.len().min(5)]
-        );
-    }
-    let m = metrics(broker.metrics_addr).await;
-    assert_eq!(metric_sum(&m, "tinybroker_subscriptions"), expected.len() as f64);
-    let evictions = common::evictions(&mut admin).await;
-    stalled_so_far.extend(stalled_ids.iter().cloned());
-    let evicted: HashSet<String> = evictions.iter().map(|e| e.subscription_id.clone()).collect();
-    for id in &evicted {
-        assert!(stalled_so_far.contains(id), "{id} was evicted but never stalled");
-    }
-    for id in &stalled_ids {
-        assert!(evicted.contains(id), "stalled {id} was not evicted");
-    }
-    assert_eq!(
-        metric_sum(&m, "tinybroker_evictions_total"),
-        stalled_so_far.len() as f64
-    );
-    // A stalled stream still ends cleanly once read: OK status, no error.
-    // All are read at once: stalled streams share their connections' window,
-    // so reading one at a time could wait on another's unread data.
+/// Reads every evicted (stalled) stream to its end: each must still end
+/// cleanly, with OK status and no error. All are read at once: stalled
+/// streams share their connections' window, so reading one at a time could
+/// wait on another's unread data.
+async fn check_evicted_streams_end_cleanly(stalled: &mut [Open]) {
     let drains = stalled.iter_mut().map(|(stream, id)| async move {
         let mut read = 0;
         loop {
@@ -1037,43 +1372,5 @@ async fn round(
         .expect("evicted streams end within 30 s once read");
     for result in drained {
         result.unwrap_or_else(|e| panic!("{e}"));
-    }
-
-    // Everything closes: zero left over.
-    let survivor_count = survivors.len();
-    drop(survivors);
-    drop(member_streams);
-    drop(stalled);
-    let empty = poll_until(Duration::from_secs(30), || {
-        let admin = admin.clone();
-        let addr = broker.metrics_addr;
-        async move {
-            if !admin_subscriptions(admin).await.is_empty() {
-                return false;
-            }
-            let m = metrics(addr).await;
-            metric_sum(&m, "tinybroker_subscriptions") == 0.0
-                && metric_sum(&m, "tinybroker_consumer_group_members") == 0.0
-        }
-    })
-    .await;
-    assert!(empty, "subscriptions or group members left over after everyone closed");
-
-    ctl.end.cancel();
-    sampler.await.expect("sampler");
-    let errors = shared.errors.lock().clone();
-    assert!(errors.is_empty(), "soak errors: {errors:#?}");
-    Figures {
-        seconds: round_started.elapsed().as_secs_f64(),
-        opened: shared.opened.load(Ordering::Relaxed),
-        left: shared.left.load(Ordering::Relaxed),
-        survived: survivor_count,
-        stalled: stalled_ids.len(),
-        kills: shared.kills.load(Ordering::Relaxed),
-        finals,
-        checked: shared.delivered.load(Ordering::Relaxed),
-        group_messages,
-        redelivered: redelivered_seen,
-        peak_rss: peak.load(Ordering::Relaxed),
     }
 }
