@@ -86,17 +86,26 @@ download_deb() {
     mirror=$(mirror | sed 's:/*$::' | grep -E '^https?://.*/debian$' | head -n1 || true)
     [ -n "$mirror" ] || die "no Debian mirror (a URI ending in /debian) in apt's sources (/etc/apt/sources.list, /etc/apt/sources.list.d/)"
     [ -f "$KEYRING" ] || die "no $KEYRING to check the $SUITE index with (apt-get install debian-archive-keyring)"
+    local tool
+    for tool in curl gpgv; do
+        command -v "$tool" >/dev/null || die "$tool is needed (apt-get install $tool)"
+    done
+    # The xz index is the smaller; gzip is always there.
+    local ext=xz unpack="xz -dc"
+    if ! command -v xz >/dev/null; then
+        ext=gz unpack="gzip -dc"
+    fi
     dist=$mirror/dists/$SUITE
     echo "fetching the $SUITE index from $mirror" >&2
     fetch "$dist/InRelease" "$WORK/InRelease"
     gpgv --keyring "$KEYRING" --output "$WORK/Release" "$WORK/InRelease" 2>"$WORK/gpgv.log" ||
         die "bad signature on $dist/InRelease ($(tail -n1 "$WORK/gpgv.log"))"
-    index=main/binary-$ARCH/Packages.xz
+    index=main/binary-$ARCH/Packages.$ext
     index_sha=$(awk -v f="$index" '/^SHA256:/ { s = 1; next } /^[^ ]/ { s = 0 } s && $3 == f { print $1 }' "$WORK/Release")
     [ -n "$index_sha" ] || die "$index is not listed in $dist/InRelease"
-    fetch "$dist/$index" "$WORK/Packages.xz"
-    echo "$index_sha  $WORK/Packages.xz" | sha256sum -c --quiet - >/dev/null 2>&1 || die "checksum mismatch for $dist/$index"
-    stanza=$(xz -dc "$WORK/Packages.xz" | awk '
+    fetch "$dist/$index" "$WORK/Packages"
+    echo "$index_sha  $WORK/Packages" | sha256sum -c --quiet - >/dev/null 2>&1 || die "checksum mismatch for $dist/$index"
+    stanza=$($unpack "$WORK/Packages" | awk '
         /^Package: / { p = ($2 == "nats-server") }
         p { print }
         p && /^$/ { exit }')
