@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod nats;
 pub mod process;
 pub mod tls;
 
