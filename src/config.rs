@@ -20,6 +20,39 @@ pub struct Config {
     pub metrics_per_subscription: bool,
     pub log_format: LogFormat,
     pub connections: ConnectionLimits,
+    /// Cluster mode: set by `TINYBROKER_NATS_URL`.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// Cluster mode: this replica and the NATS cluster that carries messages
+/// between replicas (docs/contract.md, "Cluster mode").
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// `nats://host:port` or `tls://host:port` servers, tried in turn.
+    pub nats_urls: Vec<String>,
+    /// Prefix of every subject, stream, consumer and bucket tinybroker makes.
+    pub prefix: String,
+    /// JetStream replicas of group state.
+    pub nats_replicas: usize,
+    pub nats_token: Option<String>,
+    pub nats_creds: Option<PathBuf>,
+    pub nats_ca: Option<PathBuf>,
+    /// Names this replica in logs, Admin and metrics.
+    pub replica_id: String,
+}
+
+impl fmt::Debug for ClusterConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterConfig")
+            .field("nats_urls", &self.nats_urls)
+            .field("prefix", &self.prefix)
+            .field("nats_replicas", &self.nats_replicas)
+            .field("nats_token", &self.nats_token.as_ref().map(|_| "<redacted>"))
+            .field("nats_creds", &self.nats_creds)
+            .field("nats_ca", &self.nats_ca)
+            .field("replica_id", &self.replica_id)
+            .finish()
+    }
 }
 
 /// HTTP/2 settings of the gRPC listener that bound what one connection can
@@ -182,6 +215,7 @@ impl fmt::Debug for Config {
             .field("metrics_per_subscription", &self.metrics_per_subscription)
             .field("log_format", &self.log_format)
             .field("connections", &self.connections)
+            .field("cluster", &self.cluster)
             .finish()
     }
 }
@@ -198,6 +232,7 @@ impl Default for Config {
             metrics_per_subscription: true,
             log_format: LogFormat::Text,
             connections: ConnectionLimits::default(),
+            cluster: None,
         }
     }
 }
@@ -248,6 +283,13 @@ struct RawEnv {
     max_memory_bytes: Option<String>,
     max_connections: Option<String>,
     handshake_timeout_seconds: Option<String>,
+    nats_url: Option<String>,
+    nats_prefix: Option<String>,
+    nats_replicas: Option<String>,
+    nats_token: Option<String>,
+    nats_creds: Option<String>,
+    nats_ca: Option<String>,
+    replica_id: Option<String>,
 }
 
 /// Every variable [`RawEnv`] reads, without the prefix: a `TINYBROKER_*`
@@ -278,6 +320,13 @@ pub const VARIABLES: &[&str] = &[
     "MAX_MEMORY_BYTES",
     "MAX_CONNECTIONS",
     "HANDSHAKE_TIMEOUT_SECONDS",
+    "NATS_URL",
+    "NATS_PREFIX",
+    "NATS_REPLICAS",
+    "NATS_TOKEN",
+    "NATS_CREDS",
+    "NATS_CA",
+    "REPLICA_ID",
 ];
 
 const PREFIX: &str = "TINYBROKER_";
@@ -348,6 +397,7 @@ impl Config {
                 &format!("at most {MESSAGE_BYTES_CEILING} (1 GiB)"),
             ));
         }
+        let cluster = cluster(&raw)?;
         let tls = match (nonblank(&raw.tls_cert), nonblank(&raw.tls_key)) {
             (None, None) => None,
             (Some(cert), Some(key)) => Some(TlsFiles {
@@ -404,6 +454,7 @@ impl Config {
             )?),
         };
         Ok(Config {
+            cluster,
             connections,
             grpc_addr: addr(&raw.grpc_addr, "GRPC_ADDR", defaults.grpc_addr)?,
             metrics_addr: addr(&raw.metrics_addr, "METRICS_ADDR", defaults.metrics_addr)?,
@@ -469,6 +520,117 @@ fn edit_distance(a: &str, b: &str) -> usize {
         }
     }
     row[b.len()]
+}
+
+/// Cluster mode, when `TINYBROKER_NATS_URL` is set; the other `NATS_*`
+/// variables and `REPLICA_ID` only mean something then.
+fn cluster(raw: &RawEnv) -> Result<Option<ClusterConfig>, ConfigError> {
+    let Some(urls) = nonblank(&raw.nats_url) else {
+        for (name, value) in [
+            ("NATS_PREFIX", &raw.nats_prefix),
+            ("NATS_REPLICAS", &raw.nats_replicas),
+            ("NATS_TOKEN", &raw.nats_token),
+            ("NATS_CREDS", &raw.nats_creds),
+            ("NATS_CA", &raw.nats_ca),
+        ] {
+            if nonblank(value).is_some() {
+                return Err(ConfigError(format!(
+                    "{PREFIX}{name} is set but {PREFIX}NATS_URL is not: cluster mode needs the NATS servers (nats://host:port, comma-separated)"
+                )));
+            }
+        }
+        return Ok(None);
+    };
+    let mut nats_urls = Vec::new();
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let rest = url
+            .strip_prefix("nats://")
+            .or_else(|| url.strip_prefix("tls://"))
+            .ok_or_else(|| invalid("NATS_URL", url, "nats://host:port or tls://host:port, comma-separated"))?;
+        let host_port = rest.rsplit_once('@').map_or(rest, |(_, hp)| hp);
+        let port_ok = host_port
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+        if !port_ok {
+            return Err(invalid(
+                "NATS_URL",
+                url,
+                "nats://host:port or tls://host:port, comma-separated",
+            ));
+        }
+        nats_urls.push(url.to_owned());
+    }
+    if nats_urls.is_empty() {
+        return Err(invalid(
+            "NATS_URL",
+            urls,
+            "nats://host:port or tls://host:port, comma-separated",
+        ));
+    }
+    let prefix = nonblank(&raw.nats_prefix).unwrap_or("tinybroker").to_owned();
+    let prefix_ok = prefix.len() <= 32
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !prefix_ok {
+        return Err(invalid(
+            "NATS_PREFIX",
+            &prefix,
+            "at most 32 letters, digits, '_' or '-' (it names NATS subjects, streams and buckets)",
+        ));
+    }
+    let nats_replicas: usize = positive(&raw.nats_replicas, "NATS_REPLICAS", 3)?;
+    if nats_replicas > 5 {
+        return Err(invalid(
+            "NATS_REPLICAS",
+            &nats_replicas.to_string(),
+            "1 to 5 (JetStream's limit)",
+        ));
+    }
+    let nats_token = match &raw.nats_token {
+        Some(t) if t.trim().is_empty() => {
+            return Err(ConfigError(format!(
+                "{PREFIX}NATS_TOKEN is empty: set the NATS token, or unset the variable"
+            )));
+        }
+        other => other.clone(),
+    };
+    let replica_id = match nonblank(&raw.replica_id) {
+        Some(id) => id.to_owned(),
+        None => host_name().ok_or_else(|| {
+            ConfigError(format!(
+                "{PREFIX}REPLICA_ID is unset and the host name cannot be read: set {PREFIX}REPLICA_ID"
+            ))
+        })?,
+    };
+    if replica_id.len() > 128 || !replica_id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(
+            "REPLICA_ID",
+            &replica_id,
+            "at most 128 printable ASCII characters without spaces",
+        ));
+    }
+    Ok(Some(ClusterConfig {
+        nats_urls,
+        prefix,
+        nats_replicas,
+        nats_token,
+        nats_creds: nonblank(&raw.nats_creds).map(PathBuf::from),
+        nats_ca: nonblank(&raw.nats_ca).map(PathBuf::from),
+        replica_id,
+    }))
+}
+
+/// This host's name (a pod's name in Kubernetes).
+fn host_name() -> Option<String> {
+    if let Ok(name) = std::env::var("HOSTNAME")
+        && !name.trim().is_empty()
+    {
+        return Some(name.trim().to_owned());
+    }
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let name = name.trim();
+    (!name.is_empty()).then(|| name.to_owned())
 }
 
 fn invalid(name: &str, value: &str, expected: &str) -> ConfigError {

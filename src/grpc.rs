@@ -530,6 +530,9 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
             last_sequence: info.last_sequence,
             auth_enabled: self.auth_enabled,
             tls_enabled: self.tls_enabled,
+            cluster_mode: info.cluster.is_some(),
+            replica_id: info.cluster.as_ref().map(|c| c.replica_id.clone()).unwrap_or_default(),
+            nats_server: info.cluster.map(|c| c.nats_server).unwrap_or_default(),
         }))
     }
 }
@@ -594,6 +597,7 @@ impl From<crate::engine::SubscriptionInfo> for pb::SubscriptionInfo {
             opened_at: Some(info.opened_at.into()),
             peer_address: peer_address(info.peer),
             ack_mode: pb::AckMode::from(info.ack_mode) as i32,
+            replica_id: info.replica_id,
         }
     }
 }
@@ -622,6 +626,7 @@ impl From<crate::engine::EvictionRecord> for pb::EvictionInfo {
             queue_depth: e.queue_depth as u64,
             last_delivered_sequence: e.last_delivered_sequence,
             peer_address: peer_address(e.peer),
+            replica_id: e.replica_id,
         }
     }
 }

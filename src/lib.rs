@@ -10,6 +10,7 @@ pub mod auth;
 pub mod broker;
 pub mod cli;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod connections;
 pub mod engine;

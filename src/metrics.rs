@@ -551,6 +551,11 @@ impl BrokerCollector {
         ] {
             m.dropped.with_label_values(&[reason]).inc_by(count);
         }
+        if let Some(nats) = snapshot.nats {
+            m.dropped
+                .with_label_values(&["nats_slow_consumer"])
+                .inc_by(nats.slow_consumer_dropped);
+        }
 
         let (mut subs, mut queued) = ([0i64; 2], [0i64; 2]);
         for sub in &snapshot.subscriptions {
@@ -643,6 +648,10 @@ struct ResourceMetrics {
     memory_evictions: IntCounter,
     shutting_down: IntGauge,
     shutdown_pending: IntGauge,
+    /// Cluster mode only (left out of a scrape otherwise).
+    nats_connected: IntGauge,
+    nats_reconnects: IntCounter,
+    cluster: bool,
 }
 
 impl ResourceMetrics {
@@ -687,6 +696,15 @@ impl ResourceMetrics {
                 "tinybroker_shutdown_pending_messages",
                 "While shutting down: messages still queued for broadcast subscribers, in group backlogs and held by group members (queued for them, or delivered and not acked), which are discarded if the grace period ends first.",
             )?,
+            nats_connected: IntGauge::new(
+                "tinybroker_nats_connected",
+                "Cluster mode: 1 while this replica is connected to NATS, 0 while it is not (health NOT_SERVING).",
+            )?,
+            nats_reconnects: IntCounter::new(
+                "tinybroker_nats_reconnects_total",
+                "Cluster mode: times this replica's NATS connection came back after it was lost.",
+            )?,
+            cluster: false,
         })
     }
 
@@ -703,6 +721,16 @@ impl ResourceMetrics {
             &self.shutdown_pending,
         ]
     }
+
+    /// What a scrape reports: the cluster-mode series only in cluster mode.
+    fn reported(&self) -> Vec<&dyn Collector> {
+        let mut collectors = self.collectors();
+        if self.cluster {
+            collectors.push(&self.nats_connected);
+            collectors.push(&self.nats_reconnects);
+        }
+        collectors
+    }
 }
 
 impl ResourceCollector {
@@ -716,7 +744,7 @@ impl ResourceCollector {
     }
 
     fn snapshot(&self) -> prometheus::Result<ResourceMetrics> {
-        let m = ResourceMetrics::new()?;
+        let mut m = ResourceMetrics::new()?;
         let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         let snapshot = (self.source)(Peaks::Keep);
         let (messages, incoming) = (snapshot.memory, self.incoming.memory);
@@ -739,6 +767,11 @@ impl ResourceCollector {
             .inc_by(load(&self.incoming.refused_connection_limit));
         m.memory_evictions.inc_by(c.evictions_memory_limit);
         m.shutting_down.set(i64::from(snapshot.shutting_down));
+        if let Some(nats) = snapshot.nats {
+            m.cluster = true;
+            m.nats_connected.set(i64::from(nats.connected));
+            m.nats_reconnects.inc_by(nats.reconnects);
+        }
         m.shutdown_pending.set(if snapshot.shutting_down {
             snapshot.at_risk() as i64
         } else {
@@ -750,12 +783,15 @@ impl ResourceCollector {
 
 impl Collector for ResourceCollector {
     fn desc(&self) -> Vec<&Desc> {
-        self.t.collectors().into_iter().flat_map(|c| c.desc()).collect()
+        let mut all = self.t.collectors();
+        all.push(&self.t.nats_connected);
+        all.push(&self.t.nats_reconnects);
+        all.into_iter().flat_map(|c| c.desc()).collect()
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
         match self.snapshot() {
-            Ok(m) => m.collectors().into_iter().flat_map(|c| c.collect()).collect(),
+            Ok(m) => m.reported().into_iter().flat_map(|c| c.collect()).collect(),
             Err(e) => {
                 tracing::error!(error = %e, "cannot collect resource metrics");
                 Vec::new()
@@ -886,6 +922,7 @@ mod tests {
             queue_depth: 8,
             last_delivered_sequence: 0,
             peer: None,
+            replica_id: String::new(),
         }
     }
 

@@ -4,9 +4,10 @@
 
 use crate::auth::AuthLayer;
 use crate::broker::Broker;
+use crate::cluster::ClusterEngine;
 use crate::config::Config;
 use crate::connections::{self, ConnectionStats};
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineHealth};
 use crate::grpc::{self, AdminService, BrokerService};
 use crate::incoming::IncomingLimits;
 use crate::metrics::Metrics;
@@ -77,10 +78,16 @@ impl Health {
 
 /// Runs until `shutdown` resolves, then drains for up to the configured grace
 /// period, ends every stream and returns. The engine is picked here, once:
-/// the embedded single-node one.
+/// the embedded single-node one, or the cluster engine when
+/// `TINYBROKER_NATS_URL` is set.
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let engine = Broker::new(config.limits.clone());
-    serve(engine, config, listeners, shutdown).await
+    match config.cluster.clone() {
+        None => serve(Broker::new(config.limits.clone()), config, listeners, shutdown).await,
+        Some(cluster) => {
+            let engine = ClusterEngine::start(cluster, config.limits.clone()).await?;
+            serve(engine, config, listeners, shutdown).await
+        }
+    }
 }
 
 /// [`run`] with the engine chosen.
@@ -162,10 +169,10 @@ async fn serve<E: Engine>(
         },
     ));
 
-    health.set(ServingStatus::Serving).await;
     log_started(&config, grpc_addr, metrics_addr);
-
-    shutdown.await;
+    // Health follows the engine until shutdown is asked for or the engine
+    // fails for good (then the process stops with its reason).
+    let failed = follow_health(&engine, &health, shutdown).await;
     tracing::info!(
         grace_seconds = config.shutdown_grace.as_secs(),
         "shutdown requested: health NOT_SERVING, refusing new work, draining queues"
@@ -205,7 +212,35 @@ async fn serve<E: Engine>(
         tracing::warn!("side server did not stop in time; stopping anyway");
     }
     tracing::info!(discarded, "tinybroker stopped");
-    Ok(())
+    match failed {
+        Some(reason) => Err(anyhow::anyhow!(reason)),
+        None => Ok(()),
+    }
+}
+
+/// Sets health SERVING or NOT_SERVING as the engine can serve or not, until
+/// `shutdown` resolves (None) or the engine fails (Some(why)).
+async fn follow_health(engine: &impl Engine, health: &Health, shutdown: impl Future<Output = ()>) -> Option<String> {
+    let mut engine_health = engine.health();
+    tokio::pin!(shutdown);
+    loop {
+        let state = engine_health.borrow_and_update().clone();
+        match state {
+            EngineHealth::Serving => health.set(ServingStatus::Serving).await,
+            EngineHealth::NotServing(_) => health.set(ServingStatus::NotServing).await,
+            EngineHealth::Failed(reason) => return Some(reason),
+        }
+        tokio::select! {
+            _ = &mut shutdown => return None,
+            changed = engine_health.changed() => {
+                if changed.is_err() {
+                    // The engine's health is settled for good.
+                    shutdown.await;
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 /// Waits until nothing that can drain is left or `grace` has passed; true

@@ -112,6 +112,7 @@ impl Broker {
             queue_depth: depth,
             last_delivered_sequence: subscription.last_delivered_sequence(),
             peer: subscription.peer(),
+            replica_id: self.shared.replica_id.to_string(),
         };
         tracing::warn!(
             subscription_id = %record.subscription_id,

@@ -5,8 +5,8 @@ use super::subscription::SubscriptionStream;
 use super::{Broker, RouteCache, WakeBatch};
 use crate::config::Limits;
 use crate::engine::{
-    Acked, BrokerError, DeliveryStream, Engine, EngineInfo, EvictionRecord, GroupInfo, Nacked, NewMessage, Peaks,
-    PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
+    Acked, BrokerError, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord, GroupInfo, Nacked,
+    NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
 };
 use std::future::{Future, ready};
 
@@ -76,6 +76,11 @@ impl Engine for Broker {
 
     fn snapshot(&self, peaks: Peaks) -> Snapshot {
         Broker::snapshot(self, peaks)
+    }
+
+    fn health(&self) -> tokio::sync::watch::Receiver<EngineHealth> {
+        // Always serving: the sender is dropped, the value stays.
+        tokio::sync::watch::channel(EngineHealth::Serving).1
     }
 
     fn draining(&self) -> impl Future<Output = ()> + Send + 'static {

@@ -117,6 +117,8 @@ pub struct Broker {
 
 struct Shared {
     limits: Limits,
+    /// The replica this is the fan-out of (cluster mode; empty otherwise).
+    replica_id: Arc<str>,
     /// Last sequence handed out.
     sequence: AtomicU64,
     /// Pattern trie of live subscriptions. Read-locked by publishers that miss
@@ -152,11 +154,19 @@ struct Shared {
 
 impl Broker {
     pub fn new(limits: Limits) -> Self {
+        Self::for_replica(limits, "", 0)
+    }
+
+    /// The local fan-out of one cluster replica: records name `replica_id`,
+    /// and the sequences it hands out start after `last_sequence` (the
+    /// cluster engine gives each replica its own range).
+    pub fn for_replica(limits: Limits, replica_id: &str, last_sequence: u64) -> Self {
         let memory = MemoryBudget::leak(memory::split(limits.max_memory_bytes).0);
         Self {
             shared: Arc::new(Shared {
                 limits,
-                sequence: AtomicU64::new(0),
+                replica_id: replica_id.into(),
+                sequence: AtomicU64::new(last_sequence),
                 routes: RwLock::new(Sublist::default()),
                 routes_generation: AtomicU64::new(0),
                 subscriptions: Mutex::new(HashMap::new()),
@@ -180,6 +190,12 @@ impl Broker {
 
     pub(crate) fn stats(&self) -> &Stats {
         &self.shared.stats
+    }
+
+    /// Sequences handed out from now on come after `last` (the cluster
+    /// engine's range for this replica start).
+    pub fn start_sequences_after(&self, last: u64) {
+        self.shared.sequence.fetch_max(last, Ordering::Relaxed);
     }
 
     /// The last sequence handed out (0 before the first publish).

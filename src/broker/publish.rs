@@ -128,6 +128,36 @@ impl Broker {
         if routes.is_empty() {
             stats.unrouted.fetch_add(1, Ordering::Relaxed);
         }
+        self.fan_out(published, &routes, at)
+    }
+
+    /// A message another cluster replica published (its sequence and time
+    /// are the publisher's), to this replica's subscriptions. Charged to the
+    /// memory budget like a local one, after evicting readers far behind
+    /// when it is spent; a message already published elsewhere is never
+    /// refused here.
+    pub fn deliver_remote(&self, message: NewMessage, sequence: u64, publish_time: std::time::SystemTime) {
+        let size = super::message_size(&message.topic, &message.payload, &message.headers);
+        if self.reserve(size, &message.topic).is_err() {
+            self.shared.memory.charge(size);
+        }
+        let routes = self.shared.routes.read().matches(&message.topic);
+        let published = Arc::new(Published {
+            topic: message.topic,
+            payload: message.payload,
+            headers: message.headers,
+            sequence,
+            publish_time,
+            size,
+            budget: self.shared.memory,
+        });
+        self.fan_out(published, &routes, PublishTime::now());
+    }
+
+    /// Hands a published message to each of `routes`.
+    fn fan_out(&self, published: Arc<Published>, routes: &[Route], at: PublishTime) -> PublishOutcome {
+        let stats = &self.shared.stats;
+        let sequence = published.sequence;
         let mut outcome = PublishOutcome {
             sequence,
             matched_subscriptions: 0,

@@ -28,7 +28,10 @@ impl Broker {
     /// Every open subscription, oldest first; with [`Peaks::Take`] each
     /// queue starts a new peak period.
     pub fn subscriptions(&self, peaks: Peaks) -> Vec<SubscriptionInfo> {
-        self.live_subscriptions().iter().map(|s| s.info(peaks)).collect()
+        self.live_subscriptions()
+            .iter()
+            .map(|s| s.info(peaks, &self.shared.replica_id))
+            .collect()
     }
 
     /// Every consumer group, by name.
@@ -91,6 +94,7 @@ impl Broker {
                 limit: memory.limit(),
             },
             shutting_down: self.is_shutting_down(),
+            nats: None,
         }
     }
 
@@ -102,6 +106,7 @@ impl Broker {
             subscriptions: self.subscription_count() as u64,
             consumer_groups: self.group_count() as u64,
             last_sequence: self.last_sequence(),
+            cluster: None,
         }
     }
 }

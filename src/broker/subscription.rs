@@ -118,7 +118,7 @@ impl Subscription {
     /// starts a new peak period: called once per scrape, so every scrape
     /// sees the peak of the last two scrape intervals (see
     /// [`Queue::take_peak`]).
-    pub fn info(&self, peaks: Peaks) -> SubscriptionInfo {
+    pub fn info(&self, peaks: Peaks, replica_id: &str) -> SubscriptionInfo {
         let (mode, consumer_group, ack_mode) = match &self.membership {
             Some(m) => (
                 DeliveryMode::Single,
@@ -142,6 +142,7 @@ impl Subscription {
             delivered: self.delivered(),
             opened_at: self.opened_at,
             peer: self.peer,
+            replica_id: replica_id.to_owned(),
         }
     }
 }

@@ -95,6 +95,10 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// [`Peaks::Take`], every queue starts a new peak period (one scrape).
     fn snapshot(&self, peaks: Peaks) -> Snapshot;
 
+    /// Whether the engine can serve, as it changes (the embedded engine
+    /// always can; the cluster engine needs its NATS connection).
+    fn health(&self) -> tokio::sync::watch::Receiver<EngineHealth>;
+
     /// Resolves when shutdown begins (ends idle publish streams).
     fn draining(&self) -> impl Future<Output = ()> + Send + 'static;
 
@@ -172,7 +176,7 @@ pub struct SubscribeRequest {
 
 /// How a subscription receives: the contract's names (`DELIVERY_MODE_*`,
 /// and the `mode` label of the metrics).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DeliveryMode {
     /// Broadcast: every matching message.
     #[default]
@@ -192,7 +196,7 @@ impl DeliveryMode {
 }
 
 /// How a member's messages count as done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum AckMode {
     /// Done once handed to the member's stream (at most once).
     #[default]
@@ -202,7 +206,7 @@ pub enum AckMode {
 }
 
 /// What an Ack did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Acked {
     pub acked: u32,
     /// Sequences the member does not hold (never had, acked already, or
@@ -211,7 +215,7 @@ pub struct Acked {
 }
 
 /// What a Nack did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Nacked {
     /// Handed back (requeued, or dead-lettered after its last attempt).
     pub requeued: u32,
@@ -283,7 +287,7 @@ pub struct StreamEnd {
 }
 
 /// One open subscription, at one moment.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SubscriptionInfo {
     pub subscription_id: String,
     pub mode: DeliveryMode,
@@ -299,6 +303,8 @@ pub struct SubscriptionInfo {
     pub delivered: u64,
     pub opened_at: SystemTime,
     pub peer: Option<SocketAddr>,
+    /// The replica serving it (cluster mode; empty otherwise).
+    pub replica_id: String,
 }
 
 /// One consumer group, at one moment.
@@ -329,7 +335,7 @@ pub struct GroupInfo {
 }
 
 /// One slow-consumer eviction, kept for the Admin API.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct EvictionRecord {
     pub subscription_id: String,
     pub evicted_at: SystemTime,
@@ -337,6 +343,8 @@ pub struct EvictionRecord {
     pub queue_depth: usize,
     pub last_delivered_sequence: u64,
     pub peer: Option<SocketAddr>,
+    /// The replica that served it (cluster mode; empty otherwise).
+    pub replica_id: String,
 }
 
 /// A consumer group removed after its idle TTL while it still held
@@ -347,6 +355,16 @@ pub struct GroupRemoval {
     pub removed_at: SystemTime,
     /// Messages it still held, dropped with it.
     pub dropped: usize,
+}
+
+/// Whether an engine can serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineHealth {
+    Serving,
+    /// Not now, for this reason (health NOT_SERVING; requests UNAVAILABLE).
+    NotServing(String),
+    /// Never: the process should stop, for this reason.
+    Failed(String),
 }
 
 /// Whether reading a [`Snapshot`] starts a new peak period of every queue.
@@ -394,6 +412,18 @@ pub struct Snapshot {
     /// The messages' budget.
     pub memory: MemoryUse,
     pub shutting_down: bool,
+    /// Cluster mode: the replica's NATS connection.
+    pub nats: Option<NatsStatus>,
+}
+
+/// A cluster replica's NATS connection, for the metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NatsStatus {
+    pub connected: bool,
+    pub reconnects: u64,
+    /// Messages NATS (or the client) dropped on their way to this replica
+    /// because it did not read fast enough.
+    pub slow_consumer_dropped: u64,
 }
 
 impl Snapshot {
@@ -421,6 +451,16 @@ pub struct EngineInfo {
     pub subscriptions: u64,
     pub consumer_groups: u64,
     pub last_sequence: u64,
+    /// Cluster mode: this replica and its NATS connection.
+    pub cluster: Option<ClusterInfo>,
+}
+
+/// GetBrokerInfo's cluster-mode part.
+#[derive(Debug, Clone)]
+pub struct ClusterInfo {
+    pub replica_id: String,
+    /// The NATS server connected to (empty while disconnected).
+    pub nats_server: String,
 }
 
 /// A peer address as logs and metrics labels show it.

@@ -1,0 +1,820 @@
+//! The cluster engine (docs/contract.md, "Cluster mode"): several replicas
+//! behind one Service, with a NATS cluster carrying messages between them.
+//! This replica is a gRPC front; NATS is the distributed part.
+//!
+//! What this engine does, and with what:
+//! - **Fan-out** stays local: a replica's subscribers are served by its own
+//!   embedded [`Broker`] (trie, bounded queues, eviction, streams). A publish
+//!   is delivered to this replica's subscribers at once and sent on core NATS
+//!   (`<prefix>.m.<topic>`); every replica holds one subscription on
+//!   `<prefix>.m.>` (taken before it serves) and hands what arrives to its
+//!   own fan-out with the publisher's sequence and time. The connection is
+//!   `no_echo`, so a replica never receives its own publishes twice.
+//! - **Sequences** are unique in the cluster: each replica start takes an
+//!   incarnation number (a revision of the `<prefix>_incarnations` bucket)
+//!   and hands out `incarnation << 44 | n`, n counting up from 1.
+//! - **Subscription ids** are claimed in the `<prefix>_subscriptions`
+//!   bucket (create is a compare-and-set): a second claim of a live id is
+//!   ALREADY_EXISTS wherever it comes from. A claim of a replica that is no
+//!   longer alive (its key in `<prefix>_replicas`, refreshed every
+//!   [`HEARTBEAT`], expired) is taken over.
+//! - **Ack, Nack, CloseSubscription** for a subscription served elsewhere are
+//!   forwarded to its replica (`<prefix>.rpc.<replica>`, a request), and the
+//!   Admin listings gather from every live replica.
+//! - **Health**: NOT_SERVING until the connection, the buckets and the
+//!   fan-out subscription are up, and whenever the connection is lost.
+//!
+//! Consumer groups across replicas (JetStream) are not built yet: a
+//! DELIVERY_MODE_SINGLE subscription is refused with FAILED_PRECONDITION.
+
+mod rpc;
+
+use crate::broker::{Broker, RouteCache, SubscriptionStream, WakeBatch};
+use crate::config::{ClusterConfig, Limits};
+use crate::engine::validate::truncate;
+use crate::engine::{
+    Acked, BrokerError, ClusterInfo, Delivery, DeliveryMode, DeliveryStream, Engine, EngineHealth, EngineInfo,
+    EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd,
+    SubscribeRequest, SubscriptionInfo,
+};
+use crate::pb;
+use async_nats::jetstream::{self, kv};
+use base64::Engine as _;
+use bytes::{BufMut, Bytes, BytesMut};
+use futures::{FutureExt, Stream, StreamExt};
+use parking_lot::Mutex;
+use prost::Message as _;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+use tokio::sync::watch;
+
+/// How often a replica says it is alive.
+pub const HEARTBEAT: Duration = Duration::from_secs(2);
+/// A replica not heard from for this long is taken as gone.
+pub const REPLICA_TTL: Duration = Duration::from_secs(10);
+/// How long a forwarded call or a gathering of listings may take.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bits of a sequence left for the count within one incarnation.
+const SEQUENCE_BITS: u32 = 44;
+/// Most remote messages handed to the local fan-out in one burst.
+const REMOTE_BURST: usize = 128;
+
+/// The cluster engine: a handle, cheap to clone.
+#[derive(Clone)]
+pub struct ClusterEngine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ClusterConfig,
+    /// This replica's subscribers.
+    local: Broker,
+    client: async_nats::Client,
+    /// Set once the buckets exist and the fan-out subscription is up.
+    ready: Mutex<Option<Ready>>,
+    health: watch::Sender<EngineHealth>,
+    connected: AtomicBool,
+    reconnects: AtomicU64,
+    slow_consumer_dropped: AtomicU64,
+    /// Subject prefix of messages: `<prefix>.m.`.
+    message_prefix: String,
+}
+
+/// What the engine has once it is set up.
+#[derive(Clone)]
+struct Ready {
+    subscriptions: kv::Store,
+    replicas: kv::Store,
+}
+
+impl ClusterEngine {
+    /// Starts connecting (in the background: the engine is NOT_SERVING until
+    /// NATS answers) and returns at once.
+    pub async fn start(config: ClusterConfig, limits: Limits) -> anyhow::Result<Self> {
+        let (events_tx, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut options = async_nats::ConnectOptions::new()
+            .name(format!("tinybroker {}", config.replica_id))
+            .no_echo()
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .request_timeout(Some(RPC_TIMEOUT))
+            .event_callback(move |event| {
+                let events_tx = events_tx.clone();
+                async move {
+                    let _ = events_tx.send(event);
+                }
+            });
+        if let Some(token) = &config.nats_token {
+            options = options.token(token.clone());
+        }
+        if let Some(creds) = &config.nats_creds {
+            options = options
+                .credentials_file(creds)
+                .await
+                .map_err(|e| anyhow::anyhow!("TINYBROKER_NATS_CREDS={}: cannot read it: {e}", creds.display()))?;
+        }
+        if let Some(ca) = &config.nats_ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if config.nats_urls.iter().any(|u| u.starts_with("tls://")) {
+            options = options.require_tls(true);
+        }
+        let urls: Vec<async_nats::ServerAddr> = config
+            .nats_urls
+            .iter()
+            .map(|u| u.parse())
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("TINYBROKER_NATS_URL: {e}"))?;
+        let client = options.connect(urls).await?;
+        let (health, _) = watch::channel(EngineHealth::NotServing(format!(
+            "connecting to NATS at {}",
+            config.nats_urls.join(",")
+        )));
+        let engine = Self {
+            inner: Arc::new(Inner {
+                message_prefix: format!("{}.m.", config.prefix),
+                local: Broker::for_replica(limits, &config.replica_id, 0),
+                config,
+                client,
+                ready: Mutex::new(None),
+                health,
+                connected: AtomicBool::new(false),
+                reconnects: AtomicU64::new(0),
+                slow_consumer_dropped: AtomicU64::new(0),
+            }),
+        };
+        let watcher = engine.clone();
+        tokio::spawn(async move {
+            while let Some(event) = events_rx.recv().await {
+                watcher.on_event(event);
+            }
+        });
+        tokio::spawn(engine.clone().set_up());
+        Ok(engine)
+    }
+
+    fn on_event(&self, event: async_nats::Event) {
+        let inner = &self.inner;
+        match event {
+            async_nats::Event::Connected => {
+                if inner.connected.swap(true, Ordering::AcqRel) {
+                    return;
+                }
+                if inner.ready.lock().is_some() {
+                    inner.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
+                    inner.health.send_replace(EngineHealth::Serving);
+                }
+            }
+            async_nats::Event::Disconnected => {
+                inner.connected.store(false, Ordering::Release);
+                tracing::warn!("NATS connection lost: NOT_SERVING until it is back");
+                inner.health.send_replace(EngineHealth::NotServing(
+                    "the NATS connection is lost (reconnecting)".into(),
+                ));
+            }
+            async_nats::Event::SlowConsumer(_)
+            | async_nats::Event::ServerError(async_nats::ServerError::SlowConsumer(_)) => {
+                let dropped = inner.slow_consumer_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                if dropped.is_power_of_two() {
+                    tracing::warn!(
+                        dropped_so_far = dropped,
+                        "NATS dropped messages on their way to this replica: it did not read them fast enough"
+                    );
+                }
+            }
+            other => tracing::info!(event = %other, "NATS connection event"),
+        }
+    }
+
+    /// Creates the buckets, takes an incarnation and the fan-out
+    /// subscription, then serves; retried until it works.
+    async fn set_up(self) {
+        loop {
+            match self.try_set_up().await {
+                Ok(()) => return,
+                Err(SetUpError::Fatal(reason)) => {
+                    tracing::error!("{reason}");
+                    self.inner.health.send_replace(EngineHealth::Failed(reason));
+                    return;
+                }
+                Err(SetUpError::Retry(reason)) => {
+                    tracing::warn!(%reason, "cluster mode not ready yet; retrying in 1 s");
+                    self.inner
+                        .health
+                        .send_replace(EngineHealth::NotServing(format!("NATS is unreachable: {reason}")));
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    async fn try_set_up(&self) -> Result<(), SetUpError> {
+        let inner = &self.inner;
+        let client = &inner.client;
+        if client.connection_state() != async_nats::connection::State::Connected {
+            return Err(SetUpError::Retry(format!(
+                "no connection to {}",
+                inner.config.nats_urls.join(",")
+            )));
+        }
+        inner.connected.store(true, Ordering::Release);
+        let max_payload = client.server_info().max_payload;
+        let max_message_bytes = inner.local.limits().max_message_bytes;
+        if max_message_bytes > max_payload {
+            return Err(SetUpError::Fatal(format!(
+                "TINYBROKER_MAX_MESSAGE_BYTES={max_message_bytes} is above the NATS server's max_payload {max_payload}: lower it, or raise max_payload on the NATS servers"
+            )));
+        }
+        let js = jetstream::new(client.clone());
+        let prefix = &inner.config.prefix;
+        let bucket = |name: &str, max_age: Duration| kv::Config {
+            bucket: format!("{prefix}_{name}"),
+            history: 1,
+            max_age,
+            storage: jetstream::stream::StorageType::Memory,
+            num_replicas: inner.config.nats_replicas,
+            ..Default::default()
+        };
+        let retry = |e: &dyn std::fmt::Display| SetUpError::Retry(format!("JetStream: {e}"));
+        let subscriptions = js
+            .create_key_value(bucket("subscriptions", Duration::ZERO))
+            .await
+            .map_err(|e| retry(&e))?;
+        let replicas = js
+            .create_key_value(bucket("replicas", REPLICA_TTL))
+            .await
+            .map_err(|e| retry(&e))?;
+        let incarnations = js
+            .create_key_value(bucket("incarnations", Duration::ZERO))
+            .await
+            .map_err(|e| retry(&e))?;
+        let incarnation = incarnations
+            .put(key(&inner.config.replica_id), Bytes::new())
+            .await
+            .map_err(|e| retry(&e))?;
+        inner.local.start_sequences_after(incarnation << SEQUENCE_BITS);
+        let remote = client
+            .subscribe(format!("{}>", inner.message_prefix))
+            .await
+            .map_err(|e| retry(&e))?;
+        let calls = client
+            .subscribe(rpc::subject(prefix, &inner.config.replica_id))
+            .await
+            .map_err(|e| retry(&e))?;
+        // Every server knows of the fan-out subscription before this
+        // replica says it serves: a round trip through each other replica
+        // (their servers) proves it (docs/cluster-notes.md).
+        client.flush().await.map_err(|e| retry(&e))?;
+        let ready = Ready {
+            subscriptions,
+            replicas,
+        };
+        self.beat(&ready).await.map_err(|e| retry(&e))?;
+        for replica in self.live_replicas(&ready).await {
+            if replica != inner.config.replica_id {
+                let _ = rpc::call(client, prefix, &replica, &rpc::Call::Ping).await;
+            }
+        }
+        *inner.ready.lock() = Some(ready.clone());
+        tokio::spawn(self.clone().receive(remote));
+        tokio::spawn(self.clone().answer(calls));
+        tokio::spawn(self.clone().heartbeat(ready));
+        tracing::info!(
+            replica_id = %inner.config.replica_id,
+            nats_server = %self.nats_server(),
+            incarnation,
+            "cluster mode: connected to NATS; SERVING"
+        );
+        inner.health.send_replace(EngineHealth::Serving);
+        Ok(())
+    }
+
+    /// Hands messages other replicas published to this replica's fan-out.
+    async fn receive(self, mut remote: async_nats::Subscriber) {
+        let local = &self.inner.local;
+        while let Some(first) = remote.next().await {
+            let _burst = WakeBatch::begin();
+            self.deliver(first);
+            for _ in 1..REMOTE_BURST {
+                match remote.next().now_or_never() {
+                    Some(Some(message)) => self.deliver(message),
+                    _ => break,
+                }
+            }
+            drop(_burst);
+            if local.is_shutting_down() {
+                return;
+            }
+        }
+    }
+
+    fn deliver(&self, message: async_nats::Message) {
+        match pb::Message::decode(message.payload) {
+            Ok(m) => {
+                let publish_time = m
+                    .publish_time
+                    .and_then(|t| SystemTime::try_from(t).ok())
+                    .unwrap_or_else(SystemTime::now);
+                let sequence = m.sequence;
+                self.inner.local.deliver_remote(
+                    NewMessage {
+                        topic: m.topic,
+                        payload: m.payload,
+                        headers: m.headers,
+                    },
+                    sequence,
+                    publish_time,
+                );
+            }
+            Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
+        }
+    }
+
+    /// Answers calls forwarded by other replicas.
+    async fn answer(self, mut calls: async_nats::Subscriber) {
+        while let Some(request) = calls.next().await {
+            let Some(reply) = request.reply.clone() else { continue };
+            let engine = self.clone();
+            tokio::spawn(async move {
+                let answer = match serde_json::from_slice::<rpc::Call>(&request.payload) {
+                    Ok(call) => engine.answer_one(call),
+                    Err(e) => rpc::Answer::Error(rpc::WireError::from(BrokerError::InvalidArgument(format!(
+                        "undecodable forwarded call: {e}"
+                    )))),
+                };
+                let body = serde_json::to_vec(&answer).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "bug: a forwarded call's answer cannot be encoded");
+                    let error = rpc::Answer::Error(rpc::WireError::from(BrokerError::Unavailable(format!(
+                        "the replica could not encode its answer: {e}"
+                    ))));
+                    serde_json::to_vec(&error).unwrap_or_default()
+                });
+                let _ = engine.inner.client.publish(reply, body.into()).await;
+            });
+        }
+    }
+
+    fn answer_one(&self, call: rpc::Call) -> rpc::Answer {
+        let local = &self.inner.local;
+        let result = match call {
+            rpc::Call::Ping => Ok(rpc::Answer::Pong),
+            rpc::Call::Ack { id, sequences } => local.ack(&id, &sequences).map(rpc::Answer::Acked),
+            rpc::Call::Nack { id, sequences } => local.nack(&id, &sequences).map(rpc::Answer::Nacked),
+            rpc::Call::Close { id } => local.close_subscription(&id).map(|()| rpc::Answer::Closed),
+            rpc::Call::ListSubscriptions => Ok(rpc::Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
+            rpc::Call::ListEvictions => Ok(rpc::Answer::Evictions(local.evictions())),
+        };
+        result.unwrap_or_else(|e| rpc::Answer::Error(e.into()))
+    }
+
+    /// Says this replica is alive every [`HEARTBEAT`].
+    async fn heartbeat(self, ready: Ready) {
+        let mut interval = tokio::time::interval(HEARTBEAT);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            if self.inner.local.is_shutting_down() {
+                return;
+            }
+            if let Err(error) = self.beat(&ready).await {
+                tracing::debug!(%error, "heartbeat not written");
+            }
+        }
+    }
+
+    async fn beat(&self, ready: &Ready) -> Result<u64, kv::PutError> {
+        let id = &self.inner.config.replica_id;
+        ready.replicas.put(key(id), Bytes::from(id.clone())).await
+    }
+
+    /// Replicas heard from within [`REPLICA_TTL`], this one included.
+    async fn live_replicas(&self, ready: &Ready) -> Vec<String> {
+        let Ok(keys) = ready.replicas.keys().await else {
+            return vec![self.inner.config.replica_id.clone()];
+        };
+        let mut replicas: Vec<String> = keys
+            .filter_map(|k| async move { k.ok().and_then(|k| unkey(&k)) })
+            .collect()
+            .await;
+        if !replicas.contains(&self.inner.config.replica_id) {
+            replicas.push(self.inner.config.replica_id.clone());
+        }
+        replicas.sort();
+        replicas
+    }
+
+    async fn is_live(&self, ready: &Ready, replica: &str) -> bool {
+        matches!(ready.replicas.entry(key(replica)).await, Ok(Some(e)) if e.operation == kv::Operation::Put)
+    }
+
+    fn nats_server(&self) -> String {
+        let info = self.inner.client.server_info();
+        format!("{}:{} ({})", info.host, info.port, info.server_name)
+    }
+
+    /// The engine's state, or UNAVAILABLE saying why it cannot serve.
+    fn serving(&self) -> Result<Ready, BrokerError> {
+        let reason = match &*self.inner.health.borrow() {
+            EngineHealth::Serving => None,
+            EngineHealth::NotServing(reason) | EngineHealth::Failed(reason) => Some(reason.clone()),
+        };
+        if let Some(reason) = reason {
+            return Err(BrokerError::Unavailable(format!("cluster mode cannot serve: {reason}")));
+        }
+        self.inner
+            .ready
+            .lock()
+            .clone()
+            .ok_or_else(|| BrokerError::Unavailable("cluster mode is not set up yet".into()))
+    }
+
+    /// The replica serving subscription `id`, from the registry.
+    async fn owner(&self, ready: &Ready, id: &str) -> Result<Option<String>, BrokerError> {
+        match ready.subscriptions.entry(key(id)).await {
+            Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                Ok(Some(String::from_utf8_lossy(&e.value).into_owned()))
+            }
+            Ok(_) => Ok(None),
+            Err(e) => Err(BrokerError::Unavailable(format!(
+                "the subscription registry (NATS) did not answer: {e}"
+            ))),
+        }
+    }
+
+    /// Claims subscription id `id` for this replica, cluster-wide.
+    async fn claim(&self, ready: &Ready, id: &str) -> Result<(), BrokerError> {
+        let me = Bytes::from(self.inner.config.replica_id.clone());
+        let unavailable = |e: &dyn std::fmt::Display| {
+            BrokerError::Unavailable(format!("the subscription registry (NATS) did not answer: {e}"))
+        };
+        match ready.subscriptions.create(key(id), me.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(unavailable(&e)),
+        }
+        let entry = ready.subscriptions.entry(key(id)).await.map_err(|e| unavailable(&e))?;
+        let Some(entry) = entry else {
+            return Err(BrokerError::Unavailable(format!(
+                "subscription id {:?} was being claimed at the same moment elsewhere; try again",
+                truncate(id)
+            )));
+        };
+        let holder = String::from_utf8_lossy(&entry.value).into_owned();
+        if entry.operation == kv::Operation::Put && self.is_live(ready, &holder).await {
+            return Err(BrokerError::AlreadyExists(format!(
+                "subscription id {:?} is already open (on replica {holder})",
+                truncate(id)
+            )));
+        }
+        // Deleted, or held by a replica that is gone: take it over.
+        ready
+            .subscriptions
+            .update(key(id), me, entry.revision)
+            .await
+            .map(|_| ())
+            .map_err(|_| {
+                BrokerError::AlreadyExists(format!("subscription id {:?} was just opened elsewhere", truncate(id)))
+            })
+    }
+
+    /// Sends `call` to the replica serving subscription `id`, when that is
+    /// another live replica; None when no replica serves it.
+    async fn forward(&self, ready: &Ready, id: &str, call: rpc::Call) -> Result<Option<rpc::Answer>, BrokerError> {
+        let Some(owner) = self.owner(ready, id).await? else {
+            return Ok(None);
+        };
+        if owner == self.inner.config.replica_id || !self.is_live(ready, &owner).await {
+            return Ok(None);
+        }
+        rpc::call(&self.inner.client, &self.inner.config.prefix, &owner, &call)
+            .await
+            .map(Some)
+    }
+
+    /// Gathers `call`'s answers from every live replica.
+    async fn gather(&self, ready: &Ready, call: rpc::Call) -> Vec<rpc::Answer> {
+        let replicas = self.live_replicas(ready).await;
+        let calls = replicas.iter().map(|replica| {
+            let call = call.clone();
+            async move {
+                if *replica == self.inner.config.replica_id {
+                    return Some(self.answer_one(call));
+                }
+                match rpc::call(&self.inner.client, &self.inner.config.prefix, replica, &call).await {
+                    Ok(answer) => Some(answer),
+                    Err(error) => {
+                        tracing::warn!(replica = %replica, %error, "replica left out of an Admin listing: it did not answer");
+                        None
+                    }
+                }
+            }
+        });
+        futures::future::join_all(calls).await.into_iter().flatten().collect()
+    }
+
+    async fn publish_cluster(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> Result<PublishOutcome, BrokerError> {
+        self.serving()?;
+        let subject = format!("{}{}", self.inner.message_prefix, message.topic);
+        // Everything but the sequence, which routing assigns; protobuf
+        // takes fields in any order, so it is appended after.
+        let mut body = BytesMut::new();
+        let head = pb::Message {
+            topic: message.topic.clone(),
+            payload: message.payload.clone(),
+            headers: message.headers.clone(),
+            publish_time: Some(at.wall.into()),
+            ..Default::default()
+        };
+        head.encode(&mut body)
+            .map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
+        let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
+        body.put_u8(4 << 3); // field 4 (sequence), varint
+        prost::encoding::encode_varint(outcome.sequence, &mut body);
+        if body.len() > self.inner.client.server_info().max_payload {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "message to {:?} takes {} bytes on NATS, above the NATS server's max_payload {}; it reached this replica's subscribers only",
+                truncate(&subject),
+                body.len(),
+                self.inner.client.server_info().max_payload
+            )));
+        }
+        self.inner.client.publish(subject, body.freeze()).await.map_err(|e| {
+            BrokerError::Unavailable(format!(
+                "NATS is unreachable ({e}): the message reached this replica's subscribers only"
+            ))
+        })?;
+        Ok(outcome)
+    }
+
+    async fn subscribe_cluster(&self, request: SubscribeRequest) -> Result<ClusterStream, BrokerError> {
+        let ready = self.serving()?;
+        if request.mode == DeliveryMode::Single {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "consumer group {:?}: consumer groups are not available in cluster mode yet (TINYBROKER_NATS_URL is set); use broadcast subscriptions, or run a single replica without TINYBROKER_NATS_URL",
+                truncate(&request.consumer_group)
+            )));
+        }
+        let mut request = request;
+        if request.subscription_id.is_empty() {
+            request.subscription_id = uuid::Uuid::new_v4().to_string();
+        } else {
+            crate::engine::validate::name_field("subscription_id", &request.subscription_id)?;
+        }
+        crate::engine::validate::patterns(&request.topic_patterns)?;
+        let id = request.subscription_id.clone();
+        self.claim(&ready, &id).await?;
+        let release = Release {
+            store: ready.subscriptions.clone(),
+            id: id.clone(),
+        };
+        let inner = self.inner.local.subscribe(request)?;
+        Ok(ClusterStream {
+            inner,
+            release: Some(release),
+        })
+    }
+}
+
+enum SetUpError {
+    Retry(String),
+    Fatal(String),
+}
+
+/// A registry key for any id: base64url, which KV keys accept.
+fn key(id: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id)
+}
+
+fn unkey(key: &str) -> Option<String> {
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(key).ok()?;
+    String::from_utf8(bytes).ok()
+}
+
+/// Gives a subscription id back to the registry when its stream ends.
+struct Release {
+    store: kv::Store,
+    id: String,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let (store, key) = (self.store.clone(), key(&self.id));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = store.delete(key).await;
+            });
+        }
+    }
+}
+
+/// A subscription of this replica: the local stream, and its claim on the id.
+pub struct ClusterStream {
+    inner: SubscriptionStream,
+    release: Option<Release>,
+}
+
+impl Stream for ClusterStream {
+    type Item = Delivery;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+impl DeliveryStream for ClusterStream {
+    fn id(&self) -> &str {
+        DeliveryStream::id(&self.inner)
+    }
+
+    fn consumer_group(&self) -> Option<&str> {
+        DeliveryStream::consumer_group(&self.inner)
+    }
+
+    fn end(&self) -> Option<StreamEnd> {
+        self.inner.end()
+    }
+}
+
+impl Drop for ClusterStream {
+    fn drop(&mut self) {
+        // The local subscription closes first (dropping `inner` after this),
+        // then the id is released: never claimable while still open here.
+        self.release.take();
+    }
+}
+
+impl Engine for ClusterEngine {
+    type Publisher = RouteCache;
+    type Burst = WakeBatch;
+    type Stream = ClusterStream;
+
+    fn limits(&self) -> &Limits {
+        self.inner.local.limits()
+    }
+
+    fn publish(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send {
+        self.publish_cluster(message, publisher, at)
+    }
+
+    fn burst(&self) -> WakeBatch {
+        WakeBatch::begin()
+    }
+
+    fn subscribe(&self, request: SubscribeRequest) -> impl Future<Output = Result<ClusterStream, BrokerError>> + Send {
+        self.subscribe_cluster(request)
+    }
+
+    async fn ack(&self, subscription_id: &str, sequences: &[u64]) -> Result<Acked, BrokerError> {
+        crate::engine::validate::ack_request("Ack", subscription_id, sequences)?;
+        match self.inner.local.ack(subscription_id, sequences) {
+            Err(BrokerError::NotFound(message)) => {
+                let ready = self.serving()?;
+                let call = rpc::Call::Ack {
+                    id: subscription_id.to_owned(),
+                    sequences: sequences.to_vec(),
+                };
+                match self.forward(&ready, subscription_id, call).await? {
+                    Some(rpc::Answer::Acked(acked)) => Ok(acked),
+                    Some(answer) => Err(answer.into_error()),
+                    None => Err(BrokerError::NotFound(message)),
+                }
+            }
+            result => result,
+        }
+    }
+
+    async fn nack(&self, subscription_id: &str, sequences: &[u64]) -> Result<Nacked, BrokerError> {
+        crate::engine::validate::ack_request("Nack", subscription_id, sequences)?;
+        match self.inner.local.nack(subscription_id, sequences) {
+            Err(BrokerError::NotFound(message)) => {
+                let ready = self.serving()?;
+                let call = rpc::Call::Nack {
+                    id: subscription_id.to_owned(),
+                    sequences: sequences.to_vec(),
+                };
+                match self.forward(&ready, subscription_id, call).await? {
+                    Some(rpc::Answer::Nacked(nacked)) => Ok(nacked),
+                    Some(answer) => Err(answer.into_error()),
+                    None => Err(BrokerError::NotFound(message)),
+                }
+            }
+            result => result,
+        }
+    }
+
+    async fn close_subscription(&self, subscription_id: &str) -> Result<(), BrokerError> {
+        match self.inner.local.close_subscription(subscription_id) {
+            Err(BrokerError::NotFound(message)) => {
+                let ready = self.serving()?;
+                let call = rpc::Call::Close {
+                    id: subscription_id.to_owned(),
+                };
+                match self.forward(&ready, subscription_id, call).await? {
+                    Some(rpc::Answer::Closed) => Ok(()),
+                    Some(answer) => Err(answer.into_error()),
+                    None => Err(BrokerError::NotFound(message)),
+                }
+            }
+            result => result,
+        }
+    }
+
+    async fn list_subscriptions(&self) -> Result<Vec<SubscriptionInfo>, BrokerError> {
+        let ready = self.serving()?;
+        let mut all = Vec::new();
+        for answer in self.gather(&ready, rpc::Call::ListSubscriptions).await {
+            if let rpc::Answer::Subscriptions(mut list) = answer {
+                all.append(&mut list);
+            }
+        }
+        all.sort_by(|a, b| {
+            a.opened_at
+                .cmp(&b.opened_at)
+                .then_with(|| a.subscription_id.cmp(&b.subscription_id))
+        });
+        Ok(all)
+    }
+
+    async fn list_groups(&self) -> Result<Vec<GroupInfo>, BrokerError> {
+        Ok(Vec::new())
+    }
+
+    async fn list_evictions(&self) -> Result<Vec<EvictionRecord>, BrokerError> {
+        let ready = self.serving()?;
+        let mut all = Vec::new();
+        for answer in self.gather(&ready, rpc::Call::ListEvictions).await {
+            if let rpc::Answer::Evictions(mut list) = answer {
+                all.append(&mut list);
+            }
+        }
+        all.sort_by_key(|e| std::cmp::Reverse(e.evicted_at));
+        all.truncate(crate::broker::EVICTION_HISTORY);
+        Ok(all)
+    }
+
+    async fn info(&self) -> Result<EngineInfo, BrokerError> {
+        let mut info = self.inner.local.info();
+        let connected = self.inner.connected.load(Ordering::Acquire);
+        info.cluster = Some(ClusterInfo {
+            replica_id: self.inner.config.replica_id.clone(),
+            nats_server: if connected { self.nats_server() } else { String::new() },
+        });
+        Ok(info)
+    }
+
+    fn snapshot(&self, peaks: Peaks) -> Snapshot {
+        let mut snapshot = self.inner.local.snapshot(peaks);
+        snapshot.nats = Some(NatsStatus {
+            connected: self.inner.connected.load(Ordering::Acquire),
+            reconnects: self.inner.reconnects.load(Ordering::Relaxed),
+            slow_consumer_dropped: self.inner.slow_consumer_dropped.load(Ordering::Relaxed),
+        });
+        snapshot
+    }
+
+    fn health(&self) -> watch::Receiver<EngineHealth> {
+        self.inner.health.subscribe()
+    }
+
+    fn draining(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.inner.local.draining()
+    }
+
+    fn begin_shutdown(&self) {
+        self.inner.local.begin_shutdown();
+    }
+
+    fn drainable(&self) -> usize {
+        self.inner.local.drainable()
+    }
+
+    fn close_all(&self) -> usize {
+        self.inner.local.close_all()
+    }
+
+    async fn maintain(self, stop: impl Future<Output = ()> + Send + 'static) {
+        self.inner.local.clone().maintain(stop).await;
+        // Leave the cluster: this replica's ids are released as its streams
+        // end; say it is gone, and flush what is unsent.
+        let ready = self.inner.ready.lock().clone();
+        if let Some(ready) = ready {
+            let _ = ready.replicas.delete(key(&self.inner.config.replica_id)).await;
+        }
+        let _ = self.inner.client.flush().await;
+    }
+}

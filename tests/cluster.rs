@@ -1,0 +1,279 @@
+//! Cluster mode (docs/contract.md, "Cluster mode"): tinybroker replicas on
+//! ephemeral ports over a real 3-node NATS cluster (tests/common/nats.rs),
+//! each replica connected to a different NATS server first, with the stock
+//! tonic clients. Skipped without a nats-server >= 2.10 unless
+//! `TB_REQUIRE_TEST_TOOLS=1` (`.ci/run` installs one).
+
+mod common;
+
+use common::nats::NatsCluster;
+use common::process::metric_sum;
+use common::*;
+use std::time::Duration;
+use tinybroker::config::{ClusterConfig, Config};
+use tinybroker::pb;
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// A replica named `id` connected to `urls` (its first server first).
+fn replica_config(urls: Vec<String>, id: &str, prefix: &str) -> Config {
+    Config {
+        cluster: Some(ClusterConfig {
+            nats_urls: urls,
+            prefix: prefix.into(),
+            nats_replicas: 3,
+            nats_token: None,
+            nats_creds: None,
+            nats_ca: None,
+            replica_id: id.into(),
+        }),
+        ..config()
+    }
+}
+
+/// The URLs of `nats`, server `first` first.
+fn urls_from(nats: &NatsCluster, first: usize) -> Vec<String> {
+    let mut urls = nats.urls();
+    urls.rotate_left(first);
+    urls
+}
+
+async fn serving_status(broker: &TestBroker) -> Option<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(broker.url())
+        .ok()?
+        .connect()
+        .await
+        .ok()?;
+    let response = HealthClient::new(channel)
+        .check(HealthCheckRequest { service: String::new() })
+        .await
+        .ok()?;
+    ServingStatus::try_from(response.into_inner().status).ok()
+}
+
+async fn wait_serving(broker: &TestBroker) {
+    wait_until("the replica to be SERVING", || async {
+        serving_status(broker).await == Some(ServingStatus::Serving)
+    })
+    .await;
+}
+
+/// `n` replicas over `nats`, replica i connected to server i first, all
+/// SERVING.
+async fn replicas(nats: &NatsCluster, n: usize, prefix: &str) -> Vec<TestBroker> {
+    let mut brokers = Vec::new();
+    for i in 0..n {
+        let broker = start_with(replica_config(
+            urls_from(nats, i % nats.len()),
+            &format!("r{i}"),
+            prefix,
+        ))
+        .await;
+        brokers.push(broker);
+    }
+    for broker in &brokers {
+        wait_serving(broker).await;
+    }
+    brokers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_published_on_one_replica_reaches_subscribers_on_every_replica() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas(&nats, 3, "fanout").await;
+        let mut streams = Vec::new();
+        for broker in &brokers {
+            let mut client = broker.client().await;
+            streams.push(subscribe(&mut client, &["deploy.*", "deploy.>"]).await.0);
+        }
+        let mut publisher = brokers[0].client().await;
+        let mut sequences = Vec::new();
+        for i in 0..20 {
+            let r = publisher
+                .publish(publish_request("deploy.web", &format!("m{i}")))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.matched_subscriptions, 1, "this replica's own subscriber");
+            sequences.push(r.sequence);
+        }
+        assert!(sequences.windows(2).all(|w| w[0] < w[1]), "increasing: {sequences:?}");
+        for (i, stream) in streams.iter_mut().enumerate() {
+            for (n, sequence) in sequences.iter().enumerate() {
+                let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
+                    .await
+                    .unwrap_or_else(|_| panic!("replica {i}: message {n} never came"))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(
+                    (m.topic.as_str(), &m.payload[..], m.sequence),
+                    ("deploy.web", format!("m{n}").as_bytes(), *sequence),
+                    "replica {i}: in order, once, with the publisher's sequence"
+                );
+            }
+        }
+        // A second replica's publishes get sequences of their own, never
+        // one the first handed out.
+        let r = brokers[1]
+            .client()
+            .await
+            .publish(publish_request("deploy.api", "x"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!sequences.contains(&r.sequence));
+        for stream in &mut streams {
+            let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
+                .await
+                .expect("the second replica's message")
+                .unwrap()
+                .unwrap();
+            assert_eq!((m.topic.as_str(), m.sequence), ("deploy.api", r.sequence));
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscription_ids_are_unique_in_the_cluster_and_close_works_from_any_replica() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas(&nats, 2, "ids").await;
+        let mut on_0 = brokers[0].client().await;
+        let mut request = subscribe_request(&["orders.>"]);
+        request.subscription_id = "billing".into();
+        let mut stream = on_0.open_subscription(request.clone()).await.unwrap().into_inner();
+
+        let mut on_1 = brokers[1].client().await;
+        let err = on_1
+            .open_subscription(request.clone())
+            .await
+            .expect_err("a second 'billing'");
+        assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+        assert!(err.message().contains("billing"), "{}", err.message());
+
+        // Admin on the other replica lists it, naming its replica.
+        let listed = listed(brokers[1].subscriptions().await, "billing").expect("listed cluster-wide");
+        assert_eq!(listed.replica_id, "r0");
+
+        // Ack for a broadcast subscription served elsewhere: forwarded, all unknown.
+        let ack = on_1
+            .ack(pb::AckRequest {
+                subscription_id: "billing".into(),
+                sequences: vec![1, 2],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((ack.acked, ack.unknown), (0, 2));
+
+        // CloseSubscription through the replica that does not serve it.
+        brokers[1]
+            .admin()
+            .await
+            .close_subscription(pb::CloseSubscriptionRequest {
+                subscription_id: "billing".into(),
+            })
+            .await
+            .unwrap();
+        let end = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .unwrap();
+        assert!(matches!(end, Ok(None)), "the stream ends cleanly: {end:?}");
+        let missing = brokers[1]
+            .admin()
+            .await
+            .close_subscription(pb::CloseSubscriptionRequest {
+                subscription_id: "nobody".into(),
+            })
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(missing.code(), Code::NotFound, "{missing:?}");
+
+        // Once closed, the id is free again anywhere.
+        wait_until("the id to be released", || {
+            let mut on_1 = on_1.clone();
+            let request = request.clone();
+            async move { on_1.open_subscription(request).await.is_ok() }
+        })
+        .await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nats_comes() {
+    let Some(mut nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        nats.stop(0).await;
+        let mut config = replica_config(nats.urls(), "alone", "late");
+        if let Some(c) = config.cluster.as_mut() {
+            c.nats_replicas = 1;
+        }
+        let broker = start_with(config).await;
+        wait_until("health NOT_SERVING", || async {
+            serving_status(&broker).await == Some(ServingStatus::NotServing)
+        })
+        .await;
+        let err = broker
+            .client()
+            .await
+            .publish(publish_request("a.b", "x"))
+            .await
+            .expect_err("refused while NATS is down");
+        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        assert!(err.message().contains("NATS"), "{}", err.message());
+        let (_, metrics) = broker.http_get("/metrics").await;
+        assert_eq!(metric_sum(&metrics, "tinybroker_nats_connected"), 0.0, "{metrics}");
+
+        nats.restart(0).await;
+        wait_serving(&broker).await;
+        let info = broker
+            .admin()
+            .await
+            .get_broker_info(pb::GetBrokerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(info.cluster_mode);
+        assert_eq!(info.replica_id, "alone");
+        assert!(!info.nats_server.is_empty());
+        let (_, metrics) = broker.http_get("/metrics").await;
+        assert_eq!(metric_sum(&metrics, "tinybroker_nats_connected"), 1.0, "{metrics}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_groups_are_refused_in_cluster_mode_for_now() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let mut config = replica_config(nats.urls(), "g", "groups");
+        if let Some(c) = config.cluster.as_mut() {
+            c.nats_replicas = 1;
+        }
+        let broker = start_with(config).await;
+        wait_serving(&broker).await;
+        let err = broker
+            .client()
+            .await
+            .open_subscription(member_request(&["jobs.*"], "workers", false, 0))
+            .await
+            .expect_err("refused");
+        assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+        assert!(err.message().contains("workers"), "{}", err.message());
+    })
+    .await;
+}
