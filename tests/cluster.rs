@@ -277,3 +277,89 @@ async fn consumer_groups_are_refused_in_cluster_mode_for_now() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
+    let Some(nats) = NatsCluster::start(3).await else { return };
+    timeout(async {
+        let mut brokers = replicas(&nats, 2, "shutdown").await;
+        let mut request = subscribe_request(&["jobs.>"]);
+        request.subscription_id = "worker-7".into();
+        let response = brokers[0].client().await.open_subscription(request.clone()).await.unwrap();
+        let mut stream = response.into_inner();
+        let leaving = brokers.remove(0);
+        leaving.stop().await;
+        let end = tokio::time::timeout(Duration::from_secs(10), stream.message()).await;
+        assert!(matches!(end, Ok(Ok(None)) | Ok(Err(_))), "the stream ended: {end:?}");
+        // The client library re-subscribes elsewhere with the same id.
+        let mut on_1 = brokers[0].client().await;
+        let started = std::time::Instant::now();
+        let _reopened = loop {
+            match on_1.open_subscription(request.clone()).await {
+                Ok(stream) => break stream,
+                Err(e) if started.elapsed() < Duration::from_secs(20) => {
+                    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("the id was never freed: {e:?}"),
+            }
+        };
+        let again = on_1.open_subscription(request).await.expect_err("open already");
+        assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving() {
+    let Some(mut nats) = NatsCluster::start(3).await else { return };
+    timeout(async {
+        let brokers = replicas(&nats, 2, "failover").await;
+        let mut subscriber = brokers[0].client().await;
+        let (mut stream, _) = subscribe(&mut subscriber, &["metrics.>"]).await;
+        // Replica 0 is connected to server 0 first.
+        nats.kill(0);
+        wait_until("replica 0 to reconnect", || async {
+            let (_, metrics) = brokers[0].http_get("/metrics").await;
+            metric_sum(&metrics, "tinybroker_nats_reconnects_total") >= 1.0
+                && metric_sum(&metrics, "tinybroker_nats_connected") == 1.0
+        })
+        .await;
+        wait_serving(&brokers[0]).await;
+        let mut publisher = brokers[1].client().await;
+        // Core NATS keeps nothing for a replica while it moves: publish until
+        // its interest is known again, then every message arrives in order.
+        let first = loop {
+            let r = publisher
+                .publish(publish_request("metrics.cpu", "probe"))
+                .await
+                .unwrap()
+                .into_inner();
+            if let Ok(Ok(Some(m))) = tokio::time::timeout(Duration::from_millis(200), stream.message()).await {
+                break m.sequence.max(r.sequence);
+            }
+        };
+        let mut sent = Vec::new();
+        for i in 0..10 {
+            let r = publisher
+                .publish(publish_request("metrics.cpu", &format!("after-{i}")))
+                .await
+                .unwrap()
+                .into_inner();
+            sent.push(r.sequence);
+        }
+        let mut got = Vec::new();
+        while got.len() < sent.len() {
+            let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
+                .await
+                .expect("a message after the failover")
+                .unwrap()
+                .unwrap();
+            if m.sequence > first {
+                got.push(m.sequence);
+            }
+        }
+        assert_eq!(got, sent);
+    })
+    .await;
+}

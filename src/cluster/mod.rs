@@ -100,6 +100,10 @@ impl ClusterEngine {
             .name(format!("tinybroker {}", config.replica_id))
             .no_echo()
             .retry_on_initial_connect()
+            // The servers in the order given: the first one first (a
+            // Service URL in Kubernetes; the tests give each replica its
+            // own first server).
+            .retain_servers_order()
             .max_reconnects(None)
             .request_timeout(Some(RPC_TIMEOUT))
             .event_callback(move |event| {
