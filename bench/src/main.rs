@@ -35,10 +35,12 @@ struct Cli {
     #[arg(long)]
     rounds: Option<usize>,
     /// Only workloads whose id or label contains this (repeatable):
-    /// fanout-3-16, fanout-3-256, fanout-3-4096, fanout-30-…, latency, group, stalled, idle.
+    /// fanout-3-16, fanout-3-256, fanout-3-4096, fanout-30-…, latency, group, stalled,
+    /// wide-paced, wide-max (`wide` for both), idle, idle-100.
     #[arg(long)]
     only: Vec<String>,
-    /// Tiny configuration for CI: 3000 messages, 1 round, 1000 idle subscriptions.
+    /// Tiny configuration for CI: 3000 messages, 1 round, 1000 idle subscriptions,
+    /// wide fan-out to 100 subscribers for 2 s (paced) and 500 messages (unthrottled).
     #[arg(long)]
     quick: bool,
     /// Leave Redis out.
@@ -49,9 +51,22 @@ struct Cli {
     /// for profiling one of them; ratios need NATS in the run.
     #[arg(long)]
     system: Vec<String>,
-    /// Idle subscriptions of the idle workload.
+    /// Idle subscriptions of the idle workloads.
     #[arg(long)]
     idle_subscriptions: Option<usize>,
+    /// Subscribers of the wide fan-out workloads, 50 per connection
+    /// (default 1000; 100 with --quick).
+    #[arg(long)]
+    wide_subscribers: Option<usize>,
+    /// Publishing rate of the paced wide fan-out run, messages per second.
+    #[arg(long, default_value_t = 200)]
+    wide_rate: u64,
+    /// Length of the paced wide fan-out run (default 10; 2 with --quick).
+    #[arg(long)]
+    wide_seconds: Option<u64>,
+    /// Messages of the unthrottled wide fan-out run (default 10000; 500 with --quick).
+    #[arg(long)]
+    wide_messages: Option<u64>,
     /// Flow-control window: most messages the publisher keeps ahead of the
     /// slowest live subscriber (or group).
     #[arg(long, default_value_t = 2048)]
@@ -125,7 +140,17 @@ async fn run(cli: Cli) -> Result<bool> {
     measure::epoch();
     let messages = cli.messages.unwrap_or(if cli.quick { 3000 } else { 500_000 });
     let rounds = cli.rounds.unwrap_or(if cli.quick { 1 } else { 3 }).max(1);
-    let idle = cli.idle_subscriptions.unwrap_or(if cli.quick { 1000 } else { 10_000 });
+    let scale = workloads::Scale {
+        messages,
+        idle_subs: cli.idle_subscriptions.unwrap_or(if cli.quick { 1000 } else { 10_000 }),
+        wide_subs: cli
+            .wide_subscribers
+            .unwrap_or(if cli.quick { 100 } else { 1000 })
+            .max(1),
+        wide_rate: cli.wide_rate.max(1),
+        wide_seconds: cli.wide_seconds.unwrap_or(if cli.quick { 2 } else { 10 }).max(1),
+        wide_messages: cli.wide_messages.unwrap_or(if cli.quick { 500 } else { 10_000 }),
+    };
     if cli.window as usize > cli.consumer_capacity {
         bail!(
             "--window {} must fit in --consumer-capacity {} (half of it is comfortable)",
@@ -151,7 +176,7 @@ async fn run(cli: Cli) -> Result<bool> {
         window: cli.window,
         consumer_capacity: cli.consumer_capacity,
     };
-    let selected: Vec<Case> = workloads::cases(messages, idle, !cli.skip_redis)
+    let selected: Vec<Case> = workloads::cases(&scale, !cli.skip_redis)
         .into_iter()
         .filter(|c| cli.only.is_empty() || cli.only.iter().any(|o| c.id.contains(o) || c.label.contains(o)))
         .map(|mut c| {
@@ -196,12 +221,20 @@ async fn run(cli: Cli) -> Result<bool> {
                 match &outcome {
                     Ok(res) => {
                         eprintln!(
-                            "[{round}/{rounds}] {} / {}: delivered/s {:.0}, lost {}, dup {}{}",
+                            "[{round}/{rounds}] {} / {}: delivered/s {:.0}, lost {}, dup {}{}{}",
                             case.id,
                             r.variant,
                             res.delivered_per_s.unwrap_or(0.0),
                             res.lost,
                             res.dup,
+                            res.latency
+                                .filter(|_| matches!(case.spec, workloads::Spec::Wide { rate: Some(_), .. }))
+                                .map(|l| format!(", p50/p99/p999 {:.2}/{:.2}/{:.2} ms", l.p50, l.p99, l.p999))
+                                .unwrap_or_default()
+                                + &res
+                                    .cpu_s_per_m
+                                    .map(|c| format!(", server CPU {c:.3} s per M deliveries"))
+                                    .unwrap_or_default(),
                             res.rss_per_sub_bytes
                                 .map(|b| format!(", RSS/sub {b:.0} B"))
                                 .unwrap_or_default()

@@ -105,11 +105,54 @@ pub async fn stalled(server: &Server, pattern: &str) -> Result<Box<dyn Send>> {
     .await?
 }
 
-/// `count` idle subscriptions on distinct literal subjects, `per_conn` per connection.
-pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
-    let conns = count.div_ceil(per_conn);
-    let opened = futures::future::try_join_all((0..conns).map(|c| async move {
+/// Opens `recs.len()` subscribers that share one client connection (each
+/// subscription its own `Subscriber` and its own receive loop), confirmed by
+/// one round trip after the last `SUB`.
+pub async fn subscribe_shared(
+    server: &Server,
+    pattern: &str,
+    recs: Vec<Recorder>,
+    stop: CancellationToken,
+) -> Result<Vec<JoinHandle<Tally>>> {
+    let client = connect(server).await?;
+    let mut subs = Vec::with_capacity(recs.len());
+    for _ in 0..recs.len() {
+        subs.push(
+            within(NET, "subscribing", client.subscribe(pattern.to_owned()))
+                .await?
+                .context("NATS subscribe")?,
+        );
+    }
+    round_trip(&client).await?;
+    Ok(subs
+        .into_iter()
+        .zip(recs)
+        .map(|(sub, rec)| {
+            let client = client.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let _client = client;
+                drive(sub.map(Ok::<_, Infallible>), rec, stop, |_: &async_nats::Message| {}).await
+            })
+        })
+        .collect())
+}
+
+/// `conns` connections with no subscription yet, each confirmed by a round
+/// trip, for [`idle_on`].
+pub async fn idle_connections(server: &Server, conns: usize) -> Result<Vec<Client>> {
+    futures::future::try_join_all((0..conns).map(|_| async {
         let client = connect(server).await?;
+        round_trip(&client).await?;
+        anyhow::Ok(client)
+    }))
+    .await
+}
+
+/// `count` idle subscriptions on distinct literal subjects (`idle.<i>`),
+/// `per_conn` on each of `clients` in turn.
+pub async fn idle_on(clients: Vec<Client>, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let opened = futures::future::try_join_all(clients.into_iter().enumerate().map(|(c, client)| async move {
         let mut subs = Vec::with_capacity(per_conn);
         for i in c * per_conn..((c + 1) * per_conn).min(count) {
             subs.push(
@@ -123,6 +166,12 @@ pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<
     }))
     .await?;
     Ok(Box::new(opened))
+}
+
+/// `count` idle subscriptions on distinct literal subjects, `per_conn` per connection.
+pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let clients = idle_connections(server, count.div_ceil(per_conn)).await?;
+    idle_on(clients, count, per_conn).await
 }
 
 /// The server's `/varz` document.

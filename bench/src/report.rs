@@ -39,6 +39,7 @@ pub struct Summary {
     pub dup: u64,
     pub peak_rss_kib: Option<f64>,
     pub cpu: Option<f64>,
+    pub cpu_per_m: Option<f64>,
     pub rss_per_sub: Option<f64>,
     pub split: Option<Vec<f64>>,
     pub flagged: Option<(usize, usize)>,
@@ -71,6 +72,7 @@ impl Summary {
             dup: ok.iter().map(|r| r.dup).sum(),
             peak_rss_kib: m(&|r| Some(r.peak_rss_kib as f64)),
             cpu: m(&|r| Some(r.cpu_percent)),
+            cpu_per_m: m(&|r| r.cpu_s_per_m),
             rss_per_sub: m(&|r| r.rss_per_sub_bytes),
             split,
             flagged: (!flags.is_empty()).then(|| (flags.iter().filter(|f| **f).count(), flags.len())),
@@ -126,6 +128,18 @@ fn vs_nats(spec: &Spec, s: &Summary, nats: &Summary) -> String {
             times(ratio(s.p999, nats.p999))
         ),
         Spec::Idle { .. } => format!("RSS/sub {}", times(ratio(s.rss_per_sub, nats.rss_per_sub))),
+        Spec::Wide { rate: Some(_), .. } => format!(
+            "CPU/M {}, p50 {}, p99 {}, p999 {}",
+            times(ratio(s.cpu_per_m, nats.cpu_per_m)),
+            times(ratio(s.p50, nats.p50)),
+            times(ratio(s.p99, nats.p99)),
+            times(ratio(s.p999, nats.p999))
+        ),
+        Spec::Wide { rate: None, .. } => format!(
+            "{} (CPU/M {})",
+            times(ratio(s.delivered, nats.delivered)),
+            times(ratio(s.cpu_per_m, nats.cpu_per_m))
+        ),
         Spec::FanOut { .. } => format!(
             "{} (pub {})",
             times(ratio(s.delivered, nats.delivered)),
@@ -139,9 +153,9 @@ fn vs_nats(spec: &Spec, s: &Summary, nats: &Summary) -> String {
 pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
     let mut out = String::new();
     out.push_str(
-        "| workload | system | published/s | delivered/s | p50 ms | p99 ms | p999 ms | lost/dup | peak RSS | CPU % | vs NATS | notes |\n",
+        "| workload | system | published/s | delivered/s | p50 ms | p99 ms | p999 ms | lost/dup | peak RSS | CPU % | CPU s/M | vs NATS | notes |\n",
     );
-    out.push_str("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|\n");
+    out.push_str("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|\n");
     let mut notes = Vec::new();
     // The stalled run's baseline: the same live subscribers, none stalled.
     let baseline: Vec<(Variant, Summary)> = cases
@@ -161,7 +175,7 @@ pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
             if s.ok == 0 {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | error | | | | | | | | | failed in all {} rounds |",
+                    "| {} | {} | error | | | | | | | | | | failed in all {} rounds |",
                     case.label, r.variant, s.rounds
                 );
                 notes.extend(s.errors.iter().map(|e| format!("{label}: {e}")));
@@ -205,7 +219,7 @@ pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
                 .unwrap_or_else(|| "—".into());
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} | {} | {} | {} |",
                 case.label,
                 r.variant,
                 rate(s.published),
@@ -217,6 +231,7 @@ pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
                 s.dup,
                 rss,
                 s.cpu.map(|c| format!("{c:.0}")).unwrap_or_else(|| "—".into()),
+                s.cpu_per_m.map(|c| format!("{c:.3}")).unwrap_or_else(|| "—".into()),
                 vs,
                 note.join("; ")
             );

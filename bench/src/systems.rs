@@ -299,15 +299,20 @@ impl ProcStats {
         })
     }
 
-    /// CPU used between two snapshots, in % of one core.
-    pub fn cpu_percent_since(&self, earlier: &ProcStats) -> f64 {
+    /// CPU (utime + stime) used between two snapshots, in seconds.
+    pub fn cpu_seconds_since(&self, earlier: &ProcStats) -> f64 {
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        self.cpu_ticks.saturating_sub(earlier.cpu_ticks) as f64 / hz
+    }
+
+    /// CPU used between two snapshots, in % of one core.
+    pub fn cpu_percent_since(&self, earlier: &ProcStats) -> f64 {
         let secs = self.at.duration_since(earlier.at).as_secs_f64();
         if secs <= 0.0 {
             return 0.0;
         }
-        (self.cpu_ticks.saturating_sub(earlier.cpu_ticks)) as f64 / hz / secs * 100.0
+        self.cpu_seconds_since(earlier) / secs * 100.0
     }
 }
 

@@ -42,6 +42,11 @@ pub enum Mode {
 }
 
 pub async fn connect(server: &Server, window: Option<u32>) -> Result<BrokerClient<Channel>> {
+    Ok(BrokerClient::new(channel(server, window).await?))
+}
+
+/// One HTTP/2 connection to the broker.
+async fn channel(server: &Server, window: Option<u32>) -> Result<Channel> {
     let mut ep = Endpoint::from_shared(format!("http://{}", server.addr))
         .context("building the tinybroker endpoint")?
         .connect_timeout(NET)
@@ -52,7 +57,7 @@ pub async fn connect(server: &Server, window: Option<u32>) -> Result<BrokerClien
     let channel = within(NET, "connecting to tinybroker", ep.connect())
         .await?
         .with_context(|| format!("connecting to tinybroker at {}", server.addr))?;
-    Ok(BrokerClient::new(channel))
+    Ok(channel)
 }
 
 fn request(pattern: &str, mode: Mode) -> pb::OpenSubscriptionRequest {
@@ -166,11 +171,40 @@ pub async fn stalled(server: &Server, pattern: &str) -> Result<Box<dyn Send>> {
     Ok(Box::new((client, stream)))
 }
 
-/// `count` idle subscriptions on distinct literal topics, `per_conn` per connection.
-pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
-    let conns = count.div_ceil(per_conn);
-    let opened = futures::future::try_join_all((0..conns).map(|c| async move {
-        let mut client = connect(server, None).await?;
+/// Opens `recs.len()` broadcast subscribers that share one connection (one
+/// tonic `Channel`, each subscription its own HTTP/2 stream and its own
+/// receive loop), confirmed one after the other like [`subscribe`]'s.
+pub async fn subscribe_shared(
+    server: &Server,
+    pattern: &str,
+    recs: Vec<Recorder>,
+    stop: CancellationToken,
+) -> Result<Vec<JoinHandle<Tally>>> {
+    let client = connect(server, None).await?;
+    let mut loops = Vec::with_capacity(recs.len());
+    for rec in recs {
+        let mut client = client.clone();
+        let stream = open(&mut client, request(pattern, Mode::Broadcast)).await?;
+        let stop = stop.clone();
+        loops.push(tokio::spawn(async move {
+            // Each loop holds a handle on the shared connection, which lives
+            // as long as the last of them.
+            let _client = client;
+            drive(stream, rec, stop, |_: &pb::Message| {}).await
+        }));
+    }
+    Ok(loops)
+}
+
+/// `conns` connections with no subscription yet, for [`idle_on`].
+pub async fn idle_connections(server: &Server, conns: usize) -> Result<Vec<BrokerClient<Channel>>> {
+    futures::future::try_join_all((0..conns).map(|_| connect(server, None))).await
+}
+
+/// `count` idle subscriptions on distinct literal topics (`idle.<i>`),
+/// `per_conn` on each of `clients` in turn.
+pub async fn idle_on(clients: Vec<BrokerClient<Channel>>, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let opened = futures::future::try_join_all(clients.into_iter().enumerate().map(|(c, mut client)| async move {
         let mut streams = Vec::with_capacity(per_conn);
         for i in c * per_conn..((c + 1) * per_conn).min(count) {
             streams.push(open(&mut client, request(&format!("idle.{i}"), Mode::Broadcast)).await?);
@@ -179,6 +213,12 @@ pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<
     }))
     .await?;
     Ok(Box::new(opened))
+}
+
+/// `count` idle subscriptions on distinct literal topics, `per_conn` per connection.
+pub async fn idle(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let clients = idle_connections(server, count.div_ceil(per_conn)).await?;
+    idle_on(clients, count, per_conn).await
 }
 
 async fn metrics(server: &Server) -> Result<String> {
@@ -193,6 +233,35 @@ async fn metrics(server: &Server) -> Result<String> {
 /// Open subscriptions, from the `tinybroker_subscriptions` gauge.
 pub async fn subscriptions(server: &Server) -> Result<u64> {
     Ok(prom_sum(&metrics(server).await?, "tinybroker_subscriptions") as u64)
+}
+
+/// Open gRPC connections, from the `tinybroker_connections` gauge.
+pub async fn connections(server: &Server) -> Result<u64> {
+    Ok(prom_sum(&metrics(server).await?, "tinybroker_connections") as u64)
+}
+
+/// A connection for the Admin API's counts, which cost the broker little to
+/// answer (a `/metrics` scrape with per-subscription series renders all of
+/// them, and the memory that takes would be counted as the subscriptions').
+pub struct Admin(pb::admin_client::AdminClient<Channel>);
+
+impl Admin {
+    pub async fn connect(server: &Server) -> Result<Admin> {
+        Ok(Admin(pb::admin_client::AdminClient::new(channel(server, None).await?)))
+    }
+
+    /// Open subscriptions, from `GetBrokerInfo`.
+    pub async fn subscriptions(&self) -> Result<u64> {
+        let mut client = self.0.clone();
+        let info = within(
+            NET,
+            "GetBrokerInfo",
+            client.get_broker_info(pb::GetBrokerInfoRequest {}),
+        )
+        .await?
+        .context("GetBrokerInfo")?;
+        Ok(info.into_inner().subscriptions)
+    }
 }
 
 /// Evictions so far, from `tinybroker_evictions_total`.

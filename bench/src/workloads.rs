@@ -21,8 +21,13 @@ use tokio_util::sync::CancellationToken;
 pub const PATTERN: &str = "bench.*";
 /// Topic of the published messages.
 pub const TOPIC: &str = "bench.data";
-/// Subscriptions per connection in the idle workload.
+/// Subscriptions per connection in the idle workloads.
 pub const IDLE_PER_CONN: usize = 100;
+/// Subscribers per connection in the wide fan-out workloads.
+pub const WIDE_PER_CONN: usize = 50;
+/// Least server CPU a run must use for a CPU-per-delivery figure: 5 clock
+/// ticks of 10 ms, so the figure is within ±20 % from the ticks alone.
+const MIN_CPU_S: f64 = 0.05;
 /// How long the receivers may make no progress after publishing ends
 /// before what is missing counts as lost.
 const QUIET_LIMIT: Duration = Duration::from_secs(3);
@@ -62,8 +67,23 @@ pub enum Spec {
         messages: u64,
         stalled: bool,
     },
+    /// `subs` broadcast subscribers sharing connections, `per_conn` on each,
+    /// one publisher at `rate` msg/s (`None`: as fast as the window lets it).
+    Wide {
+        subs: usize,
+        per_conn: usize,
+        size: usize,
+        rate: Option<u64>,
+        messages: u64,
+    },
+    /// `subs` idle subscriptions, `per_conn` per connection. With
+    /// `beyond_connections` the connections are opened (and counted by the
+    /// server) before the first RSS reading, so only the subscriptions' own
+    /// cost is measured; without, the connections' cost is spread over them.
     Idle {
         subs: usize,
+        per_conn: usize,
+        beyond_connections: bool,
     },
 }
 
@@ -107,10 +127,35 @@ fn size_label(size: usize) -> String {
     }
 }
 
+/// The sizes of a run, from the command line.
+#[derive(Debug, Clone, Copy)]
+pub struct Scale {
+    /// Messages of the 1→3 fan-out and the group runs.
+    pub messages: u64,
+    /// Subscriptions of the idle runs.
+    pub idle_subs: usize,
+    /// Subscribers of the wide fan-out runs.
+    pub wide_subs: usize,
+    /// Rate of the paced wide fan-out run, messages per second.
+    pub wide_rate: u64,
+    /// Length of the paced wide fan-out run.
+    pub wide_seconds: u64,
+    /// Messages of the unthrottled wide fan-out run.
+    pub wide_messages: u64,
+}
+
 /// Every workload, with message counts derived from `messages` (the 1→3
 /// count): 1→30 gets a tenth, 4 KiB payloads a quarter, the latency run at
-/// most 5 s worth, and the stalled run at least enough to force an eviction.
-pub fn cases(messages: u64, idle_subs: usize, with_redis: bool) -> Vec<Case> {
+/// most 15 s worth, and the stalled run at least enough to force an eviction.
+pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
+    let Scale {
+        messages,
+        idle_subs,
+        wide_subs,
+        wide_rate,
+        wide_seconds,
+        wide_messages,
+    } = *scale;
     let mut out = Vec::new();
     let fan_peers = |redis: bool| {
         let mut p = vec![v(Kind::Tinybroker), v(Kind::Nats)];
@@ -187,10 +232,51 @@ pub fn cases(messages: u64, idle_subs: usize, with_redis: bool) -> Vec<Case> {
             variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
         });
     }
+    // Wide fan-out: many subscribers sharing few connections, the shape of
+    // an invalidation event fanned out to every replica (issue 16).
+    let wide_conns = wide_subs.div_ceil(WIDE_PER_CONN);
+    out.push(Case {
+        id: "wide-paced".into(),
+        label: format!("wide 1→{wide_subs} ({wide_conns} conns), {wide_rate} msg/s for {wide_seconds} s, 256 B"),
+        spec: Spec::Wide {
+            subs: wide_subs,
+            per_conn: WIDE_PER_CONN,
+            size: 256,
+            rate: Some(wide_rate.max(1)),
+            messages: (wide_rate * wide_seconds).max(1),
+        },
+        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+    });
+    out.push(Case {
+        id: "wide-max".into(),
+        label: format!("wide 1→{wide_subs} ({wide_conns} conns), unthrottled, 256 B"),
+        spec: Spec::Wide {
+            subs: wide_subs,
+            per_conn: WIDE_PER_CONN,
+            size: 256,
+            rate: None,
+            messages: wide_messages.max(1),
+        },
+        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+    });
     out.push(Case {
         id: "idle".into(),
         label: format!("{idle_subs} idle subscriptions"),
-        spec: Spec::Idle { subs: idle_subs },
+        spec: Spec::Idle {
+            subs: idle_subs,
+            per_conn: IDLE_PER_CONN,
+            beyond_connections: false,
+        },
+        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+    });
+    out.push(Case {
+        id: format!("idle-{IDLE_PER_CONN}"),
+        label: format!("{idle_subs} idle subscriptions, {IDLE_PER_CONN}/conn, beyond the connections"),
+        spec: Spec::Idle {
+            subs: idle_subs,
+            per_conn: IDLE_PER_CONN,
+            beyond_connections: true,
+        },
         variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
     });
     out
@@ -210,6 +296,8 @@ pub struct RunResult {
     pub violation: Option<String>,
     pub peak_rss_kib: u64,
     pub cpu_percent: f64,
+    /// Server CPU seconds per million deliveries.
+    pub cpu_s_per_m: Option<f64>,
     pub rss_per_sub_bytes: Option<f64>,
     /// Each group member's share of the deliveries.
     pub split: Option<Vec<f64>>,
@@ -221,7 +309,11 @@ pub struct RunResult {
 
 pub async fn run(case: &Case, variant: Variant, settings: &Settings) -> Result<RunResult> {
     match case.spec {
-        Spec::Idle { subs } => run_idle(variant.kind, subs, settings).await,
+        Spec::Idle {
+            subs,
+            per_conn,
+            beyond_connections,
+        } => run_idle(variant.kind, subs, per_conn, beyond_connections, settings).await,
         _ => run_messaging(case.spec, variant, settings).await,
     }
 }
@@ -290,27 +382,51 @@ async fn subscribe(
     }
 }
 
+/// Opens the subscribers of one shared connection (the `c`th).
+async fn open_shared(
+    kind: Kind,
+    server: &Server,
+    c: usize,
+    share: Vec<Recorder>,
+    stop: CancellationToken,
+) -> Result<Vec<JoinHandle<Tally>>> {
+    match kind {
+        Kind::Tinybroker => tb::subscribe_shared(server, PATTERN, share, stop).await,
+        Kind::Nats => nats::subscribe_shared(server, PATTERN, share, stop).await,
+        Kind::Redis => bail!("the shared-connection workloads have no Redis variant"),
+    }
+    .with_context(|| format!("opening the subscribers of connection {c}"))
+}
+
 async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Result<RunResult> {
     let kind = variant.kind;
-    let (live, size, messages, rate, group, stalled) = match spec {
-        Spec::FanOut { subs, size, messages } => (subs, size, messages, None, false, false),
+    // `per_conn`: subscribers sharing one connection (1: each its own).
+    let (live, per_conn, size, messages, rate, group, stalled) = match spec {
+        Spec::FanOut { subs, size, messages } => (subs, 1, size, messages, None, false, false),
         Spec::Latency {
             subs,
             size,
             rate,
             messages,
-        } => (subs, size, messages, Some(rate), false, false),
+        } => (subs, 1, size, messages, Some(rate), false, false),
         Spec::Group {
             members,
             size,
             messages,
-        } => (members, size, messages, None, true, false),
+        } => (members, 1, size, messages, None, true, false),
         Spec::Stalled {
             live,
             size,
             messages,
             stalled,
-        } => (live, size, messages, None, false, stalled),
+        } => (live, 1, size, messages, None, false, stalled),
+        Spec::Wide {
+            subs,
+            per_conn,
+            size,
+            rate,
+            messages,
+        } => (subs, per_conn.max(1), size, messages, rate, false, false),
         Spec::Idle { .. } => unreachable!("idle runs are not messaging runs"),
     };
     let server = Server::start(kind, &settings.bins, &tinybroker_env(settings, live + 1, true)).await?;
@@ -325,15 +441,34 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         (0..live).map(|_| Domain::new(messages, 1, signal.clone())).collect()
     };
     let mut receivers = Vec::with_capacity(live);
-    for i in 0..live {
-        let domain = if group { &domains[0] } else { &domains[i] };
-        let member = group.then_some(i);
-        let rec = Recorder::new(domain.clone());
-        receivers.push(
-            subscribe(variant, &server, member, rec, stop.clone())
-                .await
-                .with_context(|| format!("opening subscriber {i}"))?,
-        );
+    if per_conn > 1 {
+        // Broadcast subscribers sharing connections: the connections are
+        // opened at once, the subscriptions on each one after the other.
+        // (Futures built in a plain loop: made by a closure, they would
+        // trip rustc's check that the whole run is `Send`.)
+        let mut connections = Vec::new();
+        for (c, share) in domains.chunks(per_conn).enumerate() {
+            let share: Vec<Recorder> = share.iter().map(|d| Recorder::new(d.clone())).collect();
+            connections.push(open_shared(kind, &server, c, share, stop.clone()));
+        }
+        let opened = within(
+            Duration::from_secs(120),
+            "opening the subscribers",
+            futures::future::try_join_all(connections),
+        )
+        .await??;
+        receivers.extend(opened.into_iter().flatten());
+    } else {
+        for i in 0..live {
+            let domain = if group { &domains[0] } else { &domains[i] };
+            let member = group.then_some(i);
+            let rec = Recorder::new(domain.clone());
+            receivers.push(
+                subscribe(variant, &server, member, rec, stop.clone())
+                    .await
+                    .with_context(|| format!("opening subscriber {i}"))?,
+            );
+        }
     }
     let _stalled = if stalled {
         Some(match kind {
@@ -448,6 +583,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         None
     };
 
+    let server_cpu_s = after.cpu_seconds_since(&before);
     Ok(RunResult {
         published_per_s: Some(sent as f64 / published_in.as_secs_f64()),
         delivered_per_s,
@@ -458,6 +594,8 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         violation,
         peak_rss_kib: after.peak_rss_kib,
         cpu_percent: after.cpu_percent_since(&before),
+        // Under MIN_CPU_S the clock ticks are too coarse to say anything.
+        cpu_s_per_m: (unique > 0 && server_cpu_s >= MIN_CPU_S).then(|| server_cpu_s / (unique as f64 / 1e6)),
         rss_per_sub_bytes: None,
         split,
         stalled_flagged,
@@ -482,46 +620,159 @@ async fn stalled_flagged(server: &Server) -> Result<bool> {
     }
 }
 
-async fn run_idle(kind: Kind, subs: usize, settings: &Settings) -> Result<RunResult> {
-    let server = Server::start(kind, &settings.bins, &tinybroker_env(settings, subs, false)).await?;
-    let count = async |server: &Server| -> Result<u64> {
-        match kind {
-            Kind::Tinybroker => tb::subscriptions(server).await,
-            _ => nats::varz_number(server, "subscriptions").await,
-        }
+/// Idle subscriptions: RSS growth per subscription. See [`Spec::Idle`].
+async fn run_idle(
+    kind: Kind,
+    subs: usize,
+    per_conn: usize,
+    beyond_connections: bool,
+    settings: &Settings,
+) -> Result<RunResult> {
+    // The run beyond the connections keeps the server's default (per-subscription
+    // metrics on): what a subscription costs a user as shipped.
+    let env = tinybroker_env(settings, subs, beyond_connections);
+    let server = Server::start(kind, &settings.bins, &env).await?;
+    let conns = subs.div_ceil(per_conn.max(1));
+    // tinybroker's subscriptions are counted through the Admin API there
+    // (its `/metrics` has a series per subscription).
+    let admin = match (beyond_connections, kind) {
+        (true, Kind::Tinybroker) => Some(tb::Admin::connect(&server).await?),
+        _ => None,
     };
-    let base = count(&server).await?;
-    let before = server.stats()?;
+    let admin = admin.as_ref();
+    let base = gauge(&server, Gauge::Subscriptions, admin).await?;
+    let mut before = server.stats()?;
     let opened = within(Duration::from_secs(120), "opening the idle subscriptions", async {
-        match kind {
-            Kind::Tinybroker => tb::idle(&server, subs, IDLE_PER_CONN).await,
-            Kind::Nats => nats::idle(&server, subs, IDLE_PER_CONN).await,
+        if !beyond_connections {
+            return match kind {
+                Kind::Tinybroker => tb::idle(&server, subs, per_conn).await,
+                Kind::Nats => nats::idle(&server, subs, per_conn).await,
+                Kind::Redis => bail!("the idle workload has no Redis variant"),
+            };
+        }
+        let base_conns = gauge(&server, Gauge::Connections, admin).await?;
+        enum Conns {
+            Tb(Vec<tinybroker::pb::broker_client::BrokerClient<tonic::transport::Channel>>),
+            Nats(Vec<async_nats::Client>),
+        }
+        let clients = match kind {
+            Kind::Tinybroker => Conns::Tb(tb::idle_connections(&server, conns).await?),
+            Kind::Nats => Conns::Nats(nats::idle_connections(&server, conns).await?),
             Kind::Redis => bail!("the idle workload has no Redis variant"),
+        };
+        wait_for(&server, Gauge::Connections, base_conns + conns as u64, admin).await?;
+        tokio::time::sleep(SETTLE).await;
+        before = server.stats()?;
+        match clients {
+            Conns::Tb(c) => tb::idle_on(c, subs, per_conn).await,
+            Conns::Nats(c) => nats::idle_on(c, subs, per_conn).await,
         }
     })
     .await??;
     // The server really holds them all before RSS is read.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let n = count(&server).await?;
-        if n >= base + subs as u64 {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "{kind} reports {} of {subs} idle subscriptions after 30 s",
-                n.saturating_sub(base)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    wait_for(&server, Gauge::Subscriptions, base + subs as u64, admin).await?;
+    if beyond_connections {
+        tokio::time::sleep(SETTLE).await;
     }
     let after = server.stats()?;
     drop(opened);
-    let grown = after.rss_kib.saturating_sub(before.rss_kib) as f64 * 1024.0;
+    let grown = after.rss_kib as f64 - before.rss_kib as f64;
     Ok(RunResult {
         peak_rss_kib: after.peak_rss_kib,
         cpu_percent: after.cpu_percent_since(&before),
-        rss_per_sub_bytes: Some(grown / subs as f64),
+        rss_per_sub_bytes: Some(grown * 1024.0 / subs as f64),
         ..Default::default()
     })
+}
+
+/// How long a server is left alone before an RSS reading of the run beyond
+/// the connections (its last replies may still be on their way out).
+const SETTLE: Duration = Duration::from_millis(300);
+
+/// What a server counts of its clients.
+#[derive(Debug, Clone, Copy)]
+enum Gauge {
+    Subscriptions,
+    Connections,
+}
+
+/// The server's own count (tinybroker's `/metrics`, or its Admin API when
+/// given; NATS's `/varz`).
+async fn gauge(server: &Server, gauge: Gauge, admin: Option<&tb::Admin>) -> Result<u64> {
+    match (server.kind, gauge) {
+        (Kind::Tinybroker, Gauge::Subscriptions) => match admin {
+            Some(admin) => admin.subscriptions().await,
+            None => tb::subscriptions(server).await,
+        },
+        (Kind::Tinybroker, Gauge::Connections) => tb::connections(server).await,
+        (_, Gauge::Subscriptions) => nats::varz_number(server, "subscriptions").await,
+        (_, Gauge::Connections) => nats::varz_number(server, "connections").await,
+    }
+}
+
+/// Polls the server until it counts at least `want`, for 30 s at most.
+async fn wait_for(server: &Server, what: Gauge, want: u64, admin: Option<&tb::Admin>) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = gauge(server, what, admin).await?;
+        if n >= want {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{} reports {n} {what:?} after 30 s, {want} expected", server.kind);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wide_and_idle_cases_follow_the_scale() {
+        let scale = Scale {
+            messages: 3000,
+            idle_subs: 1000,
+            wide_subs: 100,
+            wide_rate: 200,
+            wide_seconds: 2,
+            wide_messages: 500,
+        };
+        let cases = cases(&scale, false);
+        let find = |id: &str| cases.iter().find(|c| c.id == id).map(|c| c.spec);
+        assert!(matches!(
+            find("wide-paced"),
+            Some(Spec::Wide {
+                subs: 100,
+                per_conn: WIDE_PER_CONN,
+                size: 256,
+                rate: Some(200),
+                messages: 400
+            })
+        ));
+        assert!(matches!(
+            find("wide-max"),
+            Some(Spec::Wide {
+                rate: None,
+                messages: 500,
+                ..
+            })
+        ));
+        assert!(matches!(
+            find("idle-100"),
+            Some(Spec::Idle {
+                subs: 1000,
+                per_conn: 100,
+                beyond_connections: true
+            })
+        ));
+        // `--only wide` picks both wide runs and nothing else.
+        let wide: Vec<&str> = cases
+            .iter()
+            .filter(|c| c.id.contains("wide") || c.label.contains("wide"))
+            .map(|c| c.id.as_str())
+            .collect();
+        assert_eq!(wide, ["wide-paced", "wide-max"]);
+    }
 }
