@@ -850,6 +850,61 @@ mod tests {
     }
 
     #[test]
+    fn cluster_mode_is_read_and_checked() {
+        let c = Config::from_vars(vars(&[
+            ("TINYBROKER_NATS_URL", "nats://a:4222, tls://user:pw@b:4223"),
+            ("TINYBROKER_NATS_PREFIX", "tb-2"),
+            ("TINYBROKER_NATS_REPLICAS", "1"),
+            ("TINYBROKER_NATS_TOKEN", "t0k"),
+            ("TINYBROKER_NATS_CREDS", "/creds"),
+            ("TINYBROKER_NATS_CA", "/ca.pem"),
+            ("TINYBROKER_REPLICA_ID", "pod-0"),
+        ]))
+        .unwrap();
+        let cluster = c.cluster.expect("cluster mode");
+        assert_eq!(cluster.nats_urls, ["nats://a:4222", "tls://user:pw@b:4223"]);
+        assert_eq!((cluster.prefix.as_str(), cluster.nats_replicas), ("tb-2", 1));
+        assert_eq!(cluster.nats_token.as_deref(), Some("t0k"));
+        assert_eq!(cluster.replica_id, "pod-0");
+        assert!(!format!("{:?}", c.limits).is_empty());
+        let shown = format!("{cluster:?}");
+        assert!(!shown.contains("t0k"), "the token never reaches a log: {shown}");
+        let defaults = Config::from_vars(vars(&[("TINYBROKER_NATS_URL", "nats://n:4222"), ("HOSTNAME", "x")]))
+            .unwrap()
+            .cluster
+            .unwrap();
+        assert_eq!((defaults.prefix.as_str(), defaults.nats_replicas), ("tinybroker", 3));
+        assert!(!defaults.replica_id.is_empty());
+        assert_eq!(Config::from_vars(vars(&[])).unwrap().cluster, None);
+        for (pairs, names) in [
+            (vec![("TINYBROKER_NATS_URL", "http://a:1")], "TINYBROKER_NATS_URL"),
+            (vec![("TINYBROKER_NATS_URL", "nats://a")], "TINYBROKER_NATS_URL"),
+            (vec![("TINYBROKER_NATS_URL", " , ")], "TINYBROKER_NATS_URL"),
+            (
+                vec![("TINYBROKER_NATS_URL", "nats://a:1"), ("TINYBROKER_NATS_PREFIX", "a.b")],
+                "TINYBROKER_NATS_PREFIX",
+            ),
+            (
+                vec![("TINYBROKER_NATS_URL", "nats://a:1"), ("TINYBROKER_NATS_REPLICAS", "7")],
+                "TINYBROKER_NATS_REPLICAS",
+            ),
+            (
+                vec![("TINYBROKER_NATS_URL", "nats://a:1"), ("TINYBROKER_NATS_TOKEN", " ")],
+                "TINYBROKER_NATS_TOKEN",
+            ),
+            (
+                vec![("TINYBROKER_NATS_URL", "nats://a:1"), ("TINYBROKER_REPLICA_ID", "a b")],
+                "TINYBROKER_REPLICA_ID",
+            ),
+            (vec![("TINYBROKER_NATS_PREFIX", "x")], "TINYBROKER_NATS_PREFIX"),
+        ] {
+            let err = Config::from_vars(vars(&pairs)).unwrap_err().to_string();
+            assert!(err.contains(names), "{pairs:?}: {err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
+    #[test]
     fn tls_needs_both_files() {
         let err = Config::from_vars(vars(&[("TINYBROKER_TLS_CERT", "/c.pem")])).unwrap_err();
         assert!(err.to_string().contains("TINYBROKER_TLS_KEY is not"), "{err}");

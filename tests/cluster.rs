@@ -280,12 +280,19 @@ async fn consumer_groups_are_refused_in_cluster_mode_for_now() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
-    let Some(nats) = NatsCluster::start(3).await else { return };
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
     timeout(async {
         let mut brokers = replicas(&nats, 2, "shutdown").await;
         let mut request = subscribe_request(&["jobs.>"]);
         request.subscription_id = "worker-7".into();
-        let response = brokers[0].client().await.open_subscription(request.clone()).await.unwrap();
+        let response = brokers[0]
+            .client()
+            .await
+            .open_subscription(request.clone())
+            .await
+            .unwrap();
         let mut stream = response.into_inner();
         let leaving = brokers.remove(0);
         leaving.stop().await;
@@ -312,7 +319,9 @@ async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving() {
-    let Some(mut nats) = NatsCluster::start(3).await else { return };
+    let Some(mut nats) = NatsCluster::start(3).await else {
+        return;
+    };
     timeout(async {
         let brokers = replicas(&nats, 2, "failover").await;
         let mut subscriber = brokers[0].client().await;
