@@ -521,6 +521,26 @@ impl ClusterEngine {
         futures::future::join_all(calls).await.into_iter().flatten().collect()
     }
 
+    /// `here`, what this replica answered about subscription `id`, unless it
+    /// does not serve it: then the answer of the replica that does, to
+    /// `call()`, picked by `pick` (NOT_FOUND when no live replica serves it).
+    async fn here_or_forwarded<T>(
+        &self,
+        id: &str,
+        here: Result<T, BrokerError>,
+        call: impl FnOnce() -> rpc::Call,
+        pick: impl FnOnce(rpc::Answer) -> Result<T, rpc::Answer>,
+    ) -> Result<T, BrokerError> {
+        let Err(BrokerError::NotFound(not_here)) = here else {
+            return here;
+        };
+        let ready = self.serving()?;
+        match self.forward(&ready, id, call()).await? {
+            Some(answer) => pick(answer).map_err(rpc::Answer::into_error),
+            None => Err(BrokerError::NotFound(not_here)),
+        }
+    }
+
     async fn publish_cluster(
         &self,
         message: NewMessage,
@@ -685,57 +705,42 @@ impl Engine for ClusterEngine {
 
     async fn ack(&self, subscription_id: &str, sequences: &[u64]) -> Result<Acked, BrokerError> {
         crate::engine::validate::ack_request("Ack", subscription_id, sequences)?;
-        match self.inner.local.ack(subscription_id, sequences) {
-            Err(BrokerError::NotFound(message)) => {
-                let ready = self.serving()?;
-                let call = rpc::Call::Ack {
-                    id: subscription_id.to_owned(),
-                    sequences: sequences.to_vec(),
-                };
-                match self.forward(&ready, subscription_id, call).await? {
-                    Some(rpc::Answer::Acked(acked)) => Ok(acked),
-                    Some(answer) => Err(answer.into_error()),
-                    None => Err(BrokerError::NotFound(message)),
-                }
-            }
-            result => result,
-        }
+        let call = || rpc::Call::Ack {
+            id: subscription_id.to_owned(),
+            sequences: sequences.to_vec(),
+        };
+        let here = self.inner.local.ack(subscription_id, sequences);
+        self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
+            rpc::Answer::Acked(acked) => Ok(acked),
+            other => Err(other),
+        })
+        .await
     }
 
     async fn nack(&self, subscription_id: &str, sequences: &[u64]) -> Result<Nacked, BrokerError> {
         crate::engine::validate::ack_request("Nack", subscription_id, sequences)?;
-        match self.inner.local.nack(subscription_id, sequences) {
-            Err(BrokerError::NotFound(message)) => {
-                let ready = self.serving()?;
-                let call = rpc::Call::Nack {
-                    id: subscription_id.to_owned(),
-                    sequences: sequences.to_vec(),
-                };
-                match self.forward(&ready, subscription_id, call).await? {
-                    Some(rpc::Answer::Nacked(nacked)) => Ok(nacked),
-                    Some(answer) => Err(answer.into_error()),
-                    None => Err(BrokerError::NotFound(message)),
-                }
-            }
-            result => result,
-        }
+        let call = || rpc::Call::Nack {
+            id: subscription_id.to_owned(),
+            sequences: sequences.to_vec(),
+        };
+        let here = self.inner.local.nack(subscription_id, sequences);
+        self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
+            rpc::Answer::Nacked(nacked) => Ok(nacked),
+            other => Err(other),
+        })
+        .await
     }
 
     async fn close_subscription(&self, subscription_id: &str) -> Result<(), BrokerError> {
-        match self.inner.local.close_subscription(subscription_id) {
-            Err(BrokerError::NotFound(message)) => {
-                let ready = self.serving()?;
-                let call = rpc::Call::Close {
-                    id: subscription_id.to_owned(),
-                };
-                match self.forward(&ready, subscription_id, call).await? {
-                    Some(rpc::Answer::Closed) => Ok(()),
-                    Some(answer) => Err(answer.into_error()),
-                    None => Err(BrokerError::NotFound(message)),
-                }
-            }
-            result => result,
-        }
+        let call = || rpc::Call::Close {
+            id: subscription_id.to_owned(),
+        };
+        let here = self.inner.local.close_subscription(subscription_id);
+        self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
+            rpc::Answer::Closed => Ok(()),
+            other => Err(other),
+        })
+        .await
     }
 
     async fn list_subscriptions(&self) -> Result<Vec<SubscriptionInfo>, BrokerError> {
