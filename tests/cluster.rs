@@ -372,3 +372,64 @@ async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving()
     })
     .await;
 }
+
+/// The real binary, as a pod runs it: a message limit above what NATS
+/// carries stops the replica when it connects, with one line naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_limit_above_the_nats_max_payload_stops_the_replica() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let mut replica = common::process::BrokerProcess::spawn(&[
+            ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
+            ("TINYBROKER_NATS_REPLICAS", "1"),
+            ("TINYBROKER_REPLICA_ID", "too-big"),
+            ("TINYBROKER_MAX_MESSAGE_BYTES", "4194304"),
+        ]);
+        let line = replica.line_containing("max_payload");
+        assert!(line.contains("TINYBROKER_MAX_MESSAGE_BYTES=4194304"), "{line}");
+        assert!(line.contains("1048576"), "{line}");
+        let status = tokio::task::spawn_blocking(move || replica.wait_exit()).await.unwrap();
+        assert!(!status.success(), "{status:?}");
+    })
+    .await;
+}
+
+/// The real binary's environment turns cluster mode on: GetBrokerInfo and
+/// the log say so, and an unknown-variable warning names none of the
+/// cluster variables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_turns_cluster_mode_on() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let replica = common::process::BrokerProcess::spawn(&[
+            ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
+            ("TINYBROKER_NATS_PREFIX", "envtest"),
+            ("TINYBROKER_NATS_REPLICAS", "1"),
+            ("TINYBROKER_REPLICA_ID", "pod-a"),
+        ]);
+        assert!(
+            replica.before_start.iter().all(|l| !l.contains("unknown")),
+            "{:#?}",
+            replica.before_start
+        );
+        replica.line_containing("SERVING");
+        let channel = tonic::transport::Endpoint::from_shared(replica.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let info = pb::admin_client::AdminClient::new(channel)
+            .get_broker_info(pb::GetBrokerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(info.cluster_mode);
+        assert_eq!(info.replica_id, "pod-a");
+        assert!(info.nats_server.contains(':'), "{}", info.nats_server);
+    })
+    .await;
+}
