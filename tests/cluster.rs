@@ -433,3 +433,110 @@ async fn the_environment_turns_cluster_mode_on() {
     })
     .await;
 }
+
+/// A stand-in for a Kubernetes Service: each new connection goes to the next
+/// backend that accepts it.
+async fn service(backends: std::sync::Arc<parking_lot::Mutex<Vec<std::net::SocketAddr>>>) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut next = 0usize;
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let candidates = backends.lock().clone();
+            let mut outbound = None;
+            for i in 0..candidates.len() {
+                let backend = candidates[(next + i) % candidates.len()];
+                if let Ok(stream) = tokio::net::TcpStream::connect(backend).await {
+                    next = next + i + 1;
+                    outbound = Some(stream);
+                    break;
+                }
+            }
+            if let Some(mut outbound) = outbound {
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                });
+            }
+        }
+    });
+    addr
+}
+
+/// A rolling restart (the replica serving the subscriber stopped as on
+/// SIGTERM, a new one started) under a broadcast subscriber that uses the
+/// client library through one Service address: each time it is back on a
+/// live replica and receives what is published after it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_moves_broadcast_subscribers_to_live_replicas() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let mut live: Vec<(String, TestBroker)> = replicas(&nats, 2, "rolling")
+            .await
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| (format!("r{i}"), b))
+            .collect();
+        let backends = std::sync::Arc::new(parking_lot::Mutex::new(
+            live.iter().map(|(_, b)| b.grpc_addr).collect::<Vec<_>>(),
+        ));
+        let addr = service(backends.clone()).await;
+        let client = tinybroker::client::Client::connect(&format!("http://{addr}"))
+            .await
+            .unwrap();
+        let mut subscriber = client.subscriber(subscribe_request(&["config.>"]), true);
+        let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        subscriber.on_event(move |e| {
+            let _ = events_tx.send(format!("{e}"));
+        });
+        subscriber.open().await.unwrap();
+        for round in 2..4 {
+            let listing = live[0].1.subscriptions().await;
+            assert_eq!(listing.len(), 1, "{listing:?}");
+            let serving = listing[0].replica_id.clone();
+            let index = live
+                .iter()
+                .position(|(id, _)| *id == serving)
+                .expect("a live replica serves it");
+            let (_, leaving) = live.remove(index);
+            backends.lock().retain(|a| *a != leaving.grpc_addr);
+            let id = format!("r{round}");
+            let fresh = start_with(replica_config(urls_from(&nats, round % 3), &id, "rolling")).await;
+            wait_serving(&fresh).await;
+            backends.lock().push(fresh.grpc_addr);
+            live.push((id, fresh));
+            leaving.stop().await;
+            // Publish on a live replica until the subscriber has a message
+            // of this round: then it re-subscribed on a live replica.
+            let mut publisher = live[0].1.client().await;
+            let marker = format!("round-{round}");
+            loop {
+                publisher
+                    .publish(publish_request("config.flags", &marker))
+                    .await
+                    .unwrap();
+                match tokio::time::timeout(Duration::from_millis(300), subscriber.next()).await {
+                    Ok(Ok(Some(m))) if m.payload == marker.as_bytes() => break,
+                    Ok(Ok(Some(_))) | Err(_) => continue,
+                    Ok(other) => panic!("{marker}: the subscriber gave up: {other:?}"),
+                }
+            }
+            let listing = live[0].1.subscriptions().await;
+            assert_eq!(listing.len(), 1, "{marker}: one subscription: {listing:?}");
+            assert!(
+                live.iter().any(|(id, _)| *id == listing[0].replica_id),
+                "{marker}: on a live replica: {listing:?}"
+            );
+        }
+        let mut seen = Vec::new();
+        while let Ok(e) = events.try_recv() {
+            seen.push(e);
+        }
+        assert!(
+            seen.iter().filter(|e| e.contains("shutting down")).count() >= 2,
+            "{seen:#?}"
+        );
+    })
+    .await;
+}
