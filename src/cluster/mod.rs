@@ -26,8 +26,16 @@
 //!
 //! Consumer groups across replicas (JetStream) are not built yet: a
 //! DELIVERY_MODE_SINGLE subscription is refused with FAILED_PRECONDITION.
+//!
+//! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
+//! between the local fan-out and NATS; `registry.rs` live replicas and
+//! subscription ids; `rpc.rs` calls between replicas, both ends.
 
+mod fanout;
+mod registry;
 mod rpc;
+
+use registry::{Release, key};
 
 use crate::broker::{Broker, RouteCache, SubscriptionStream, WakeBatch};
 use crate::config::{ClusterConfig, Limits};
@@ -37,19 +45,16 @@ use crate::engine::{
     EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd,
     SubscribeRequest, SubscriptionInfo,
 };
-use crate::pb;
 use async_nats::jetstream::{self, kv};
-use base64::Engine as _;
-use bytes::{BufMut, Bytes, BytesMut};
-use futures::{FutureExt, Stream, StreamExt};
+use bytes::Bytes;
+use futures::Stream;
 use parking_lot::Mutex;
-use prost::Message as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio::sync::watch;
 
 /// How often a replica says it is alive.
@@ -298,124 +303,6 @@ impl ClusterEngine {
         Ok(())
     }
 
-    /// Hands messages other replicas published to this replica's fan-out.
-    async fn receive(self, mut remote: async_nats::Subscriber) {
-        let local = &self.inner.local;
-        while let Some(first) = remote.next().await {
-            let _burst = WakeBatch::begin();
-            self.deliver(first);
-            for _ in 1..REMOTE_BURST {
-                match remote.next().now_or_never() {
-                    Some(Some(message)) => self.deliver(message),
-                    _ => break,
-                }
-            }
-            drop(_burst);
-            if local.is_shutting_down() {
-                return;
-            }
-        }
-    }
-
-    fn deliver(&self, message: async_nats::Message) {
-        match pb::Message::decode(message.payload) {
-            Ok(m) => {
-                let publish_time = m
-                    .publish_time
-                    .and_then(|t| SystemTime::try_from(t).ok())
-                    .unwrap_or_else(SystemTime::now);
-                let sequence = m.sequence;
-                self.inner.local.deliver_remote(
-                    NewMessage {
-                        topic: m.topic,
-                        payload: m.payload,
-                        headers: m.headers,
-                    },
-                    sequence,
-                    publish_time,
-                );
-            }
-            Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
-        }
-    }
-
-    /// Answers calls forwarded by other replicas.
-    async fn answer(self, mut calls: async_nats::Subscriber) {
-        while let Some(request) = calls.next().await {
-            let Some(reply) = request.reply.clone() else { continue };
-            let engine = self.clone();
-            tokio::spawn(async move {
-                let answer = match serde_json::from_slice::<rpc::Call>(&request.payload) {
-                    Ok(call) => engine.answer_one(call),
-                    Err(e) => rpc::Answer::Error(rpc::WireError::from(BrokerError::InvalidArgument(format!(
-                        "undecodable forwarded call: {e}"
-                    )))),
-                };
-                let body = serde_json::to_vec(&answer).unwrap_or_else(|e| {
-                    tracing::error!(error = %e, "bug: a forwarded call's answer cannot be encoded");
-                    let error = rpc::Answer::Error(rpc::WireError::from(BrokerError::Unavailable(format!(
-                        "the replica could not encode its answer: {e}"
-                    ))));
-                    serde_json::to_vec(&error).unwrap_or_default()
-                });
-                let _ = engine.inner.client.publish(reply, body.into()).await;
-            });
-        }
-    }
-
-    fn answer_one(&self, call: rpc::Call) -> rpc::Answer {
-        let local = &self.inner.local;
-        let result = match call {
-            rpc::Call::Ping => Ok(rpc::Answer::Pong),
-            rpc::Call::Ack { id, sequences } => local.ack(&id, &sequences).map(rpc::Answer::Acked),
-            rpc::Call::Nack { id, sequences } => local.nack(&id, &sequences).map(rpc::Answer::Nacked),
-            rpc::Call::Close { id } => local.close_subscription(&id).map(|()| rpc::Answer::Closed),
-            rpc::Call::ListSubscriptions => Ok(rpc::Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
-            rpc::Call::ListEvictions => Ok(rpc::Answer::Evictions(local.evictions())),
-        };
-        result.unwrap_or_else(|e| rpc::Answer::Error(e.into()))
-    }
-
-    /// Says this replica is alive every [`HEARTBEAT`].
-    async fn heartbeat(self, ready: Ready) {
-        let mut interval = tokio::time::interval(HEARTBEAT);
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            interval.tick().await;
-            if self.inner.local.is_shutting_down() {
-                return;
-            }
-            if let Err(error) = self.beat(&ready).await {
-                tracing::debug!(%error, "heartbeat not written");
-            }
-        }
-    }
-
-    async fn beat(&self, ready: &Ready) -> Result<u64, kv::PutError> {
-        let id = &self.inner.config.replica_id;
-        ready.replicas.put(key(id), Bytes::from(id.clone())).await
-    }
-
-    /// Replicas heard from within [`REPLICA_TTL`], this one included.
-    async fn live_replicas(&self, ready: &Ready) -> Vec<String> {
-        let Ok(keys) = ready.replicas.keys().await else {
-            return vec![self.inner.config.replica_id.clone()];
-        };
-        let mut replicas: Vec<String> = keys
-            .filter_map(|k| async move { k.ok().and_then(|k| unkey(&k)) })
-            .collect()
-            .await;
-        if !replicas.contains(&self.inner.config.replica_id) {
-            replicas.push(self.inner.config.replica_id.clone());
-        }
-        replicas.sort();
-        replicas
-    }
-
-    async fn is_live(&self, ready: &Ready, replica: &str) -> bool {
-        matches!(ready.replicas.entry(key(replica)).await, Ok(Some(e)) if e.operation == kv::Operation::Put)
-    }
-
     fn nats_server(&self) -> String {
         let info = self.inner.client.server_info();
         format!("{}:{} ({})", info.host, info.port, info.server_name)
@@ -435,149 +322,6 @@ impl ClusterEngine {
             .lock()
             .clone()
             .ok_or_else(|| BrokerError::Unavailable("cluster mode is not set up yet".into()))
-    }
-
-    /// The replica serving subscription `id`, from the registry.
-    async fn owner(&self, ready: &Ready, id: &str) -> Result<Option<String>, BrokerError> {
-        match ready.subscriptions.entry(key(id)).await {
-            Ok(Some(e)) if e.operation == kv::Operation::Put => {
-                Ok(Some(String::from_utf8_lossy(&e.value).into_owned()))
-            }
-            Ok(_) => Ok(None),
-            Err(e) => Err(BrokerError::Unavailable(format!(
-                "the subscription registry (NATS) did not answer: {e}"
-            ))),
-        }
-    }
-
-    /// Claims subscription id `id` for this replica, cluster-wide.
-    async fn claim(&self, ready: &Ready, id: &str) -> Result<(), BrokerError> {
-        let me = Bytes::from(self.inner.config.replica_id.clone());
-        let unavailable = |e: &dyn std::fmt::Display| {
-            BrokerError::Unavailable(format!("the subscription registry (NATS) did not answer: {e}"))
-        };
-        match ready.subscriptions.create(key(id), me.clone()).await {
-            Ok(_) => return Ok(()),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
-            Err(e) => return Err(unavailable(&e)),
-        }
-        let entry = ready.subscriptions.entry(key(id)).await.map_err(|e| unavailable(&e))?;
-        let Some(entry) = entry else {
-            return Err(BrokerError::Unavailable(format!(
-                "subscription id {:?} was being claimed at the same moment elsewhere; try again",
-                truncate(id)
-            )));
-        };
-        let holder = String::from_utf8_lossy(&entry.value).into_owned();
-        if entry.operation == kv::Operation::Put && self.is_live(ready, &holder).await {
-            return Err(BrokerError::AlreadyExists(format!(
-                "subscription id {:?} is already open (on replica {holder})",
-                truncate(id)
-            )));
-        }
-        // Deleted, or held by a replica that is gone: take it over.
-        ready
-            .subscriptions
-            .update(key(id), me, entry.revision)
-            .await
-            .map(|_| ())
-            .map_err(|_| {
-                BrokerError::AlreadyExists(format!("subscription id {:?} was just opened elsewhere", truncate(id)))
-            })
-    }
-
-    /// Sends `call` to the replica serving subscription `id`, when that is
-    /// another live replica; None when no replica serves it.
-    async fn forward(&self, ready: &Ready, id: &str, call: rpc::Call) -> Result<Option<rpc::Answer>, BrokerError> {
-        let Some(owner) = self.owner(ready, id).await? else {
-            return Ok(None);
-        };
-        if owner == self.inner.config.replica_id || !self.is_live(ready, &owner).await {
-            return Ok(None);
-        }
-        rpc::call(&self.inner.client, &self.inner.config.prefix, &owner, &call)
-            .await
-            .map(Some)
-    }
-
-    /// Gathers `call`'s answers from every live replica.
-    async fn gather(&self, ready: &Ready, call: rpc::Call) -> Vec<rpc::Answer> {
-        let replicas = self.live_replicas(ready).await;
-        let calls = replicas.iter().map(|replica| {
-            let call = call.clone();
-            async move {
-                if *replica == self.inner.config.replica_id {
-                    return Some(self.answer_one(call));
-                }
-                match rpc::call(&self.inner.client, &self.inner.config.prefix, replica, &call).await {
-                    Ok(answer) => Some(answer),
-                    Err(error) => {
-                        tracing::warn!(replica = %replica, %error, "replica left out of an Admin listing: it did not answer");
-                        None
-                    }
-                }
-            }
-        });
-        futures::future::join_all(calls).await.into_iter().flatten().collect()
-    }
-
-    /// `here`, what this replica answered about subscription `id`, unless it
-    /// does not serve it: then the answer of the replica that does, to
-    /// `call()`, picked by `pick` (NOT_FOUND when no live replica serves it).
-    async fn here_or_forwarded<T>(
-        &self,
-        id: &str,
-        here: Result<T, BrokerError>,
-        call: impl FnOnce() -> rpc::Call,
-        pick: impl FnOnce(rpc::Answer) -> Result<T, rpc::Answer>,
-    ) -> Result<T, BrokerError> {
-        let Err(BrokerError::NotFound(not_here)) = here else {
-            return here;
-        };
-        let ready = self.serving()?;
-        match self.forward(&ready, id, call()).await? {
-            Some(answer) => pick(answer).map_err(rpc::Answer::into_error),
-            None => Err(BrokerError::NotFound(not_here)),
-        }
-    }
-
-    async fn publish_cluster(
-        &self,
-        message: NewMessage,
-        publisher: &mut RouteCache,
-        at: PublishTime,
-    ) -> Result<PublishOutcome, BrokerError> {
-        self.serving()?;
-        let subject = format!("{}{}", self.inner.message_prefix, message.topic);
-        // Everything but the sequence, which routing assigns; protobuf
-        // takes fields in any order, so it is appended after.
-        let mut body = BytesMut::new();
-        let head = pb::Message {
-            topic: message.topic.clone(),
-            payload: message.payload.clone(),
-            headers: message.headers.clone(),
-            publish_time: Some(at.wall.into()),
-            ..Default::default()
-        };
-        head.encode(&mut body)
-            .map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
-        let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
-        body.put_u8(4 << 3); // field 4 (sequence), varint
-        prost::encoding::encode_varint(outcome.sequence, &mut body);
-        if body.len() > self.inner.client.server_info().max_payload {
-            return Err(BrokerError::ResourceExhausted(format!(
-                "message to {:?} takes {} bytes on NATS, above the NATS server's max_payload {}; it reached this replica's subscribers only",
-                truncate(&subject),
-                body.len(),
-                self.inner.client.server_info().max_payload
-            )));
-        }
-        self.inner.client.publish(subject, body.freeze()).await.map_err(|e| {
-            BrokerError::Unavailable(format!(
-                "NATS is unreachable ({e}): the message reached this replica's subscribers only"
-            ))
-        })?;
-        Ok(outcome)
     }
 
     async fn subscribe_cluster(&self, request: SubscribeRequest) -> Result<ClusterStream, BrokerError> {
@@ -612,33 +356,6 @@ impl ClusterEngine {
 enum SetUpError {
     Retry(String),
     Fatal(String),
-}
-
-/// A registry key for any id: base64url, which KV keys accept.
-fn key(id: &str) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id)
-}
-
-fn unkey(key: &str) -> Option<String> {
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(key).ok()?;
-    String::from_utf8(bytes).ok()
-}
-
-/// Gives a subscription id back to the registry when its stream ends.
-struct Release {
-    store: kv::Store,
-    id: String,
-}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        let (store, key) = (self.store.clone(), key(&self.id));
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = store.delete(key).await;
-            });
-        }
-    }
 }
 
 /// A subscription of this replica: the local stream, and its claim on the id.

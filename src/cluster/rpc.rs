@@ -101,6 +101,106 @@ pub async fn call(
         .map_err(|e| BrokerError::Unavailable(format!("replica {replica} answered something undecodable: {e}")))
 }
 
+// === both ends of a call ===
+
+use super::{ClusterEngine, Ready};
+use crate::engine::Peaks;
+use futures::StreamExt;
+
+impl ClusterEngine {
+    /// Answers calls forwarded by other replicas.
+    pub(super) async fn answer(self, mut calls: async_nats::Subscriber) {
+        while let Some(request) = calls.next().await {
+            let Some(reply) = request.reply.clone() else { continue };
+            let engine = self.clone();
+            tokio::spawn(async move {
+                let answer = match serde_json::from_slice::<Call>(&request.payload) {
+                    Ok(call) => engine.answer_one(call),
+                    Err(e) => Answer::Error(WireError::from(BrokerError::InvalidArgument(format!(
+                        "undecodable forwarded call: {e}"
+                    )))),
+                };
+                let body = serde_json::to_vec(&answer).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "bug: a forwarded call's answer cannot be encoded");
+                    let error = Answer::Error(WireError::from(BrokerError::Unavailable(format!(
+                        "the replica could not encode its answer: {e}"
+                    ))));
+                    serde_json::to_vec(&error).unwrap_or_default()
+                });
+                let _ = engine.inner.client.publish(reply, body.into()).await;
+            });
+        }
+    }
+
+    pub(super) fn answer_one(&self, call: Call) -> Answer {
+        let local = &self.inner.local;
+        let result = match call {
+            Call::Ping => Ok(Answer::Pong),
+            Call::Ack { id, sequences } => local.ack(&id, &sequences).map(Answer::Acked),
+            Call::Nack { id, sequences } => local.nack(&id, &sequences).map(Answer::Nacked),
+            Call::Close { id } => local.close_subscription(&id).map(|()| Answer::Closed),
+            Call::ListSubscriptions => Ok(Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
+            Call::ListEvictions => Ok(Answer::Evictions(local.evictions())),
+        };
+        result.unwrap_or_else(|e| Answer::Error(e.into()))
+    }
+
+    /// Sends `call` to the replica serving subscription `id`, when that is
+    /// another live replica; None when no replica serves it.
+    pub(super) async fn forward(&self, ready: &Ready, id: &str, call: Call) -> Result<Option<Answer>, BrokerError> {
+        let Some(owner) = self.owner(ready, id).await? else {
+            return Ok(None);
+        };
+        if owner == self.inner.config.replica_id || !self.is_live(ready, &owner).await {
+            return Ok(None);
+        }
+        self::call(&self.inner.client, &self.inner.config.prefix, &owner, &call)
+            .await
+            .map(Some)
+    }
+
+    /// Gathers `call`'s answers from every live replica.
+    pub(super) async fn gather(&self, ready: &Ready, call: Call) -> Vec<Answer> {
+        let replicas = self.live_replicas(ready).await;
+        let calls = replicas.iter().map(|replica| {
+            let call = call.clone();
+            async move {
+                if *replica == self.inner.config.replica_id {
+                    return Some(self.answer_one(call));
+                }
+                match self::call(&self.inner.client, &self.inner.config.prefix, replica, &call).await {
+                    Ok(answer) => Some(answer),
+                    Err(error) => {
+                        tracing::warn!(replica = %replica, %error, "replica left out of an Admin listing: it did not answer");
+                        None
+                    }
+                }
+            }
+        });
+        futures::future::join_all(calls).await.into_iter().flatten().collect()
+    }
+
+    /// `here`, what this replica answered about subscription `id`, unless it
+    /// does not serve it: then the answer of the replica that does, to
+    /// `call()`, picked by `pick` (NOT_FOUND when no live replica serves it).
+    pub(super) async fn here_or_forwarded<T>(
+        &self,
+        id: &str,
+        here: Result<T, BrokerError>,
+        call: impl FnOnce() -> Call,
+        pick: impl FnOnce(Answer) -> Result<T, Answer>,
+    ) -> Result<T, BrokerError> {
+        let Err(BrokerError::NotFound(not_here)) = here else {
+            return here;
+        };
+        let ready = self.serving()?;
+        match self.forward(&ready, id, call()).await? {
+            Some(answer) => pick(answer).map_err(Answer::into_error),
+            None => Err(BrokerError::NotFound(not_here)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,96 @@
+//! Messages between this replica's fan-out and NATS: a publish goes to the
+//! local subscribers and out on `<prefix>.m.<topic>`; what other replicas
+//! publish comes in on `<prefix>.m.>` and goes to the local subscribers with
+//! the publisher's sequence and time.
+
+use super::{ClusterEngine, REMOTE_BURST};
+use crate::broker::{RouteCache, WakeBatch};
+use crate::engine::validate::truncate;
+use crate::engine::{BrokerError, NewMessage, PublishOutcome, PublishTime};
+use crate::pb;
+use bytes::{BufMut, BytesMut};
+use futures::{FutureExt, StreamExt};
+use prost::Message as _;
+use std::time::SystemTime;
+
+impl ClusterEngine {
+    /// Hands messages other replicas published to this replica's fan-out.
+    pub(super) async fn receive(self, mut remote: async_nats::Subscriber) {
+        let local = &self.inner.local;
+        while let Some(first) = remote.next().await {
+            let _burst = WakeBatch::begin();
+            self.deliver(first);
+            for _ in 1..REMOTE_BURST {
+                match remote.next().now_or_never() {
+                    Some(Some(message)) => self.deliver(message),
+                    _ => break,
+                }
+            }
+            drop(_burst);
+            if local.is_shutting_down() {
+                return;
+            }
+        }
+    }
+
+    pub(super) fn deliver(&self, message: async_nats::Message) {
+        match pb::Message::decode(message.payload) {
+            Ok(m) => {
+                let publish_time = m
+                    .publish_time
+                    .and_then(|t| SystemTime::try_from(t).ok())
+                    .unwrap_or_else(SystemTime::now);
+                let sequence = m.sequence;
+                self.inner.local.deliver_remote(
+                    NewMessage {
+                        topic: m.topic,
+                        payload: m.payload,
+                        headers: m.headers,
+                    },
+                    sequence,
+                    publish_time,
+                );
+            }
+            Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
+        }
+    }
+
+    pub(super) async fn publish_cluster(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> Result<PublishOutcome, BrokerError> {
+        self.serving()?;
+        let subject = format!("{}{}", self.inner.message_prefix, message.topic);
+        // Everything but the sequence, which routing assigns; protobuf
+        // takes fields in any order, so it is appended after.
+        let mut body = BytesMut::new();
+        let head = pb::Message {
+            topic: message.topic.clone(),
+            payload: message.payload.clone(),
+            headers: message.headers.clone(),
+            publish_time: Some(at.wall.into()),
+            ..Default::default()
+        };
+        head.encode(&mut body)
+            .map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
+        let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
+        body.put_u8(4 << 3); // field 4 (sequence), varint
+        prost::encoding::encode_varint(outcome.sequence, &mut body);
+        if body.len() > self.inner.client.server_info().max_payload {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "message to {:?} takes {} bytes on NATS, above the NATS server's max_payload {}; it reached this replica's subscribers only",
+                truncate(&subject),
+                body.len(),
+                self.inner.client.server_info().max_payload
+            )));
+        }
+        self.inner.client.publish(subject, body.freeze()).await.map_err(|e| {
+            BrokerError::Unavailable(format!(
+                "NATS is unreachable ({e}): the message reached this replica's subscribers only"
+            ))
+        })?;
+        Ok(outcome)
+    }
+}
