@@ -254,26 +254,202 @@ async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nat
     .await;
 }
 
+/// Publishes `n` messages to `topic` through `broker`; their sequences.
+async fn publish_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
+    let mut client = broker.client().await;
+    let mut sequences = Vec::new();
+    for i in 0..n {
+        let r = client
+            .publish(publish_request(topic, &format!("m{i}")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.matched_groups, 1, "the group's stream took it");
+        sequences.push(r.sequence);
+    }
+    sequences
+}
+
+/// The next message of `stream`, within 10 s.
+async fn next_message(stream: &mut tonic::Streaming<pb::Message>, what: &str) -> pb::Message {
+    tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: nothing within 10 s"))
+        .unwrap()
+        .unwrap_or_else(|| panic!("{what}: the stream ended"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_groups_are_refused_in_cluster_mode_for_now() {
-    let Some(nats) = NatsCluster::start(1).await else {
+async fn group_members_on_three_replicas_share_the_work_each_message_once() {
+    let Some(nats) = NatsCluster::start(3).await else {
         return;
     };
     timeout(async {
-        let mut config = replica_config(nats.urls(), "g", "groups");
-        if let Some(c) = config.cluster.as_mut() {
-            c.nats_replicas = 1;
+        let brokers = replicas(&nats, 3, "share").await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for (i, broker) in brokers.iter().enumerate() {
+            let mut client = broker.client().await;
+            let mut stream = client
+                .open_subscription(member_request(&["jobs.*"], "workers", false, 4))
+                .await
+                .unwrap()
+                .into_inner();
+            let tx = tx.clone();
+            tasks.push(tokio::spawn(async move {
+                while let Ok(Some(m)) = stream.message().await {
+                    let _ = tx.send((i, m.sequence, m.consumer_group.clone()));
+                }
+            }));
         }
-        let broker = start_with(config).await;
-        wait_serving(&broker).await;
-        let err = broker
+        // A second group member asking for other patterns is refused, from
+        // any replica.
+        let err = brokers[2]
             .client()
             .await
-            .open_subscription(member_request(&["jobs.*"], "workers", false, 0))
+            .open_subscription(member_request(&["jobs.>"], "workers", false, 4))
             .await
-            .expect_err("refused");
+            .expect_err("other patterns");
         assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-        assert!(err.message().contains("workers"), "{}", err.message());
+        let sent = publish_n(&brokers[0], "jobs.build", 60).await;
+        let mut got = std::collections::HashMap::new();
+        let mut by_member = [0usize; 3];
+        while got.len() < sent.len() {
+            let (i, seq, group) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("every message delivered")
+                .unwrap();
+            assert_eq!(group, "workers");
+            assert!(got.insert(seq, i).is_none(), "sequence {seq} delivered twice");
+            by_member[i] += 1;
+        }
+        let mut keys: Vec<u64> = got.keys().copied().collect();
+        keys.sort();
+        assert_eq!(keys, sent);
+        assert!(
+            by_member.iter().all(|&n| n > 0),
+            "every replica's member got work: {by_member:?}"
+        );
+        // Nothing more arrives (no duplicates later).
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), rx.recv())
+                .await
+                .is_err()
+        );
+        let groups = groups(&mut brokers[1].admin().await).await;
+        assert_eq!(groups.len(), 1, "{groups:?}");
+        assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 3));
+        for task in tasks {
+            task.abort();
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let mut config = replica_config(urls_from(&nats, 0), "m0", "manual");
+        config.limits.max_delivery_attempts = 2;
+        let m0 = start_with(config).await;
+        let mut config = replica_config(urls_from(&nats, 1), "m1", "manual");
+        config.limits.max_delivery_attempts = 2;
+        let m1 = start_with(config).await;
+        wait_serving(&m0).await;
+        wait_serving(&m1).await;
+
+        // The group exists once its first member opens; a backlog waits
+        // while no member is connected.
+        let mut request = member_request(&["orders.*"], "billing", true, 8);
+        request.ack_deadline_ms = 1000;
+        request.subscription_id = "biller".into();
+        drop(m0.client().await.open_subscription(request.clone()).await.unwrap());
+        wait_until("the first member to be gone", || async {
+            listed(m0.subscriptions().await, "biller").is_none()
+        })
+        .await;
+        let sent = publish_n(&m1, "orders.new", 3).await;
+        let mut member = m0
+            .client()
+            .await
+            .open_subscription(request.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        let first = next_message(&mut member, "the backlog").await;
+        assert_eq!(first.sequence, sent[0]);
+        let second = next_message(&mut member, "the backlog").await;
+        let third = next_message(&mut member, "the backlog").await;
+        assert_eq!((second.sequence, third.sequence), (sent[1], sent[2]));
+
+        // Ack through the replica that does not serve the member.
+        let ack = m1
+            .client()
+            .await
+            .ack(pb::AckRequest {
+                subscription_id: "biller".into(),
+                sequences: vec![first.sequence, 999],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((ack.acked, ack.unknown), (1, 1));
+        // Nack: redelivered at once, attempt 2.
+        let nack = m1
+            .client()
+            .await
+            .nack(pb::NackRequest {
+                subscription_id: "biller".into(),
+                sequences: vec![second.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((nack.requeued, nack.unknown), (1, 0));
+        // The nacked one comes again at once; the third, unacked past its
+        // 1 s deadline, too: both on their second (last) attempt.
+        let (mut dlq, _) = subscribe(&mut m1.client().await, &["_dlq.billing"]).await;
+        let mut again = std::collections::BTreeMap::new();
+        for _ in 0..2 {
+            let m = next_message(&mut member, "a redelivery").await;
+            again.insert(m.sequence, m.delivery_attempt);
+        }
+        assert_eq!(
+            again,
+            std::collections::BTreeMap::from([(second.sequence, 2), (third.sequence, 2)])
+        );
+        let ack = m0
+            .client()
+            .await
+            .ack(pb::AckRequest {
+                subscription_id: "biller".into(),
+                sequences: vec![third.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(ack.acked, 1);
+        // The second is not acked: past its deadline on its last attempt, it
+        // is dead-lettered, once, seen by a subscriber on the other replica.
+        let letter = next_message(&mut dlq, "the dead letter").await;
+        assert_eq!(
+            letter.headers.get("tinybroker-original-topic").map(String::as_str),
+            Some("orders.new")
+        );
+        assert_eq!(
+            letter.headers.get("tinybroker-delivery-attempts").map(String::as_str),
+            Some("2")
+        );
+        assert_eq!(&letter.payload[..], b"m1");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1500), dlq.message())
+                .await
+                .is_err(),
+            "one dead letter, not one per replica"
+        );
     })
     .await;
 }

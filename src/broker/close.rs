@@ -41,10 +41,14 @@ impl Broker {
     /// more (the message that did not fit, for an eviction). Returns how
     /// many it held, or None when it was closed already.
     pub(super) fn close(&self, subscription: &Arc<Subscription>, reason: CloseReason, also_lost: u64) -> Option<usize> {
-        let lost = subscription.membership().is_none().then_some(also_lost);
+        let lost = subscription.is_broadcast().then_some(also_lost);
         let left = subscription.queue.close(reason, lost);
         self.detach(subscription);
         let left = left?;
+        if subscription.external().is_some() {
+            // Its group's engine takes back what it had handed out.
+            return Some(0);
+        }
         if let Some(membership) = subscription.membership() {
             let group = &membership.group;
             let dead = group.leave(subscription.key, left, tokio::time::Instant::now());
@@ -67,7 +71,7 @@ impl Broker {
             return;
         }
         // Members are routed through their group, not the trie.
-        if subscription.membership().is_none() {
+        if subscription.is_broadcast() {
             self.remove_routes(subscription.key, subscription.patterns());
         }
         self.shared.subscriptions.lock().remove(subscription.id());

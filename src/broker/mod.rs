@@ -45,7 +45,7 @@ pub mod subscription;
 pub use message::{Delivery, Published, message_size};
 pub use publish::RouteCache;
 pub use queue::WakeBatch;
-pub use subscription::{Subscription, SubscriptionStream};
+pub use subscription::{ExternalMember, Subscription, SubscriptionStream};
 
 use crate::config::Limits;
 use crate::engine::{EvictionRecord, GroupRemoval};

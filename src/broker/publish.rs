@@ -93,7 +93,7 @@ impl Broker {
         let subscriptions = self.shared.subscriptions.lock();
         subscriptions
             .values()
-            .filter(|s| s.membership().is_none())
+            .filter(|s| s.is_broadcast())
             .map(|s| (s, s.queue.bytes()))
             .filter(|(_, bytes)| *bytes >= far_behind)
             .max_by_key(|(_, bytes)| *bytes)
@@ -137,12 +137,24 @@ impl Broker {
     /// when it is spent; a message already published elsewhere is never
     /// refused here.
     pub fn deliver_remote(&self, message: NewMessage, sequence: u64, publish_time: std::time::SystemTime) {
+        let routes = self.shared.routes.read().matches(&message.topic);
+        let published = self.published_elsewhere(message, sequence, publish_time);
+        self.fan_out(published, &routes, PublishTime::now());
+    }
+
+    /// A message published elsewhere (another replica, or a cluster group's
+    /// stream), charged to the memory budget like [`Broker::deliver_remote`].
+    pub fn published_elsewhere(
+        &self,
+        message: NewMessage,
+        sequence: u64,
+        publish_time: std::time::SystemTime,
+    ) -> Arc<Published> {
         let size = super::message_size(&message.topic, &message.payload, &message.headers);
         if self.reserve(size, &message.topic).is_err() {
             self.shared.memory.charge(size);
         }
-        let routes = self.shared.routes.read().matches(&message.topic);
-        let published = Arc::new(Published {
+        Arc::new(Published {
             topic: message.topic,
             payload: message.payload,
             headers: message.headers,
@@ -150,8 +162,7 @@ impl Broker {
             publish_time,
             size,
             budget: self.shared.memory,
-        });
-        self.fan_out(published, &routes, PublishTime::now());
+        })
     }
 
     /// Hands a published message to each of `routes`.

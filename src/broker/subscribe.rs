@@ -5,7 +5,7 @@ use super::Broker;
 use super::group::{ConsumerGroup, GroupLimits, MemberSettings};
 use super::publish::Route;
 use super::queue::Queue;
-use super::subscription::{Membership, Subscription, SubscriptionStream};
+use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};
 use crate::engine::validate::{self, truncate};
 use crate::engine::{BrokerError, DeliveryMode, SubscribeRequest};
 use crate::topic::TopicPattern;
@@ -61,6 +61,33 @@ impl Broker {
             subscription.patterns(),
             Route::Subscription(subscription.clone()),
         );
+        Ok(SubscriptionStream::new(self.clone(), subscription))
+    }
+
+    /// Opens a member of a group another engine runs (cluster mode): in the
+    /// registry (ids, the subscription limit, Admin), not in the trie, with
+    /// a queue of `max_in_flight` slots that engine fills. The request is
+    /// validated by the caller.
+    pub fn open_external(
+        &self,
+        request: &SubscribeRequest,
+        max_in_flight: u32,
+        member: ExternalMember,
+    ) -> Result<SubscriptionStream, BrokerError> {
+        self.check_open()?;
+        let patterns = validate::patterns(&request.topic_patterns)?;
+        let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
+        let mut subscription = Subscription::new(
+            key,
+            request.subscription_id.as_str().into(),
+            patterns,
+            request.peer,
+            Queue::new(max_in_flight as usize, usize::MAX),
+            None,
+        );
+        subscription.set_external(member);
+        let subscription = Arc::new(subscription);
+        self.register(&subscription)?;
         Ok(SubscriptionStream::new(self.clone(), subscription))
     }
 

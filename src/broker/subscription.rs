@@ -28,6 +28,17 @@ pub struct Subscription {
     pub(crate) detached: AtomicBool,
     /// Set for consumer-group members.
     membership: Option<Membership>,
+    /// Set for members of a group another engine runs (cluster mode).
+    external: Option<ExternalMember>,
+}
+
+/// A member of a consumer group that another engine runs (the cluster
+/// engine, over JetStream): not routed by the trie; that engine fills its
+/// queue and takes back what is left when it closes.
+#[derive(Debug, Clone)]
+pub struct ExternalMember {
+    pub group: String,
+    pub ack_mode: AckMode,
 }
 
 /// What makes a subscription a consumer-group member.
@@ -56,7 +67,30 @@ impl Subscription {
             last_delivered_sequence: AtomicU64::new(0),
             detached: AtomicBool::new(false),
             membership,
+            external: None,
         }
+    }
+
+    /// A broadcast subscription (routed by the trie, its losses its own).
+    pub(crate) fn is_broadcast(&self) -> bool {
+        self.membership.is_none() && self.external.is_none()
+    }
+
+    pub(crate) fn set_external(&mut self, member: ExternalMember) {
+        self.external = Some(member);
+    }
+
+    /// Hands a delivery to an external member's queue; gives it back when
+    /// the queue is closed or full.
+    pub fn hand(&self, delivery: Delivery) -> Result<(), Delivery> {
+        match self.queue.push(delivery) {
+            super::queue::Push::Queued => Ok(()),
+            super::queue::Push::Full { item, .. } | super::queue::Push::Closed(item) => Err(item),
+        }
+    }
+
+    pub(crate) fn external(&self) -> Option<&ExternalMember> {
+        self.external.as_ref()
     }
 
     pub(crate) fn membership(&self) -> Option<&Membership> {
@@ -65,7 +99,11 @@ impl Subscription {
 
     /// The group's name, for consumer-group members.
     pub fn consumer_group(&self) -> Option<&str> {
-        self.membership.as_ref().map(|m| m.group.name())
+        match (&self.membership, &self.external) {
+            (Some(m), _) => Some(m.group.name()),
+            (None, Some(e)) => Some(&e.group),
+            (None, None) => None,
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -119,13 +157,14 @@ impl Subscription {
     /// sees the peak of the last two scrape intervals (see
     /// [`Queue::take_peak`]).
     pub fn info(&self, peaks: Peaks, replica_id: &str) -> SubscriptionInfo {
-        let (mode, consumer_group, ack_mode) = match &self.membership {
-            Some(m) => (
+        let (mode, consumer_group, ack_mode) = match (&self.membership, &self.external) {
+            (Some(m), _) => (
                 DeliveryMode::Single,
                 m.group.name().to_owned(),
                 Some(m.settings.ack_mode),
             ),
-            None => (DeliveryMode::Multi, String::new(), None),
+            (None, Some(e)) => (DeliveryMode::Single, e.group.clone(), Some(e.ack_mode)),
+            (None, None) => (DeliveryMode::Multi, String::new(), None),
         };
         SubscriptionInfo {
             subscription_id: self.id.to_string(),
@@ -202,7 +241,7 @@ impl SubscriptionStream {
     fn flush_delivered(&mut self) {
         if self.unflushed > 0 {
             let stats = self.broker.stats();
-            let counter = if self.subscription.membership.is_some() {
+            let counter = if !self.subscription.is_broadcast() {
                 &stats.delivered_single
             } else {
                 &stats.delivered_multi

@@ -61,8 +61,9 @@ impl ClusterEngine {
         publisher: &mut RouteCache,
         at: PublishTime,
     ) -> Result<PublishOutcome, BrokerError> {
-        self.serving()?;
+        let ready = self.serving()?;
         let subject = format!("{}{}", self.inner.message_prefix, message.topic);
+        let groups = self.group_routes(&message.topic);
         // Everything but the sequence, which routing assigns; protobuf
         // takes fields in any order, so it is appended after.
         let mut body = BytesMut::new();
@@ -86,11 +87,19 @@ impl ClusterEngine {
                 self.inner.client.server_info().max_payload
             )));
         }
-        self.inner.client.publish(subject, body.freeze()).await.map_err(|e| {
+        let body = body.freeze();
+        self.inner.client.publish(subject, body.clone()).await.map_err(|e| {
             BrokerError::Unavailable(format!(
                 "NATS is unreachable ({e}): the message reached this replica's subscribers only"
             ))
         })?;
+        // Each matching group's stream stores it (with an ack), once.
+        let mut outcome = outcome;
+        for route in &groups {
+            let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
+            self.publish_to_group(&ready, route, body.clone(), id).await?;
+            outcome.matched_groups += 1;
+        }
         Ok(outcome)
     }
 }

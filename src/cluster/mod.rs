@@ -32,6 +32,7 @@
 //! subscription ids; `rpc.rs` calls between replicas, both ends.
 
 mod fanout;
+mod groups;
 mod registry;
 mod rpc;
 
@@ -87,13 +88,17 @@ struct Inner {
     slow_consumer_dropped: AtomicU64,
     /// Subject prefix of messages: `<prefix>.m.`.
     message_prefix: String,
+    groups: groups::Groups,
 }
 
 /// What the engine has once it is set up.
 #[derive(Clone)]
 struct Ready {
+    js: jetstream::Context,
     subscriptions: kv::Store,
     replicas: kv::Store,
+    /// The consumer-group table.
+    groups: kv::Store,
 }
 
 impl ClusterEngine {
@@ -154,6 +159,7 @@ impl ClusterEngine {
                 connected: AtomicBool::new(false),
                 reconnects: AtomicU64::new(0),
                 slow_consumer_dropped: AtomicU64::new(0),
+                groups: groups::Groups::default(),
             }),
         };
         let watcher = engine.clone();
@@ -258,6 +264,10 @@ impl ClusterEngine {
             .create_key_value(bucket("replicas", REPLICA_TTL))
             .await
             .map_err(|e| retry(&e))?;
+        let groups = js
+            .create_key_value(bucket("groups", Duration::ZERO))
+            .await
+            .map_err(|e| retry(&e))?;
         let incarnations = js
             .create_key_value(bucket("incarnations", Duration::ZERO))
             .await
@@ -280,8 +290,10 @@ impl ClusterEngine {
         // (their servers) proves it (docs/cluster-notes.md).
         client.flush().await.map_err(|e| retry(&e))?;
         let ready = Ready {
+            js,
             subscriptions,
             replicas,
+            groups,
         };
         self.beat(&ready).await.map_err(|e| retry(&e))?;
         for replica in self.live_replicas(&ready).await {
@@ -292,6 +304,7 @@ impl ClusterEngine {
         *inner.ready.lock() = Some(ready.clone());
         tokio::spawn(self.clone().receive(remote));
         tokio::spawn(self.clone().answer(calls));
+        tokio::spawn(self.clone().watch_groups(ready.clone()));
         tokio::spawn(self.clone().heartbeat(ready));
         tracing::info!(
             replica_id = %inner.config.replica_id,
@@ -306,6 +319,22 @@ impl ClusterEngine {
     fn nats_server(&self) -> String {
         let info = self.inner.client.server_info();
         format!("{}:{} ({})", info.host, info.port, info.server_name)
+    }
+
+    /// Ack of a subscription this replica serves: a cluster group's member
+    /// through its hub, else the local engine (broadcast: all unknown).
+    fn ack_here(&self, id: &str, sequences: &[u64]) -> Result<Acked, BrokerError> {
+        match self.hub_of(id) {
+            Some(hub) => Ok(hub.ack(id, sequences)),
+            None => self.inner.local.ack(id, sequences),
+        }
+    }
+
+    fn nack_here(&self, id: &str, sequences: &[u64]) -> Result<Nacked, BrokerError> {
+        match self.hub_of(id) {
+            Some(hub) => Ok(hub.nack(id, sequences)),
+            None => self.inner.local.nack(id, sequences),
+        }
     }
 
     /// The engine's state, or UNAVAILABLE saying why it cannot serve.
@@ -326,11 +355,20 @@ impl ClusterEngine {
 
     async fn subscribe_cluster(&self, request: SubscribeRequest) -> Result<ClusterStream, BrokerError> {
         let ready = self.serving()?;
-        if request.mode == DeliveryMode::Single {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "consumer group {:?}: consumer groups are not available in cluster mode yet (TINYBROKER_NATS_URL is set); use broadcast subscriptions, or run a single replica without TINYBROKER_NATS_URL",
-                truncate(&request.consumer_group)
-            )));
+        match request.mode {
+            DeliveryMode::Single if request.consumer_group.is_empty() => {
+                return Err(BrokerError::InvalidArgument(
+                    "DELIVERY_MODE_SINGLE needs a consumer_group; it was empty".into(),
+                ));
+            }
+            DeliveryMode::Single => return self.join_group(&ready, request).await,
+            DeliveryMode::Multi if !request.consumer_group.is_empty() => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "consumer_group {:?} was given with DELIVERY_MODE_MULTI (broadcast); consumer groups need DELIVERY_MODE_SINGLE",
+                    truncate(&request.consumer_group)
+                )));
+            }
+            DeliveryMode::Multi => {}
         }
         let mut request = request;
         if request.subscription_id.is_empty() {
@@ -349,6 +387,7 @@ impl ClusterEngine {
         Ok(ClusterStream {
             inner,
             release: Some(release),
+            member: None,
         })
     }
 }
@@ -362,13 +401,19 @@ enum SetUpError {
 pub struct ClusterStream {
     inner: SubscriptionStream,
     release: Option<Release>,
+    /// For group members: the group's hub on this replica.
+    member: Option<groups::MemberLink>,
 }
 
 impl Stream for ClusterStream {
     type Item = Delivery;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
-        Pin::new(&mut self.inner).poll_next(cx)
+        let polled = Pin::new(&mut self.inner).poll_next(cx);
+        if let (Poll::Ready(Some(delivery)), Some(member)) = (&polled, &self.member) {
+            member.streamed(delivery);
+        }
+        polled
     }
 }
 
@@ -388,8 +433,10 @@ impl DeliveryStream for ClusterStream {
 
 impl Drop for ClusterStream {
     fn drop(&mut self) {
-        // The local subscription closes first (dropping `inner` after this),
-        // then the id is released: never claimable while still open here.
+        // A member's held messages go back to its group first; then the id
+        // is released (asynchronously: the local subscription, dropped just
+        // after this, is gone from the registry long before).
+        self.member.take();
         self.release.take();
     }
 }
@@ -426,7 +473,7 @@ impl Engine for ClusterEngine {
             id: subscription_id.to_owned(),
             sequences: sequences.to_vec(),
         };
-        let here = self.inner.local.ack(subscription_id, sequences);
+        let here = self.ack_here(subscription_id, sequences);
         self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
             rpc::Answer::Acked(acked) => Ok(acked),
             other => Err(other),
@@ -440,7 +487,7 @@ impl Engine for ClusterEngine {
             id: subscription_id.to_owned(),
             sequences: sequences.to_vec(),
         };
-        let here = self.inner.local.nack(subscription_id, sequences);
+        let here = self.nack_here(subscription_id, sequences);
         self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
             rpc::Answer::Nacked(nacked) => Ok(nacked),
             other => Err(other),
@@ -477,7 +524,14 @@ impl Engine for ClusterEngine {
     }
 
     async fn list_groups(&self) -> Result<Vec<GroupInfo>, BrokerError> {
-        Ok(Vec::new())
+        let ready = self.serving()?;
+        let mut parts = Vec::new();
+        for answer in self.gather(&ready, rpc::Call::ListGroups).await {
+            if let rpc::Answer::Groups(mut list) = answer {
+                parts.append(&mut list);
+            }
+        }
+        Ok(self.cluster_groups(&ready, parts).await)
     }
 
     async fn list_evictions(&self) -> Result<Vec<EvictionRecord>, BrokerError> {

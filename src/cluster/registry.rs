@@ -109,7 +109,7 @@ pub(super) fn key(id: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id)
 }
 
-fn unkey(key: &str) -> Option<String> {
+pub(super) fn unkey(key: &str) -> Option<String> {
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(key).ok()?;
     String::from_utf8(bytes).ok()
 }

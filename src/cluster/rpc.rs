@@ -21,6 +21,7 @@ pub enum Call {
     Close { id: String },
     ListSubscriptions,
     ListEvictions,
+    ListGroups,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -32,6 +33,7 @@ pub enum Answer {
     Closed,
     Subscriptions(Vec<SubscriptionInfo>),
     Evictions(Vec<EvictionRecord>),
+    Groups(Vec<super::groups::LocalGroup>),
     Error(WireError),
 }
 
@@ -136,11 +138,12 @@ impl ClusterEngine {
         let local = &self.inner.local;
         let result = match call {
             Call::Ping => Ok(Answer::Pong),
-            Call::Ack { id, sequences } => local.ack(&id, &sequences).map(Answer::Acked),
-            Call::Nack { id, sequences } => local.nack(&id, &sequences).map(Answer::Nacked),
+            Call::Ack { id, sequences } => self.ack_here(&id, &sequences).map(Answer::Acked),
+            Call::Nack { id, sequences } => self.nack_here(&id, &sequences).map(Answer::Nacked),
             Call::Close { id } => local.close_subscription(&id).map(|()| Answer::Closed),
             Call::ListSubscriptions => Ok(Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
             Call::ListEvictions => Ok(Answer::Evictions(local.evictions())),
+            Call::ListGroups => Ok(Answer::Groups(self.local_groups())),
         };
         result.unwrap_or_else(|e| Answer::Error(e.into()))
     }

@@ -1,0 +1,853 @@
+//! Consumer groups in cluster mode, over JetStream.
+//!
+//! - The group table, `<prefix>_groups` (name → patterns), is written by a
+//!   group's first member (a compare-and-set: the patterns are fixed then)
+//!   and watched by every replica into a local trie, so a publish knows
+//!   which groups it matches.
+//! - Each group is a WorkQueue memory stream `<prefix>_g_<hash>` on the one
+//!   subject `<prefix>.g.<hash>` (`max_msgs` = `group_capacity`, `max_bytes`
+//!   = `group_max_bytes`, oldest discarded), written once per matching group
+//!   by the publishing replica with an ack and a message id, and read by one
+//!   durable pull consumer. The backlog lives there while no member is
+//!   connected, replicated by NATS.
+//! - A replica with members of a group runs a [`Hub`]: it pulls only as many
+//!   messages as its members have room for (`max_in_flight`), hands them
+//!   out round-robin, and holds each JetStream message until it is done:
+//!   acked when an AUTO member's stream takes it, or by a MANUAL member's
+//!   Ack; nacked (redelivered at once, to any member) on Nack, at the
+//!   member's ack deadline, or when the member's stream closes. A replica
+//!   that dies leaves its messages to the consumer's `ack_wait`.
+//! - A message whose attempt fails after `max_delivery_attempts` is
+//!   published to `_dlq.<group>` by the replica holding it, then acked.
+
+use super::registry::key;
+use super::{ClusterEngine, ClusterStream, Ready};
+use crate::broker::{ExternalMember, RouteCache, Subscription};
+use crate::engine::validate::{self, truncate};
+use crate::engine::{
+    AckMode, Acked, BrokerError, Delivery, GroupInfo, Nacked, NewMessage, PublishTime, SubscribeRequest,
+};
+use crate::pb;
+use crate::sublist::Sublist;
+use crate::topic::TopicPattern;
+use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
+use bytes::Bytes;
+use futures::StreamExt;
+use parking_lot::{Mutex, RwLock};
+use prost::Message as _;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
+
+/// How long a pull waits for messages before asking again.
+const PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// How often held messages are checked against their ack deadlines.
+const DEADLINE_TICK: Duration = Duration::from_millis(100);
+/// How long a publish to a group's stream is retried (a stream leader's
+/// election takes 4 to 7 s, docs/cluster-notes.md).
+const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
+
+/// What this replica knows of the cluster's groups.
+#[derive(Default)]
+pub(super) struct Groups {
+    /// Group patterns, from the table: what a publish matches.
+    routes: RwLock<Sublist<Arc<GroupRoute>>>,
+    /// The table as last seen: name → patterns.
+    table: Mutex<HashMap<String, Vec<String>>>,
+    /// Groups with members on this replica.
+    hubs: Mutex<HashMap<String, Arc<Hub>>>,
+}
+
+/// Where a publish matching a group goes.
+pub(super) struct GroupRoute {
+    pub(super) name: String,
+    pub(super) subject: String,
+}
+
+/// A stable 64-bit FNV-1a hash: names a group's stream and subject the
+/// same way on every replica and every version.
+fn fnv(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The consumer's `ack_wait`, fixed by the group's first member: its ack
+/// deadline, at least 2 s so that progress reports (every third of it)
+/// stay few.
+fn consumer_ack_wait(ack_deadline: Duration) -> Duration {
+    ack_deadline.max(Duration::from_secs(2))
+}
+
+fn stream_name(prefix: &str, group: &str) -> String {
+    format!("{prefix}_g_{:016x}", fnv(group))
+}
+
+fn subject(prefix: &str, group: &str) -> String {
+    format!("{prefix}.g.{:016x}", fnv(group))
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct TableEntry {
+    patterns: Vec<String>,
+}
+
+impl ClusterEngine {
+    /// Keeps the local group trie in step with the table.
+    pub(super) async fn watch_groups(self, ready: Ready) {
+        loop {
+            let mut watch = match ready.groups.watch_with_history(">").await {
+                Ok(watch) => watch,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot watch the consumer-group table; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            while let Some(entry) = watch.next().await {
+                let Ok(entry) = entry else { break };
+                let Some(name) = super::registry::unkey(&entry.key) else {
+                    continue;
+                };
+                match entry.operation {
+                    async_nats::jetstream::kv::Operation::Put => {
+                        if let Ok(e) = serde_json::from_slice::<TableEntry>(&entry.value) {
+                            self.route_group(&name, e.patterns);
+                        }
+                    }
+                    _ => self.unroute_group(&name),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn route_group(&self, name: &str, patterns: Vec<String>) {
+        let groups = &self.inner.groups;
+        let mut table = groups.table.lock();
+        if table.get(name) == Some(&patterns) {
+            return;
+        }
+        let id = fnv(name);
+        let route = Arc::new(GroupRoute {
+            name: name.to_owned(),
+            subject: subject(&self.inner.config.prefix, name),
+        });
+        let mut routes = groups.routes.write();
+        if let Some(old) = table.get(name) {
+            for p in old.iter().filter_map(|p| TopicPattern::parse(p).ok()) {
+                routes.remove(&p, id);
+            }
+        }
+        for p in patterns.iter().filter_map(|p| TopicPattern::parse(p).ok()) {
+            routes.insert(&p, id, route.clone());
+        }
+        table.insert(name.to_owned(), patterns);
+    }
+
+    fn unroute_group(&self, name: &str) {
+        let groups = &self.inner.groups;
+        if let Some(old) = groups.table.lock().remove(name) {
+            let mut routes = groups.routes.write();
+            for p in old.iter().filter_map(|p| TopicPattern::parse(p).ok()) {
+                routes.remove(&p, fnv(name));
+            }
+        }
+    }
+
+    /// The groups a message to `topic` goes to.
+    pub(super) fn group_routes(&self, topic: &str) -> Vec<Arc<GroupRoute>> {
+        self.inner.groups.routes.read().matches(topic).iter().cloned().collect()
+    }
+
+    /// Stores `body` in a group's stream, with an ack; retried over a
+    /// leader election. `id` makes retries idempotent.
+    pub(super) async fn publish_to_group(
+        &self,
+        ready: &Ready,
+        route: &GroupRoute,
+        body: Bytes,
+        id: String,
+    ) -> Result<(), BrokerError> {
+        let started = Instant::now();
+        loop {
+            let message = jetstream::message::PublishMessage::build()
+                .payload(body.clone())
+                .message_id(id.clone());
+            let result = match ready.js.send_publish(route.subject.clone(), message).await {
+                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(error) if started.elapsed() < PUBLISH_RETRY_FOR => {
+                    tracing::debug!(group = %route.name, %error, "publish to a group's stream retried");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(error) => {
+                    return Err(BrokerError::Unavailable(format!(
+                        "consumer group {:?} did not take the message (JetStream: {error}); it reached broadcast subscribers",
+                        truncate(&route.name)
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Opens a member of a cluster-wide group on this replica.
+    pub(super) async fn join_group(
+        &self,
+        ready: &Ready,
+        mut request: SubscribeRequest,
+    ) -> Result<ClusterStream, BrokerError> {
+        let name = request.consumer_group.clone();
+        validate::group_name(&name)?;
+        let patterns: Vec<String> = validate::patterns(&request.topic_patterns)?
+            .iter()
+            .map(|p| p.to_string())
+            .collect();
+        let limits = self.inner.local.limits().clone();
+        let max_in_flight = match request.max_in_flight {
+            0 => limits.default_max_in_flight,
+            n => n,
+        };
+        let ack_deadline = match request.ack_deadline_ms {
+            0 => limits.default_ack_deadline,
+            ms => Duration::from_millis(ms.into()),
+        };
+        self.fix_patterns(ready, &name, &patterns).await?;
+        if request.subscription_id.is_empty() {
+            request.subscription_id = uuid::Uuid::new_v4().to_string();
+        } else {
+            validate::name_field("subscription_id", &request.subscription_id)?;
+        }
+        let id = request.subscription_id.clone();
+        let hub = self.hub(ready, &name, ack_deadline).await?;
+        self.claim(ready, &id).await?;
+        let release = super::Release {
+            store: ready.subscriptions.clone(),
+            id: id.clone(),
+        };
+        let member = ExternalMember {
+            group: name.clone(),
+            ack_mode: request.ack_mode,
+        };
+        let inner = self.inner.local.open_external(&request, max_in_flight, member)?;
+        let settings = Settings {
+            max_in_flight,
+            ack_deadline,
+        };
+        hub.join(id.as_str().into(), inner.subscription().clone(), settings);
+        Ok(ClusterStream {
+            inner,
+            release: Some(release),
+            member: Some(MemberLink {
+                hub,
+                id: id.into(),
+                ack_mode: request.ack_mode,
+            }),
+        })
+    }
+
+    /// The group's patterns are the first member's: writes them, or checks
+    /// them against what is written.
+    async fn fix_patterns(&self, ready: &Ready, name: &str, patterns: &[String]) -> Result<(), BrokerError> {
+        let unavailable = |e: &dyn std::fmt::Display| {
+            BrokerError::Unavailable(format!("the consumer-group table (NATS) did not answer: {e}"))
+        };
+        let entry = serde_json::to_vec(&TableEntry {
+            patterns: patterns.to_vec(),
+        })
+        .map_err(|e| unavailable(&e))?;
+        match ready.groups.create(key(name), entry.into()).await {
+            Ok(_) => {
+                self.route_group(name, patterns.to_vec());
+                return Ok(());
+            }
+            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(unavailable(&e)),
+        }
+        let existing = ready.groups.get(key(name)).await.map_err(|e| unavailable(&e))?;
+        let existing: Vec<String> = existing
+            .and_then(|v| serde_json::from_slice::<TableEntry>(&v).ok())
+            .map(|e| e.patterns)
+            .unwrap_or_default();
+        if existing != patterns {
+            let shown = |p: &[String]| {
+                let parsed: Vec<TopicPattern> = p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect();
+                validate::pattern_list(&parsed)
+            };
+            return Err(BrokerError::FailedPrecondition(format!(
+                "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                truncate(name),
+                shown(&existing),
+                shown(patterns)
+            )));
+        }
+        self.route_group(name, existing);
+        Ok(())
+    }
+
+    /// The group's hub on this replica, started (with its stream and
+    /// consumer) on its first local member.
+    async fn hub(&self, ready: &Ready, name: &str, ack_deadline: Duration) -> Result<Arc<Hub>, BrokerError> {
+        if let Some(hub) = self.inner.groups.hubs.lock().get(name) {
+            return Ok(hub.clone());
+        }
+        let limits = self.inner.local.limits();
+        let prefix = &self.inner.config.prefix;
+        let unavailable =
+            |e: &dyn std::fmt::Display| BrokerError::Unavailable(format!("JetStream did not answer: {e}"));
+        let stream = ready
+            .js
+            .get_or_create_stream(stream::Config {
+                name: stream_name(prefix, name),
+                subjects: vec![subject(prefix, name)],
+                retention: stream::RetentionPolicy::WorkQueue,
+                storage: stream::StorageType::Memory,
+                num_replicas: self.inner.config.nats_replicas,
+                max_messages: limits.group_capacity as i64,
+                max_bytes: limits.group_max_bytes as i64,
+                discard: stream::DiscardPolicy::Old,
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let consumer: jetstream::consumer::PullConsumer = stream
+            .get_or_create_consumer(
+                "members",
+                pull::Config {
+                    durable_name: Some("members".into()),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: consumer_ack_wait(ack_deadline),
+                    max_deliver: -1,
+                    max_ack_pending: -1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let ack_wait = consumer.cached_info().config.ack_wait;
+        let mut hubs = self.inner.groups.hubs.lock();
+        if let Some(hub) = hubs.get(name) {
+            return Ok(hub.clone());
+        }
+        let hub = Arc::new(Hub {
+            name: name.to_owned(),
+            engine: self.clone(),
+            consumer,
+            state: Mutex::new(HubState::default()),
+            room: tokio::sync::Notify::new(),
+            stop: tokio_util::sync::CancellationToken::new(),
+            ack_wait,
+            redeliveries: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+        });
+        hubs.insert(name.to_owned(), hub.clone());
+        tokio::spawn(hub.clone().pull());
+        tokio::spawn(hub.clone().watch_deadlines());
+        Ok(hub)
+    }
+
+    /// The hub holding member `id`, if it is on this replica.
+    pub(super) fn hub_of(&self, id: &str) -> Option<Arc<Hub>> {
+        let hubs = self.inner.groups.hubs.lock();
+        hubs.values()
+            .find(|h| h.state.lock().members.iter().any(|m| &*m.id == id))
+            .cloned()
+    }
+
+    /// This replica's view of its groups: (name, members, held,
+    /// redeliveries, dead-lettered, acked).
+    pub(super) fn local_groups(&self) -> Vec<LocalGroup> {
+        let hubs = self.inner.groups.hubs.lock();
+        hubs.values()
+            .map(|h| {
+                let state = h.state.lock();
+                LocalGroup {
+                    name: h.name.clone(),
+                    members: state.members.len(),
+                    held: state.held.len(),
+                    redeliveries: h.redeliveries.load(Ordering::Relaxed),
+                    dead_lettered: h.dead_lettered.load(Ordering::Relaxed),
+                    acked: h.acked.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+
+    /// Every group of the table, with members and counts summed over the
+    /// replicas' parts, and its backlog from its consumer.
+    pub(super) async fn cluster_groups(&self, ready: &Ready, parts: Vec<LocalGroup>) -> Vec<GroupInfo> {
+        let table = self.inner.groups.table.lock().clone();
+        let mut groups = Vec::new();
+        for (name, patterns) in table {
+            let mut info = GroupInfo {
+                name: name.clone(),
+                topic_patterns: patterns,
+                ..Default::default()
+            };
+            for part in parts.iter().filter(|p| p.name == name) {
+                info.members += part.members;
+                info.in_flight += part.held;
+                info.redeliveries += part.redeliveries;
+                info.dead_lettered += part.dead_lettered;
+                info.acked += part.acked;
+            }
+            let prefix = &self.inner.config.prefix;
+            if let Ok(stream) = ready.js.get_stream(stream_name(prefix, &name)).await
+                && let Ok(mut consumer) = stream.get_consumer::<pull::Config>("members").await
+                && let Ok(consumer_info) = consumer.info().await
+            {
+                info.backlog = consumer_info.num_pending as usize;
+            }
+            groups.push(info);
+        }
+        groups.sort_by(|a, b| a.name.cmp(&b.name));
+        groups
+    }
+
+    /// Publishes a message that used its last attempt to `_dlq.<group>`.
+    async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32) {
+        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+            return;
+        };
+        tracing::warn!(
+            consumer_group = group,
+            sequence = m.sequence,
+            topic = %m.topic,
+            attempts,
+            "message dead-lettered after its last delivery attempt"
+        );
+        let mut headers = m.headers;
+        headers.insert(crate::broker::ORIGINAL_TOPIC_HEADER.into(), m.topic.clone());
+        headers.insert(crate::broker::DELIVERY_ATTEMPTS_HEADER.into(), attempts.to_string());
+        let letter = NewMessage {
+            topic: format!("{}{group}", validate::DEAD_LETTER_PREFIX),
+            payload: m.payload,
+            headers,
+        };
+        if let Err(error) = self
+            .publish_cluster(letter, &mut RouteCache::default(), PublishTime::now())
+            .await
+        {
+            tracing::warn!(consumer_group = group, %error, "dead letter not published; the message is redelivered instead");
+            let _ = message.ack_with(AckKind::Nak(None)).await;
+            return;
+        }
+        let _ = message.double_ack().await;
+    }
+}
+
+/// One replica's part of a group, for the cluster-wide listing.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct LocalGroup {
+    pub(super) name: String,
+    pub(super) members: usize,
+    pub(super) held: usize,
+    pub(super) redeliveries: u64,
+    pub(super) dead_lettered: u64,
+    pub(super) acked: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    max_in_flight: u32,
+    ack_deadline: Duration,
+}
+
+/// A group's members on this replica and the JetStream messages they hold.
+pub(super) struct Hub {
+    name: String,
+    engine: ClusterEngine,
+    consumer: jetstream::consumer::PullConsumer,
+    state: Mutex<HubState>,
+    /// Notified when a member gets room.
+    room: tokio::sync::Notify,
+    /// The consumer's `ack_wait`: JetStream redelivers a message not acked
+    /// or progressed for this long (a replica that died).
+    ack_wait: Duration,
+    stop: tokio_util::sync::CancellationToken,
+    redeliveries: AtomicU64,
+    dead_lettered: AtomicU64,
+    acked: AtomicU64,
+}
+
+#[derive(Default)]
+struct HubState {
+    members: Vec<Member>,
+    cursor: usize,
+    /// Handed out and not done, by sequence.
+    held: HashMap<u64, Held>,
+    /// Pulled and not handed out yet: a member left meanwhile, or none has
+    /// room (a pull asks for what there was room for, but a member may
+    /// leave while it is answered).
+    waiting: std::collections::VecDeque<Waiting>,
+}
+
+struct Waiting {
+    message: jetstream::Message,
+    published: Arc<crate::broker::Published>,
+    attempt: u32,
+}
+
+struct Member {
+    id: Arc<str>,
+    subscription: Arc<Subscription>,
+    settings: Settings,
+    holds: u32,
+}
+
+struct Held {
+    member: Arc<str>,
+    message: jetstream::Message,
+    attempt: u32,
+    deadline: Instant,
+    /// When JetStream was last told this replica still works on it.
+    progress_at: Instant,
+}
+
+/// What a member's stream needs of its hub.
+pub(super) struct MemberLink {
+    hub: Arc<Hub>,
+    id: Arc<str>,
+    ack_mode: AckMode,
+}
+
+impl MemberLink {
+    /// The member's stream took `delivery`.
+    pub(super) fn streamed(&self, delivery: &Delivery) {
+        if self.ack_mode == AckMode::Auto {
+            self.hub.done(&self.id, delivery.message.sequence);
+        }
+    }
+}
+
+impl Drop for MemberLink {
+    fn drop(&mut self) {
+        let hub = self.hub.clone();
+        hub.leave(&self.id);
+    }
+}
+
+impl HubState {
+    /// What the members have room for, beyond what waits already.
+    fn room(&self) -> usize {
+        let room: usize = self
+            .members
+            .iter()
+            .map(|m| m.settings.max_in_flight.saturating_sub(m.holds) as usize)
+            .sum();
+        room.saturating_sub(self.waiting.len())
+    }
+
+    /// Hands waiting messages to members with room, round-robin.
+    fn dispatch(&mut self) {
+        while !self.waiting.is_empty() {
+            let n = self.members.len();
+            let pick = (0..n)
+                .map(|i| (self.cursor + i) % n)
+                .find(|&i| self.members[i].holds < self.members[i].settings.max_in_flight);
+            let Some(index) = pick else { return };
+            let Some(w) = self.waiting.pop_front() else { return };
+            self.cursor = index + 1;
+            let member = &mut self.members[index];
+            let delivery = Delivery {
+                message: w.published.clone(),
+                attempt: w.attempt,
+            };
+            if member.subscription.hand(delivery).is_err() {
+                // Closing: its leave is on the way. Out of the rotation.
+                self.members.remove(index);
+                self.waiting.push_front(w);
+                continue;
+            }
+            member.holds += 1;
+            let sequence = w.published.sequence;
+            let held = Held {
+                member: member.id.clone(),
+                deadline: Instant::now() + member.settings.ack_deadline,
+                progress_at: Instant::now(),
+                message: w.message,
+                attempt: w.attempt,
+            };
+            self.held.insert(sequence, held);
+        }
+    }
+
+    fn release(&mut self, member: &str) {
+        if let Some(m) = self.members.iter_mut().find(|m| &*m.id == member) {
+            m.holds = m.holds.saturating_sub(1);
+        }
+        self.dispatch();
+    }
+}
+
+impl Hub {
+    fn join(&self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings) {
+        let mut state = self.state.lock();
+        state.members.push(Member {
+            id,
+            subscription,
+            settings,
+            holds: 0,
+        });
+        state.dispatch();
+        drop(state);
+        self.room.notify_one();
+    }
+
+    /// Pulls as many messages as the members have room for, and hands them
+    /// out.
+    async fn pull(self: Arc<Self>) {
+        loop {
+            if self.stop.is_cancelled() {
+                return;
+            }
+            let room = self.state.lock().room();
+            if room == 0 {
+                tokio::select! {
+                    _ = self.room.notified() => continue,
+                    _ = self.stop.cancelled() => return,
+                }
+            }
+            let batch = self
+                .consumer
+                .batch()
+                .max_messages(room.min(256))
+                .expires(PULL_EXPIRES)
+                .messages()
+                .await;
+            match batch {
+                Ok(mut batch) => {
+                    while let Some(message) = batch.next().await {
+                        match message {
+                            Ok(message) if self.stop.is_cancelled() => {
+                                let _ = message.ack_with(AckKind::Nak(None)).await;
+                            }
+                            Ok(message) => self.hand_out(message),
+                            Err(error) => {
+                                tracing::debug!(group = %self.name, %error, "pull interrupted");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(group = %self.name, %error, "pull failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    fn hand_out(&self, message: jetstream::Message) {
+        let attempt = message.info().map(|i| i.delivered.max(1) as u32).unwrap_or(1);
+        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+            tracing::warn!(group = %self.name, "undecodable group message dropped");
+            tokio::spawn(async move {
+                let _ = message.ack_with(AckKind::Term).await;
+            });
+            return;
+        };
+        let sequence = m.sequence;
+        let publish_time = m
+            .publish_time
+            .and_then(|t| SystemTime::try_from(t).ok())
+            .unwrap_or_else(SystemTime::now);
+        let published = self.engine.inner.local.published_elsewhere(
+            NewMessage {
+                topic: m.topic,
+                payload: m.payload,
+                headers: m.headers,
+            },
+            sequence,
+            publish_time,
+        );
+        let mut state = self.state.lock();
+        state.waiting.push_back(Waiting {
+            message,
+            published,
+            attempt,
+        });
+        state.dispatch();
+    }
+
+    /// A message is done (an AUTO member's stream took it, or an Ack).
+    fn done(&self, member: &str, sequence: u64) -> bool {
+        let mut state = self.state.lock();
+        let Some(held) = state.held.remove_if(sequence, member) else {
+            return false;
+        };
+        state.release(member);
+        drop(state);
+        self.acked.fetch_add(1, Ordering::Relaxed);
+        self.room.notify_one();
+        tokio::spawn(async move {
+            let _ = held.message.ack().await;
+        });
+        true
+    }
+
+    pub(super) fn ack(&self, member: &str, sequences: &[u64]) -> Acked {
+        let mut result = Acked::default();
+        for &seq in sequences {
+            if self.done(member, seq) {
+                result.acked += 1;
+            } else {
+                result.unknown += 1;
+            }
+        }
+        result
+    }
+
+    pub(super) fn nack(&self, member: &str, sequences: &[u64]) -> Nacked {
+        let mut result = Nacked::default();
+        for &seq in sequences {
+            let held = {
+                let mut state = self.state.lock();
+                let held = state.held.remove_if(seq, member);
+                if held.is_some() {
+                    state.release(member);
+                }
+                held
+            };
+            match held {
+                Some(held) => {
+                    result.requeued += 1;
+                    self.retry(held);
+                }
+                None => result.unknown += 1,
+            }
+        }
+        self.room.notify_one();
+        result
+    }
+
+    /// A delivery failed: redelivered, or dead-lettered after its last
+    /// allowed attempt.
+    fn retry(&self, held: Held) {
+        let max = self.engine.inner.local.limits().max_delivery_attempts;
+        let engine = self.engine.clone();
+        let group = self.name.clone();
+        if max > 0 && held.attempt >= max {
+            self.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move { engine.dead_letter(&group, &held.message, held.attempt).await });
+            return;
+        }
+        self.redeliveries.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let _ = held.message.ack_with(AckKind::Nak(None)).await;
+        });
+    }
+
+    /// Retries what is held past its member's ack deadline.
+    async fn watch_deadlines(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(DEADLINE_TICK);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.stop.cancelled() => return,
+            }
+            let now = Instant::now();
+            let expired: Vec<Held> = {
+                let mut state = self.state.lock();
+                // Still being worked on here: JetStream must not redeliver
+                // it elsewhere (each member has its own deadline).
+                for held in state.held.values_mut() {
+                    if now.saturating_duration_since(held.progress_at) >= self.ack_wait / 3 {
+                        held.progress_at = now;
+                        let message = held.message.clone();
+                        tokio::spawn(async move {
+                            let _ = message.ack_with(AckKind::Progress).await;
+                        });
+                    }
+                }
+                let seqs: Vec<u64> = state
+                    .held
+                    .iter()
+                    .filter(|(_, h)| h.deadline <= now)
+                    .map(|(s, _)| *s)
+                    .collect();
+                let mut expired = Vec::new();
+                for seq in seqs {
+                    if let Some(held) = state.held.remove(&seq) {
+                        let member = held.member.clone();
+                        state.release(&member);
+                        expired.push(held);
+                    }
+                }
+                expired
+            };
+            if !expired.is_empty() {
+                for held in expired {
+                    self.retry(held);
+                }
+                self.room.notify_one();
+            }
+        }
+    }
+
+    /// A member left: what it held goes back at once. The last member out
+    /// stops the hub once its pull can no longer be answered (what it still
+    /// brings waits for a member joining meanwhile, or goes back).
+    fn leave(self: &Arc<Self>, member: &str) {
+        let (held, empty) = {
+            let mut state = self.state.lock();
+            state.members.retain(|m| &*m.id != member);
+            let seqs: Vec<u64> = state
+                .held
+                .iter()
+                .filter(|(_, h)| &*h.member == member)
+                .map(|(s, _)| *s)
+                .collect();
+            let held: Vec<Held> = seqs.iter().filter_map(|s| state.held.remove(s)).collect();
+            (held, state.members.is_empty())
+        };
+        for h in held {
+            self.redeliveries.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                let _ = h.message.ack_with(AckKind::Nak(None)).await;
+            });
+        }
+        if empty {
+            let hub = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(PULL_EXPIRES + Duration::from_millis(250)).await;
+                let waiting = {
+                    let mut hubs = hub.engine.inner.groups.hubs.lock();
+                    let mut state = hub.state.lock();
+                    if !state.members.is_empty() {
+                        return;
+                    }
+                    if hubs.get(&hub.name).is_some_and(|h| Arc::ptr_eq(h, &hub)) {
+                        hubs.remove(&hub.name);
+                    }
+                    hub.stop.cancel();
+                    std::mem::take(&mut state.waiting)
+                };
+                for w in waiting {
+                    let _ = w.message.ack_with(AckKind::Nak(None)).await;
+                }
+            });
+        }
+        self.room.notify_one();
+    }
+}
+
+trait HeldExt {
+    fn remove_if(&mut self, seq: u64, member: &str) -> Option<Held>;
+}
+
+impl HeldExt for HashMap<u64, Held> {
+    fn remove_if(&mut self, seq: u64, member: &str) -> Option<Held> {
+        if self.get(&seq).is_some_and(|h| &*h.member == member) {
+            return self.remove(&seq);
+        }
+        None
+    }
+}
