@@ -339,6 +339,18 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
         let groups = groups(&mut brokers[1].admin().await).await;
         assert_eq!(groups.len(), 1, "{groups:?}");
         assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 3));
+        // Every replica's group gauges give the cluster-wide value.
+        for broker in &brokers {
+            wait_until("cluster-wide group gauges", || async {
+                let (_, metrics) = broker.http_get("/metrics").await;
+                common::process::metric_with_label(
+                    &metrics,
+                    "tinybroker_consumer_group_members",
+                    "consumer_group=\"workers\"",
+                ) == Some(3.0)
+            })
+            .await;
+        }
         for task in tasks {
             task.abort();
         }
@@ -713,6 +725,58 @@ async fn a_rolling_restart_moves_broadcast_subscribers_to_live_replicas() {
             seen.iter().filter(|e| e.contains("shutting down")).count() >= 2,
             "{seen:#?}"
         );
+    })
+    .await;
+}
+
+/// A replica killed (SIGKILL) while its MANUAL member holds messages: they
+/// are redelivered to a member on another replica by the group's ack
+/// deadline, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_unacked_group_messages_go_to_another_member() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let mut doomed = common::process::BrokerProcess::spawn(&[
+            ("TINYBROKER_NATS_URL", urls_from(&nats, 0).join(",").as_str()),
+            ("TINYBROKER_NATS_PREFIX", "killed"),
+            ("TINYBROKER_REPLICA_ID", "doomed"),
+        ]);
+        doomed.line_containing("SERVING");
+        let survivor = start_with(replica_config(urls_from(&nats, 1), "survivor", "killed")).await;
+        wait_serving(&survivor).await;
+        let channel = tonic::transport::Endpoint::from_shared(doomed.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut request = member_request(&["tasks.*"], "crunchers", true, 16);
+        request.ack_deadline_ms = 2000;
+        let mut on_doomed = pb::broker_client::BrokerClient::new(channel)
+            .open_subscription(request.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        let sent = publish_n(&survivor, "tasks.x", 5).await;
+        for _ in 0..5 {
+            next_message(&mut on_doomed, "held by the doomed member").await;
+        }
+        let mut on_survivor = survivor
+            .client()
+            .await
+            .open_subscription(request)
+            .await
+            .unwrap()
+            .into_inner();
+        doomed.guard.kill();
+        let mut got = std::collections::BTreeSet::new();
+        while got.len() < sent.len() {
+            let m = next_message(&mut on_survivor, "a redelivery after the kill").await;
+            assert!(m.delivery_attempt >= 2, "{m:?}");
+            got.insert(m.sequence);
+        }
+        assert_eq!(got.into_iter().collect::<Vec<_>>(), sent);
     })
     .await;
 }

@@ -62,6 +62,7 @@ impl ClusterEngine {
         at: PublishTime,
     ) -> Result<PublishOutcome, BrokerError> {
         let ready = self.serving()?;
+        crate::engine::validate::message(&message, self.inner.local.limits().max_message_bytes)?;
         let subject = format!("{}{}", self.inner.message_prefix, message.topic);
         let groups = self.group_routes(&message.topic);
         // Everything but the sequence, which routing assigns; protobuf
@@ -76,17 +77,18 @@ impl ClusterEngine {
         };
         head.encode(&mut body)
             .map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
+        // With its sequence (at most 11 bytes more), before anyone has it.
+        let max_payload = self.inner.client.server_info().max_payload;
+        if body.len() + 11 > max_payload {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "message to {:?} takes {} bytes encoded for NATS, above the NATS server's max_payload {max_payload} (raise it, or keep messages that far below TINYBROKER_MAX_MESSAGE_BYTES)",
+                truncate(&message.topic),
+                body.len() + 11,
+            )));
+        }
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
         body.put_u8(4 << 3); // field 4 (sequence), varint
         prost::encoding::encode_varint(outcome.sequence, &mut body);
-        if body.len() > self.inner.client.server_info().max_payload {
-            return Err(BrokerError::ResourceExhausted(format!(
-                "message to {:?} takes {} bytes on NATS, above the NATS server's max_payload {}; it reached this replica's subscribers only",
-                truncate(&subject),
-                body.len(),
-                self.inner.client.server_info().max_payload
-            )));
-        }
         let body = body.freeze();
         self.inner.client.publish(subject, body.clone()).await.map_err(|e| {
             BrokerError::Unavailable(format!(

@@ -24,12 +24,12 @@
 //! - **Health**: NOT_SERVING until the connection, the buckets and the
 //!   fan-out subscription are up, and whenever the connection is lost.
 //!
-//! Consumer groups across replicas (JetStream) are not built yet: a
-//! DELIVERY_MODE_SINGLE subscription is refused with FAILED_PRECONDITION.
+//! - **Consumer groups** run over JetStream: see `groups.rs`.
 //!
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
-//! between the local fan-out and NATS; `registry.rs` live replicas and
-//! subscription ids; `rpc.rs` calls between replicas, both ends.
+//! between the local fan-out and NATS; `groups.rs` consumer groups;
+//! `registry.rs` live replicas and subscription ids; `rpc.rs` calls
+//! between replicas, both ends.
 
 mod fanout;
 mod groups;
@@ -66,6 +66,9 @@ pub const REPLICA_TTL: Duration = Duration::from_secs(10);
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bits of a sequence left for the count within one incarnation.
 const SEQUENCE_BITS: u32 = 44;
+/// What a message's encoding on NATS adds to its payload and headers at
+/// most: topic (256), header framing (64 × 6), tags, time and sequence.
+pub const ENCODING_ALLOWANCE: usize = 1024;
 /// Most remote messages handed to the local fan-out in one burst.
 const REMOTE_BURST: usize = 128;
 
@@ -89,6 +92,9 @@ struct Inner {
     /// Subject prefix of messages: `<prefix>.m.`.
     message_prefix: String,
     groups: groups::Groups,
+    /// Every group of the cluster as last gathered (every [`HEARTBEAT`]),
+    /// for the metrics.
+    groups_seen: Mutex<Vec<GroupInfo>>,
 }
 
 /// What the engine has once it is set up.
@@ -160,6 +166,7 @@ impl ClusterEngine {
                 reconnects: AtomicU64::new(0),
                 slow_consumer_dropped: AtomicU64::new(0),
                 groups: groups::Groups::default(),
+                groups_seen: Mutex::new(Vec::new()),
             }),
         };
         let watcher = engine.clone();
@@ -240,6 +247,13 @@ impl ClusterEngine {
         inner.connected.store(true, Ordering::Release);
         let max_payload = client.server_info().max_payload;
         let max_message_bytes = inner.local.limits().max_message_bytes;
+        if max_message_bytes + ENCODING_ALLOWANCE > max_payload && max_message_bytes <= max_payload {
+            tracing::warn!(
+                max_message_bytes,
+                max_payload,
+                "messages within {ENCODING_ALLOWANCE} bytes of TINYBROKER_MAX_MESSAGE_BYTES do not fit the NATS server's max_payload once encoded, and are refused (RESOURCE_EXHAUSTED): raise max_payload by 1 KiB"
+            );
+        }
         if max_message_bytes > max_payload {
             return Err(SetUpError::Fatal(format!(
                 "TINYBROKER_MAX_MESSAGE_BYTES={max_message_bytes} is above the NATS server's max_payload {max_payload}: lower it, or raise max_payload on the NATS servers"
@@ -335,6 +349,18 @@ impl ClusterEngine {
             Some(hub) => Ok(hub.nack(id, sequences)),
             None => self.inner.local.nack(id, sequences),
         }
+    }
+
+    /// Every group of the cluster: the table, each replica's part, and
+    /// each group's backlog.
+    async fn list_groups_now(&self, ready: &Ready) -> Vec<GroupInfo> {
+        let mut parts = Vec::new();
+        for answer in self.gather(ready, rpc::Call::ListGroups).await {
+            if let rpc::Answer::Groups(mut list) = answer {
+                parts.append(&mut list);
+            }
+        }
+        self.cluster_groups(ready, parts).await
     }
 
     /// The engine's state, or UNAVAILABLE saying why it cannot serve.
@@ -525,13 +551,7 @@ impl Engine for ClusterEngine {
 
     async fn list_groups(&self) -> Result<Vec<GroupInfo>, BrokerError> {
         let ready = self.serving()?;
-        let mut parts = Vec::new();
-        for answer in self.gather(&ready, rpc::Call::ListGroups).await {
-            if let rpc::Answer::Groups(mut list) = answer {
-                parts.append(&mut list);
-            }
-        }
-        Ok(self.cluster_groups(&ready, parts).await)
+        Ok(self.list_groups_now(&ready).await)
     }
 
     async fn list_evictions(&self) -> Result<Vec<EvictionRecord>, BrokerError> {
@@ -559,6 +579,7 @@ impl Engine for ClusterEngine {
 
     fn snapshot(&self, peaks: Peaks) -> Snapshot {
         let mut snapshot = self.inner.local.snapshot(peaks);
+        snapshot.groups = self.inner.groups_seen.lock().clone();
         snapshot.nats = Some(NatsStatus {
             connected: self.inner.connected.load(Ordering::Acquire),
             reconnects: self.inner.reconnects.load(Ordering::Relaxed),
@@ -591,10 +612,13 @@ impl Engine for ClusterEngine {
         self.inner.local.clone().maintain(stop).await;
         // Leave the cluster: this replica's ids are released as its streams
         // end; say it is gone, and flush what is unsent.
+        // Bounded: with NATS unreachable, shutdown must not wait for it.
+        const LEAVE_TIMEOUT: Duration = Duration::from_secs(1);
         let ready = self.inner.ready.lock().clone();
         if let Some(ready) = ready {
-            let _ = ready.replicas.delete(key(&self.inner.config.replica_id)).await;
+            let id = key(&self.inner.config.replica_id);
+            let _ = tokio::time::timeout(LEAVE_TIMEOUT, ready.replicas.delete(id)).await;
         }
-        let _ = self.inner.client.flush().await;
+        let _ = tokio::time::timeout(LEAVE_TIMEOUT, self.inner.client.flush()).await;
     }
 }

@@ -26,6 +26,10 @@ impl ClusterEngine {
             if let Err(error) = self.beat(&ready).await {
                 tracing::debug!(%error, "heartbeat not written");
             }
+            // The metrics' group gauges are cluster-wide: refreshed here.
+            if let Ok(groups) = tokio::time::timeout(HEARTBEAT, self.list_groups_now(&ready)).await {
+                *self.inner.groups_seen.lock() = groups;
+            }
         }
     }
 
