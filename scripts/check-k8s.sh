@@ -11,12 +11,15 @@
 #      Prometheus Operator kinds against the subset of their CRD schemas the
 #      chart uses (scripts/k8s/k8scheck.py)
 #   3. hadolint on the Dockerfile
-#   4. the chart's contract (scripts/k8s/test_chart_contract.py, pytest):
+#   4. `promtool check rules` and `promtool test rules` on deploy/monitoring/
+#      (Debian's prometheus package, installed when promtool is missing)
+#   5. the chart's contract (scripts/k8s/test_chart_contract.py, pytest):
 #      replicas, strategy, probes, env from values, grace period, security
 #      context, optional kinds, auth/TLS wiring, cluster mode (NATS env,
 #      replicaCount > 1 refused without nats.url, RollingUpdate, budget,
 #      spread, liveness), appVersion, deploy/ and deploy/cluster/ in step with
-#      the chart, deploy/monitoring/ copies identical, Dockerfile facts
+#      the chart, deploy/monitoring/ copies identical, group gauges read with
+#      max by (consumer_group), Dockerfile facts
 #
 # No Docker engine and no Kubernetes cluster are needed (or used): nothing is
 # built, installed into a cluster or run. Prints one line per check and a final
@@ -91,6 +94,14 @@ cat "$LOG_DIR"/kubernetes-validate*.log | grep '^validated' || true
 
 echo "== Dockerfile"
 check "hadolint Dockerfile" "$K8S_VENV/bin/hadolint" --no-color Dockerfile
+
+echo "== alert rules (promtool)"
+command -v promtool >/dev/null || apt_install prometheus
+promtool_rules() {
+    promtool check rules deploy/monitoring/alerts.yaml &&
+        (cd deploy/monitoring && promtool test rules alerts_test.yaml)
+}
+check "promtool check rules + test rules deploy/monitoring/alerts_test.yaml" promtool_rules
 
 echo "== chart contract (pytest)"
 contract() {

@@ -59,6 +59,8 @@ FALLBACK_CLUSTER_ENV_VARS = [
     "TINYBROKER_NATS_URL", "TINYBROKER_NATS_PREFIX", "TINYBROKER_NATS_REPLICAS", "TINYBROKER_NATS_TOKEN",
     "TINYBROKER_NATS_CREDS", "TINYBROKER_NATS_CA", "TINYBROKER_REPLICA_ID",
 ]
+# The metrics API.md's "Cluster mode" section adds.
+FALLBACK_CLUSTER_METRICS = {"tinybroker_nats_connected", "tinybroker_nats_reconnects_total"}
 
 
 def api_section(title: str) -> str:
@@ -85,6 +87,14 @@ def api_cluster_env_vars() -> list[str]:
     names = _table_vars(api_section("Cluster mode"))
     assert names, "no variables found in API.md's Cluster mode table"
     return names
+
+
+def api_cluster_metric_names() -> set[str]:
+    """The metrics API.md's "Cluster mode" section adds (its "Added:" list)."""
+    if API_MD is None:
+        return FALLBACK_CLUSTER_METRICS
+    added = api_section("Cluster mode").split("Added:", 1)[1]
+    return set(re.findall(r"`(tinybroker_[a-z0-9_]+)[`{]", added))
 
 
 def api_env_vars() -> list[str]:
@@ -328,6 +338,7 @@ def test_fallback_cluster_lists_match_api_md():
     if API_MD is None:
         pytest.skip("shared/API.md is not beside the repository; set TINYBROKER_API_MD")
     assert api_cluster_env_vars() == FALLBACK_CLUSTER_ENV_VARS
+    assert FALLBACK_CLUSTER_METRICS <= api_cluster_metric_names()
 
 
 @pytest.mark.parametrize("values", [CLUSTER_VALUES, CLUSTER_AUTH, {"nats": {"url": "nats://nats:4222"}}],
@@ -903,7 +914,7 @@ def _metric_names(text: str) -> set[str]:
 def test_alerts_and_dashboard_use_metrics_api_md_defines():
     if API_MD is None:
         pytest.skip("shared/API.md is not beside the repository; set TINYBROKER_API_MD")
-    known = api_metric_names() | readme_metric_names()
+    known = api_metric_names() | readme_metric_names() | api_cluster_metric_names()
     alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
     exprs = " ".join(r["expr"] for g in alerts["groups"] for r in g["rules"])
     dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
@@ -920,6 +931,91 @@ def test_alerts_and_dashboard_use_metrics_api_md_defines():
         "tinybroker_consumer_group_oldest_unacked_age_seconds", "tinybroker_delivery_lag_seconds",
     ):
         assert wanted in dashboard_metrics, f"the dashboard has no panel for {wanted}"
+
+
+# Gauges of a consumer group's state: in cluster mode every replica reports
+# the cluster-wide value (API.md, "Cluster mode": "use max by (consumer_group)").
+GROUP_GAUGES = (
+    "tinybroker_consumer_group_members", "tinybroker_consumer_group_backlog", "tinybroker_consumer_group_in_flight",
+    "tinybroker_consumer_group_oldest_unacked_age_seconds", "tinybroker_consumer_group_stalled_seconds",
+    "tinybroker_consumer_group_memberless_seconds",
+)
+# Functions a gauge may pass through inside the max by (...).
+_PER_SERIES_FUNCTIONS = ("deriv",)
+
+
+def _shipped_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every alert rule and dashboard target."""
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    return [(f"alert {r['alert']}", r["expr"]) for g in alerts["groups"] for r in g["rules"]] + [
+        (f'panel "{p["title"]}" {t["refId"]}', t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])
+    ]
+
+
+def _enclosing_aggregation(expr: str, at: int) -> str | None:
+    """The text of the innermost aggregation around position `at` ("max by
+    (job, consumer_group)"), climbing out of the per-series functions; None
+    when the series is read bare."""
+    depth, i = 0, at
+    while i > 0:
+        i -= 1
+        if expr[i] == ")":
+            depth += 1
+        elif expr[i] == "(":
+            if depth:
+                depth -= 1
+                continue
+            before = expr[:i].rstrip()
+            m = re.search(r"\b(sum|max|min|avg|count|topk|bottomk)\s+(by|without)\s*\([^()]*\)$", before)
+            if m:
+                return before[m.start():]
+            if re.search(rf"\b({'|'.join(_PER_SERIES_FUNCTIONS)})$", before):
+                continue
+            return None
+    return None
+
+
+def test_group_gauges_are_read_with_max_by_consumer_group():
+    """Never summed, never read per instance: one value per group, whichever
+    replicas report it (and the same in single-node mode)."""
+    problems, checked = [], 0
+    for where, expr in _shipped_queries():
+        for m in re.finditer(rf"\b({'|'.join(GROUP_GAUGES)})\b", expr):
+            checked += 1
+            aggregation = _enclosing_aggregation(expr, m.start())
+            grouping = re.search(r"by\s*\(([^)]*)\)", aggregation or "")
+            labels = {label.strip() for label in grouping.group(1).split(",")} if grouping else set()
+            if not (aggregation and aggregation.startswith("max by") and "consumer_group" in labels
+                    and "instance" not in labels):
+                problems.append(f"{where}: {m.group(1)} read with {aggregation or 'no aggregation'}")
+        for join in re.findall(r"\bon\s*\(([^)]*)\)", expr):
+            # (Subscriptions are per replica: their joins may name the instance.)
+            if re.search(rf"\b({'|'.join(GROUP_GAUGES)})\b", expr) and "instance" in join:
+                problems.append(f"{where}: joins groups per instance: on ({join})")
+    assert checked >= 15, f"only {checked} group gauge reads found"
+    assert not problems, "\n".join(problems)
+
+
+def test_nats_disconnected_alert_names_the_replica():
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    rule = next(r for g in alerts["groups"] for r in g["rules"] if r.get("alert") == "TinybrokerNatsDisconnected")
+    assert rule["expr"] == "tinybroker_nats_connected == 0"
+    assert rule["for"] == "1m"
+    assert rule["labels"]["severity"] == "critical"
+    for text in (rule["annotations"]["summary"], rule["annotations"]["description"]):
+        assert "$labels.instance" in text and "$labels.pod" in text
+
+
+def test_dashboard_shows_nats_connected_per_replica():
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    panel = next(p for p in dashboard["panels"] if p["title"] == "NATS connected per replica")
+    (target,) = panel["targets"]
+    # One series per replica, not aggregated away.
+    assert target["expr"].startswith('tinybroker_nats_connected{job=~"$job", instance=~"$instance"}')
+    assert target["legendFormat"] == "{{instance}}"
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["color"] for s in steps] == ["red", "green"] and steps[1]["value"] == 1
 
 
 # === Dockerfile, as far as it can be checked without a Docker engine ===
