@@ -3,16 +3,23 @@
 # 12 machine as root (it installs what it needs, cached under target/):
 #
 #   1. helm lint --strict on helm/tinybroker with every ci/*-values.yaml
-#   2. helm template of each, every document validated against the Kubernetes
+#      (single-node and cluster mode)
+#   2. helm template of each, and `kubectl kustomize` of deploy/ and
+#      deploy/cluster/, every document validated against the Kubernetes
 #      schemas bundled with kubernetes-validate (strict: unknown fields fail),
 #      at the oldest supported and the current Kubernetes version; the
 #      Prometheus Operator kinds against the subset of their CRD schemas the
 #      chart uses (scripts/k8s/k8scheck.py)
 #   3. hadolint on the Dockerfile
-#   4. the chart's contract (scripts/k8s/test_chart_contract.py, pytest):
+#   4. `promtool check rules` and `promtool test rules` on deploy/monitoring/
+#      (Debian's prometheus package, installed when promtool is missing)
+#   5. the chart's contract (scripts/k8s/test_chart_contract.py, pytest):
 #      replicas, strategy, probes, env from values, grace period, security
-#      context, optional kinds, auth/TLS wiring, appVersion, deploy/ in step
-#      with the chart, deploy/monitoring/ copies identical, Dockerfile facts
+#      context, optional kinds, auth/TLS wiring, cluster mode (NATS env,
+#      replicaCount > 1 refused without nats.url, RollingUpdate, budget,
+#      spread, liveness), appVersion, deploy/ and deploy/cluster/ in step with
+#      the chart, deploy/monitoring/ copies identical, group gauges read with
+#      max by (consumer_group), Dockerfile facts
 #
 # No Docker engine and no Kubernetes cluster are needed (or used): nothing is
 # built, installed into a cluster or run. Prints one line per check and a final
@@ -72,14 +79,29 @@ for values in "${values_files[@]}"; do
     check "helm template -f ci/$name.yaml" render "$values" "$RENDER_DIR/$name.yaml"
 done
 
+echo "== kustomize builds"
+kustomize_build() { # kustomize_build DIR OUT
+    "$KUBECTL" kustomize "$1" >"$2"
+}
+check "kubectl kustomize deploy/" kustomize_build deploy "$RENDER_DIR/kustomize-deploy.yaml"
+check "kubectl kustomize deploy/cluster/" kustomize_build deploy/cluster "$RENDER_DIR/kustomize-deploy-cluster.yaml"
+
 echo "== schema validation of every rendered document"
 rendered=("$RENDER_DIR"/*.yaml)
-check "kubernetes-validate --strict + Prometheus Operator CR check (${#rendered[@]} renders)" \
+check "kubernetes-validate --strict + Prometheus Operator CR check (${#rendered[@]} renders and builds)" \
     "$PY" scripts/k8s/k8scheck.py validate "${rendered[@]}"
 cat "$LOG_DIR"/kubernetes-validate*.log | grep '^validated' || true
 
 echo "== Dockerfile"
 check "hadolint Dockerfile" "$K8S_VENV/bin/hadolint" --no-color Dockerfile
+
+echo "== alert rules (promtool)"
+command -v promtool >/dev/null || apt_install prometheus
+promtool_rules() {
+    promtool check rules deploy/monitoring/alerts.yaml &&
+        (cd deploy/monitoring && promtool test rules alerts_test.yaml)
+}
+check "promtool check rules + test rules deploy/monitoring/alerts_test.yaml" promtool_rules
 
 echo "== chart contract (pytest)"
 contract() {

@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k8scheck import CHART, DEPLOY, ROOT, load_docs, render, render_deploy, render_fails
+from k8scheck import (
+    CHART,
+    CLUSTER_VALUES,
+    DEPLOY,
+    HAND_WRITTEN,
+    ROOT,
+    load_docs,
+    render,
+    render_deploy,
+    render_fails,
+)
 
 # === the contract's sources ===
 
@@ -44,11 +54,47 @@ FALLBACK_ENV_VARS = [
 ]
 
 
+# API.md's "Cluster mode" table, likewise (test_fallback_cluster_env_list_matches_api_md).
+FALLBACK_CLUSTER_ENV_VARS = [
+    "TINYBROKER_NATS_URL", "TINYBROKER_NATS_PREFIX", "TINYBROKER_NATS_REPLICAS", "TINYBROKER_NATS_TOKEN",
+    "TINYBROKER_NATS_CREDS", "TINYBROKER_NATS_CA", "TINYBROKER_REPLICA_ID",
+]
+# The metrics API.md's "Cluster mode" section adds.
+FALLBACK_CLUSTER_METRICS = {"tinybroker_nats_connected", "tinybroker_nats_reconnects_total"}
+
+
 def api_section(title: str) -> str:
     text = API_MD.read_text()
     m = re.search(rf"^## {re.escape(title)}.*?$(.*?)(?=^## )", text, flags=re.M | re.S)
     assert m, f"API.md has no section {title!r}"
     return m.group(1)
+
+
+def _table_vars(section: str) -> list[str]:
+    """Environment variables in the first column of a section's table."""
+    names = []
+    for line in section.splitlines():
+        if line.startswith("|") and not line.startswith("|--") and "variable" not in line:
+            first_cell = line.split("|")[1]
+            names += re.findall(r"`([A-Z][A-Z0-9_]+)`", first_cell)
+    return names
+
+
+def api_cluster_env_vars() -> list[str]:
+    """Environment variables of API.md's "Cluster mode" table."""
+    if API_MD is None:
+        return FALLBACK_CLUSTER_ENV_VARS
+    names = _table_vars(api_section("Cluster mode"))
+    assert names, "no variables found in API.md's Cluster mode table"
+    return names
+
+
+def api_cluster_metric_names() -> set[str]:
+    """The metrics API.md's "Cluster mode" section adds (its "Added:" list)."""
+    if API_MD is None:
+        return FALLBACK_CLUSTER_METRICS
+    added = api_section("Cluster mode").split("Added:", 1)[1]
+    return set(re.findall(r"`(tinybroker_[a-z0-9_]+)[`{]", added))
 
 
 def api_env_vars() -> list[str]:
@@ -128,6 +174,16 @@ def port_named(container: dict, name: str) -> int:
 CI_VALUES = sorted(str(p) for p in (CHART / "ci").glob("*-values.yaml"))
 
 
+def _cluster_mode(values_file: str) -> bool:
+    return bool((yaml.safe_load(Path(values_file).read_text()) or {}).get("nats", {}).get("url"))
+
+
+SINGLE_NODE_CI_VALUES = [f for f in CI_VALUES if not _cluster_mode(f)]
+CLUSTER_CI_VALUES = [f for f in CI_VALUES if _cluster_mode(f)]
+CLUSTER_ENV = {"TINYBROKER_NATS_URL", "TINYBROKER_NATS_PREFIX", "TINYBROKER_NATS_REPLICAS", "TINYBROKER_NATS_TOKEN",
+               "TINYBROKER_NATS_CREDS", "TINYBROKER_NATS_CA", "TINYBROKER_REPLICA_ID"}
+
+
 @pytest.fixture(scope="module")
 def default_docs() -> list[dict]:
     return render()
@@ -136,16 +192,251 @@ def default_docs() -> list[dict]:
 # === the Deployment ===
 
 
-@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: Path(p).name)
-def test_one_replica_recreated_never_rolled(values_file):
+@pytest.mark.parametrize("values_file", SINGLE_NODE_CI_VALUES, ids=lambda p: Path(p).name)
+def test_single_node_one_replica_recreated_never_rolled(values_file):
     deployment = one(render(values_files=(values_file,)), "Deployment")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
 
 
-def test_replicas_cannot_be_set_from_values():
-    # values.schema.json is closed: a replicaCount (or replicas) key is an error.
-    assert "replicaCount" in render_fails({"replicaCount": 2})
+@pytest.mark.parametrize("values_file", SINGLE_NODE_CI_VALUES, ids=lambda p: Path(p).name)
+def test_single_node_has_no_cluster_parts(values_file):
+    """Without nats.url nothing of cluster mode is rendered: no NATS variables
+    (the broker refuses TINYBROKER_NATS_* without TINYBROKER_NATS_URL), no
+    replica id, no budget, no spread, liveness on gRPC health as before.
+    (deploy/base/, compared below, pins the default rendering byte for byte.)"""
+    docs = render(values_files=(values_file,))
+    assert not of_kind(docs, "PodDisruptionBudget")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in pod
+    container = broker_container(docs)
+    assert not CLUSTER_ENV & set(env_of(container))
+    assert "httpGet" not in container["livenessProbe"]
+    assert not [v for v in pod.get("volumes", []) if v["name"].startswith("nats")]
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 10])
+def test_more_than_one_replica_needs_nats_url(replicas):
+    """values.schema.json refuses replicaCount > 1 without nats.url (an if/then:
+    helm names both values, the one to lower and the one to set)."""
+    error = render_fails({"replicaCount": replicas})
+    assert "values don't meet the specifications of the schema" in error
+    assert f"at '/replicaCount': maximum: got {replicas}, want 1" in error
+    assert "at '/nats/url': minLength: got 0, want 1" in error
+
+
+def test_more_than_one_replica_without_nats_url_fails_without_the_schema_too():
+    # `helm template --skip-schema-validation` still stops, at the template's check.
+    result = subprocess.run(
+        [os.environ["HELM"], "template", "t", str(CHART), "--skip-schema-validation", "--set", "replicaCount=3"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode != 0
+    assert "replicaCount > 1 needs nats.url (cluster mode)" in result.stderr
+
+
+def test_one_replica_in_cluster_mode_and_many_are_allowed():
+    for replicas in (1, 2, 7):
+        deployment = one(render({"replicaCount": replicas, "nats": {"url": "nats://nats:4222"}}), "Deployment")
+        assert deployment["spec"]["replicas"] == replicas
+
+
+@pytest.mark.parametrize("bad", [
+    {"replicaCount": 0},
+    {"nats": {"url": "nats:4222"}},
+    {"nats": {"url": "http://nats:4222"}},
+    {"nats": {"url": "nats://nats"}},
+    {"nats": {"url": "nats://a:4222,"}},
+    {"nats": {"url": "nats://nats:4222", "prefix": "a.b"}},
+    {"nats": {"url": "nats://nats:4222", "prefix": "x" * 33}},
+    {"nats": {"url": "nats://nats:4222", "replicas": 6}},
+    {"nats": {"url": "nats://nats:4222", "tokenSecret": {"name": "s", "key": ""}}},
+    {"nats": {"url": "nats://nats:4222"}, "podDisruptionBudget": {"maxUnavailable": 0}},
+    {"nats": {"url": "nats://nats:4222"}, "topologySpread": {"zone": "Never"}},
+], ids=lambda v: json.dumps(v, sort_keys=True))
+def test_cluster_values_are_checked_by_the_schema(bad):
+    assert "values don't meet the specifications of the schema" in render_fails(bad)
+
+
+def test_nats_auth_without_nats_url_is_rejected():
+    for key in ("tokenSecret", "credsSecret", "caSecret"):
+        error = render_fails({"nats": {key: {"name": "s"}}})
+        assert "need nats.url (cluster mode)" in error, key
+
+
+# === cluster mode ===
+
+
+CLUSTER_AUTH = {
+    "replicaCount": 3,
+    "nats": {
+        "url": "tls://nats-0.nats:4222,tls://nats-1.nats:4222",
+        "prefix": "tb_prod-1",
+        "replicas": 1,
+        "tokenSecret": {"name": "nats-auth", "key": "broker-token"},
+        "credsSecret": {"name": "nats-user", "key": "user.creds"},
+        "caSecret": {"name": "nats-ca", "key": "root.pem"},
+    },
+}
+
+
+def test_cluster_values_render_the_nats_env():
+    env = env_of(broker_container(render(CLUSTER_VALUES)))
+    assert env["TINYBROKER_NATS_URL"] == {"name": "TINYBROKER_NATS_URL", "value": "nats://nats:4222"}
+    assert env["TINYBROKER_NATS_PREFIX"]["value"] == "tinybroker"
+    assert env["TINYBROKER_NATS_REPLICAS"]["value"] == "3"
+    # Each replica is named by its pod, through the downward API.
+    assert env["TINYBROKER_REPLICA_ID"] == {
+        "name": "TINYBROKER_REPLICA_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    # No auth asked for, none set.
+    assert not {"TINYBROKER_NATS_TOKEN", "TINYBROKER_NATS_CREDS", "TINYBROKER_NATS_CA"} & set(env)
+
+
+def test_every_api_md_cluster_variable_can_be_set_from_values():
+    docs = render(CLUSTER_AUTH)
+    container = broker_container(docs)
+    env = env_of(container)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+
+    def mounted_file(path: str) -> tuple[str, str]:
+        """(Secret, key) whose file `path` is in the container."""
+        directory, file = path.rsplit("/", 1)
+        mount = mounts[directory]
+        assert mount["readOnly"] is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["defaultMode"] == 0o440  # the pod's fsGroup reads it, nobody else
+        item = next(i for i in secret["items"] if i["path"] == file)
+        return secret["secretName"], item["key"]
+
+    expected_values = {
+        "TINYBROKER_NATS_URL": "tls://nats-0.nats:4222,tls://nats-1.nats:4222",
+        "TINYBROKER_NATS_PREFIX": "tb_prod-1",
+        "TINYBROKER_NATS_REPLICAS": "1",
+    }
+    for name in api_cluster_env_vars():
+        assert name in env, f"{name} (API.md, Cluster mode) is not set on the broker container"
+        if name == "TINYBROKER_NATS_TOKEN":
+            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "nats-auth", "key": "broker-token"}
+        elif name == "TINYBROKER_NATS_CREDS":
+            assert mounted_file(env[name]["value"]) == ("nats-user", "user.creds")
+        elif name == "TINYBROKER_NATS_CA":
+            assert mounted_file(env[name]["value"]) == ("nats-ca", "root.pem")
+        elif name == "TINYBROKER_REPLICA_ID":
+            assert env[name]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        else:
+            assert env[name].get("value") == expected_values[name], name
+    # Nothing else new, and the Secrets are the user's: the chart creates none.
+    known = set(api_env_vars()) | set(api_cluster_env_vars()) | readme_env_vars()
+    unknown = {n for n in env if n.startswith("TINYBROKER_")} - known
+    assert not unknown, f"TINYBROKER_* variables in neither API.md nor README.md: {unknown}"
+    assert not of_kind(docs, "Secret")
+
+
+def test_fallback_cluster_lists_match_api_md():
+    if API_MD is None:
+        pytest.skip("shared/API.md is not beside the repository; set TINYBROKER_API_MD")
+    assert api_cluster_env_vars() == FALLBACK_CLUSTER_ENV_VARS
+    assert FALLBACK_CLUSTER_METRICS <= api_cluster_metric_names()
+
+
+@pytest.mark.parametrize("values", [CLUSTER_VALUES, CLUSTER_AUTH, {"nats": {"url": "nats://nats:4222"}}],
+                         ids=["3 replicas", "3 replicas, auth", "1 replica"])
+def test_cluster_mode_rolls_one_replica_at_a_time(values):
+    deployment = one(render(values), "Deployment")
+    assert deployment["spec"]["replicas"] == values.get("replicaCount", 1)
+    # A new replica first, an old one stopped only once it is ready: never
+    # fewer than replicaCount serve during an upgrade.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+
+
+def test_cluster_mode_has_a_disruption_budget_when_replicated():
+    docs = render(CLUSTER_VALUES)
+    pdb = one(docs, "PodDisruptionBudget")
+    deployment = one(docs, "Deployment")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    # It selects exactly the broker's pods.
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert not pdb["spec"]["selector"]["matchLabels"].items() <= one(docs, "Pod")["metadata"]["labels"].items()
+    percent = one(render({**CLUSTER_VALUES, "podDisruptionBudget": {"maxUnavailable": "34%"}}), "PodDisruptionBudget")
+    assert percent["spec"]["maxUnavailable"] == "34%"
+    # One replica (nothing to keep), or switched off: no budget.
+    assert not of_kind(render({"nats": {"url": "nats://nats:4222"}}), "PodDisruptionBudget")
+    assert not of_kind(render({**CLUSTER_VALUES, "podDisruptionBudget": {"enabled": False}}), "PodDisruptionBudget")
+
+
+def test_cluster_mode_spreads_over_nodes_and_zones():
+    deployment = one(render(CLUSTER_VALUES), "Deployment")
+    pod = deployment["spec"]["template"]
+    constraints = {c["topologyKey"]: c for c in pod["spec"]["topologySpreadConstraints"]}
+    assert sorted(constraints) == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    for c in constraints.values():
+        assert c["maxSkew"] == 1
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway"
+        # The chart's selector labels: the broker's pods, and only them.
+        assert c["labelSelector"] == {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}
+        assert c["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        # Spread each revision's pods among themselves during a rollout.
+        assert c["matchLabelKeys"] == ["pod-template-hash"]
+    hard = one(render({**CLUSTER_VALUES, "topologySpread": {"hostname": "DoNotSchedule"}}), "Deployment")
+    when = {c["topologyKey"]: c["whenUnsatisfiable"] for c in hard["spec"]["template"]["spec"]["topologySpreadConstraints"]}
+    assert when == {"kubernetes.io/hostname": "DoNotSchedule", "topology.kubernetes.io/zone": "ScheduleAnyway"}
+    off = one(render({**CLUSTER_VALUES, "topologySpread": {"enabled": False}}), "Deployment")
+    assert "topologySpreadConstraints" not in off["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("values", [CLUSTER_VALUES, {**CLUSTER_AUTH, "tls": {"enabled": True, "existingSecret": "t"},
+                                                      "probes": {"type": "exec"}}], ids=["grpc probes", "tls, exec probes"])
+def test_cluster_liveness_survives_a_nats_outage(values):
+    """gRPC health follows the NATS connection in cluster mode, so liveness
+    asks /healthz (the process runs): a NATS outage must not restart every
+    replica. Readiness still asks tinybroker.v1.Broker."""
+    container = broker_container(render(values))
+    liveness = container["livenessProbe"]
+    assert liveness["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert "grpc" not in liveness and "exec" not in liveness
+    assert liveness["periodSeconds"] == 10 and liveness["failureThreshold"] == 3
+    readiness = container["readinessProbe"]
+    if values.get("probes", {}).get("type") == "exec":
+        assert "-service=tinybroker.v1.Broker" in readiness["exec"]["command"]
+    else:
+        assert readiness["grpc"]["service"] == "tinybroker.v1.Broker"
+
+
+@pytest.mark.parametrize("values_file", CLUSTER_CI_VALUES, ids=lambda p: Path(p).name)
+def test_cluster_ci_values_render_cluster_mode(values_file):
+    docs = render(values_files=(values_file,))
+    values = yaml.safe_load(Path(values_file).read_text())
+    assert one(docs, "Deployment")["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert env_of(broker_container(docs))["TINYBROKER_NATS_URL"]["value"] == values["nats"]["url"]
+    assert len(of_kind(docs, "PodDisruptionBudget")) == (1 if values.get("replicaCount", 1) > 1 else 0)
+
+
+def test_cluster_test_hook_waits_for_delivery_not_matched_subscriptions():
+    """matched_subscriptions counts the publishing replica's subscribers only,
+    and the Service may send the publish elsewhere: the cluster round trip
+    publishes until the subscriber has received."""
+    script = one(render(CLUSTER_VALUES), "Pod")["spec"]["containers"][0]["command"][-1]
+    assert "matched_subscriptions" not in script
+    assert 'while kill -0 "$subscriber"' in script
+    assert "tinybroker subscribe" in script and "tinybroker publish" in script
+
+
+def test_cluster_notes_name_the_mode():
+    result = subprocess.run(
+        [os.environ["HELM"], "install", "rel", str(CHART), "--dry-run=client", "--namespace", "messaging",
+         "--set", "nats.url=nats://nats:4222,replicaCount=3"],
+        capture_output=True, text=True, env={**os.environ, "KUBECONFIG": os.devnull}, check=True,
+    )
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "(cluster mode: 3 replicas over NATS at nats://nats:4222)" in notes
+    assert "one replica, in-memory" not in notes
 
 
 def test_native_grpc_probes_ask_the_health_service_on_the_grpc_port(default_docs):
@@ -384,6 +675,8 @@ OPTIONAL = {
 def test_default_render_has_only_the_core_kinds(default_docs):
     kinds = sorted(d["kind"] for d in default_docs)
     assert kinds == ["Deployment", "Pod", "Service", "ServiceAccount"]
+    cluster_kinds = sorted(d["kind"] for d in render(CLUSTER_VALUES))
+    assert cluster_kinds == ["Deployment", "Pod", "PodDisruptionBudget", "Service", "ServiceAccount"]
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIONAL))
@@ -578,19 +871,35 @@ def test_deploy_dir_is_the_rendered_default_chart():
     actual = {
         str(p.relative_to(DEPLOY)): p.read_text()
         for p in DEPLOY.rglob("*")
-        if p.is_file() and p.name != "alerts_test.yaml"
+        if p.is_file() and str(p.relative_to(DEPLOY)) not in HAND_WRITTEN
     }
     assert sorted(actual) == sorted(expected), "deploy/ has other files than scripts/render-deploy.sh writes"
     stale = [name for name in expected if actual[name] != expected[name]]
     assert not stale, f"deploy/ is stale, run scripts/render-deploy.sh: {stale}"
 
 
+def _kustomize(directory: Path) -> list[dict]:
+    result = subprocess.run([os.environ["KUBECTL"], "kustomize", str(directory)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return load_docs(result.stdout)
+
+
+def _by_kind_and_name(docs: list[dict]) -> list[dict]:
+    return sorted(docs, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+
 def test_kustomize_build_equals_helm_template():
-    kustomized = subprocess.run(
-        [os.environ["KUBECTL"], "kustomize", str(DEPLOY)], capture_output=True, text=True, check=True
-    ).stdout
-    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    assert sorted(load_docs(kustomized), key=key) == sorted(render(skip_tests=True), key=key)
+    assert _by_kind_and_name(_kustomize(DEPLOY)) == _by_kind_and_name(render(skip_tests=True))
+
+
+def test_cluster_overlay_equals_helm_template():
+    """deploy/cluster/ (hand-written patches over deploy/base/) is exactly the
+    chart with nats.url=nats://nats:4222 and replicaCount=3."""
+    overlay = _kustomize(DEPLOY / "cluster")
+    assert _by_kind_and_name(overlay) == _by_kind_and_name(render(CLUSTER_VALUES, skip_tests=True))
+    deployment = one(overlay, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    assert env_of(broker_container(overlay))["TINYBROKER_NATS_URL"]["value"] == "nats://nats:4222"
 
 
 def test_monitoring_copies_are_identical():
@@ -605,7 +914,7 @@ def _metric_names(text: str) -> set[str]:
 def test_alerts_and_dashboard_use_metrics_api_md_defines():
     if API_MD is None:
         pytest.skip("shared/API.md is not beside the repository; set TINYBROKER_API_MD")
-    known = api_metric_names() | readme_metric_names()
+    known = api_metric_names() | readme_metric_names() | api_cluster_metric_names()
     alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
     exprs = " ".join(r["expr"] for g in alerts["groups"] for r in g["rules"])
     dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
@@ -622,6 +931,91 @@ def test_alerts_and_dashboard_use_metrics_api_md_defines():
         "tinybroker_consumer_group_oldest_unacked_age_seconds", "tinybroker_delivery_lag_seconds",
     ):
         assert wanted in dashboard_metrics, f"the dashboard has no panel for {wanted}"
+
+
+# Gauges of a consumer group's state: in cluster mode every replica reports
+# the cluster-wide value (API.md, "Cluster mode": "use max by (consumer_group)").
+GROUP_GAUGES = (
+    "tinybroker_consumer_group_members", "tinybroker_consumer_group_backlog", "tinybroker_consumer_group_in_flight",
+    "tinybroker_consumer_group_oldest_unacked_age_seconds", "tinybroker_consumer_group_stalled_seconds",
+    "tinybroker_consumer_group_memberless_seconds",
+)
+# Functions a gauge may pass through inside the max by (...).
+_PER_SERIES_FUNCTIONS = ("deriv",)
+
+
+def _shipped_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every alert rule and dashboard target."""
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    return [(f"alert {r['alert']}", r["expr"]) for g in alerts["groups"] for r in g["rules"]] + [
+        (f'panel "{p["title"]}" {t["refId"]}', t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])
+    ]
+
+
+def _enclosing_aggregation(expr: str, at: int) -> str | None:
+    """The text of the innermost aggregation around position `at` ("max by
+    (job, consumer_group)"), climbing out of the per-series functions; None
+    when the series is read bare."""
+    depth, i = 0, at
+    while i > 0:
+        i -= 1
+        if expr[i] == ")":
+            depth += 1
+        elif expr[i] == "(":
+            if depth:
+                depth -= 1
+                continue
+            before = expr[:i].rstrip()
+            m = re.search(r"\b(sum|max|min|avg|count|topk|bottomk)\s+(by|without)\s*\([^()]*\)$", before)
+            if m:
+                return before[m.start():]
+            if re.search(rf"\b({'|'.join(_PER_SERIES_FUNCTIONS)})$", before):
+                continue
+            return None
+    return None
+
+
+def test_group_gauges_are_read_with_max_by_consumer_group():
+    """Never summed, never read per instance: one value per group, whichever
+    replicas report it (and the same in single-node mode)."""
+    problems, checked = [], 0
+    for where, expr in _shipped_queries():
+        for m in re.finditer(rf"\b({'|'.join(GROUP_GAUGES)})\b", expr):
+            checked += 1
+            aggregation = _enclosing_aggregation(expr, m.start())
+            grouping = re.search(r"by\s*\(([^)]*)\)", aggregation or "")
+            labels = {label.strip() for label in grouping.group(1).split(",")} if grouping else set()
+            if not (aggregation and aggregation.startswith("max by") and "consumer_group" in labels
+                    and "instance" not in labels):
+                problems.append(f"{where}: {m.group(1)} read with {aggregation or 'no aggregation'}")
+        for join in re.findall(r"\bon\s*\(([^)]*)\)", expr):
+            # (Subscriptions are per replica: their joins may name the instance.)
+            if re.search(rf"\b({'|'.join(GROUP_GAUGES)})\b", expr) and "instance" in join:
+                problems.append(f"{where}: joins groups per instance: on ({join})")
+    assert checked >= 15, f"only {checked} group gauge reads found"
+    assert not problems, "\n".join(problems)
+
+
+def test_nats_disconnected_alert_names_the_replica():
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    rule = next(r for g in alerts["groups"] for r in g["rules"] if r.get("alert") == "TinybrokerNatsDisconnected")
+    assert rule["expr"] == "tinybroker_nats_connected == 0"
+    assert rule["for"] == "1m"
+    assert rule["labels"]["severity"] == "critical"
+    for text in (rule["annotations"]["summary"], rule["annotations"]["description"]):
+        assert "$labels.instance" in text and "$labels.pod" in text
+
+
+def test_dashboard_shows_nats_connected_per_replica():
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    panel = next(p for p in dashboard["panels"] if p["title"] == "NATS connected per replica")
+    (target,) = panel["targets"]
+    # One series per replica, not aggregated away.
+    assert target["expr"].startswith('tinybroker_nats_connected{job=~"$job", instance=~"$instance"}')
+    assert target["legendFormat"] == "{{instance}}"
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["color"] for s in steps] == ["red", "green"] and steps[1]["value"] == 1
 
 
 # === Dockerfile, as far as it can be checked without a Docker engine ===

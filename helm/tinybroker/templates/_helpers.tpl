@@ -151,6 +151,85 @@ Fails rendering on value combinations that cannot work.
 {{- if and .Values.tls.enabled (eq .Values.probes.type "grpc") }}
 {{- fail "tls.enabled needs probes.type=exec: kubelet's native gRPC probes cannot speak TLS" }}
 {{- end }}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.nats.url) }}
+{{- fail "replicaCount > 1 needs nats.url (cluster mode): without NATS the replicas would be separate in-memory brokers, each with some of the publishers and subscribers" }}
+{{- end }}
+{{- if and (not .Values.nats.url) (or .Values.nats.tokenSecret.name .Values.nats.credsSecret.name .Values.nats.caSecret.name) }}
+{{- fail "nats.tokenSecret, nats.credsSecret and nats.caSecret need nats.url (cluster mode)" }}
+{{- end }}
+{{- end }}
+
+{{/*
+"true" in cluster mode (nats.url set: several replicas over a NATS cluster),
+"" in single-node mode. Use as `if include "tinybroker.clusterMode" .`.
+*/}}
+{{- define "tinybroker.clusterMode" -}}
+{{- if .Values.nats.url }}true{{ end }}
+{{- end }}
+
+{{/*
+Where the NATS credentials file and CA certificate are mounted.
+*/}}
+{{- define "tinybroker.natsCredsPath" -}}
+/etc/tinybroker/nats-creds/nats.creds
+{{- end }}
+{{- define "tinybroker.natsCaPath" -}}
+/etc/tinybroker/nats-ca/ca.crt
+{{- end }}
+
+{{/*
+Cluster mode's environment: TINYBROKER_NATS_* from nats.*, and the pod's name
+as TINYBROKER_REPLICA_ID (downward API), so that Admin listings, logs and
+forwarded calls name the replica by its pod.
+*/}}
+{{- define "tinybroker.clusterEnv" -}}
+- name: TINYBROKER_NATS_URL
+  value: {{ .Values.nats.url | quote }}
+- name: TINYBROKER_NATS_PREFIX
+  value: {{ .Values.nats.prefix | quote }}
+- name: TINYBROKER_NATS_REPLICAS
+  value: {{ .Values.nats.replicas | int64 | quote }}
+- name: TINYBROKER_REPLICA_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- with .Values.nats.tokenSecret }}
+{{- if .name }}
+- name: TINYBROKER_NATS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
+{{- end }}
+{{- if .Values.nats.credsSecret.name }}
+- name: TINYBROKER_NATS_CREDS
+  value: {{ include "tinybroker.natsCredsPath" . }}
+{{- end }}
+{{- if .Values.nats.caSecret.name }}
+- name: TINYBROKER_NATS_CA
+  value: {{ include "tinybroker.natsCaPath" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Cluster mode's topologySpreadConstraints: the replicas of one revision spread
+over nodes and zones (matchLabelKeys pod-template-hash: during a rollout the
+new ReplicaSet's pods spread among themselves, not counted against the old
+ones that are about to go).
+*/}}
+{{- define "tinybroker.topologySpread" -}}
+{{- $root := . }}
+{{- range $key, $when := dict "kubernetes.io/hostname" .Values.topologySpread.hostname "topology.kubernetes.io/zone" .Values.topologySpread.zone }}
+- maxSkew: 1
+  topologyKey: {{ $key }}
+  whenUnsatisfiable: {{ $when }}
+  labelSelector:
+    matchLabels:
+      {{- include "tinybroker.selectorLabels" $root | nindent 6 }}
+  matchLabelKeys:
+    - pod-template-hash
+{{- end }}
 {{- end }}
 
 {{/*
