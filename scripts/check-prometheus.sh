@@ -241,11 +241,14 @@ INCIDENT_ONLY = {
     "tinybroker_recent_group_removal_dropped_messages",
 }
 INCIDENT_LABELS = {"peer", "topic_patterns"}
+# Metrics a broker reports in cluster mode only (TINYBROKER_NATS_URL set):
+# absent from this single-node broker's exposition; tests/cluster.rs checks them.
+CLUSTER_ONLY = {"tinybroker_nats_connected", "tinybroker_nats_reconnects_total"}
 
 
 def incident_only(query):
     names = set(re.findall(r"\b(?:tinybroker|process)_[a-z0-9_]+\b", query))
-    return bool(names) and names <= INCIDENT_ONLY
+    return bool(names) and names <= INCIDENT_ONLY | CLUSTER_ONLY
 
 
 def dashboard_queries(path, job, instance):
@@ -348,6 +351,9 @@ MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.
 LITERAL_ALTERNATIVES = re.compile(r"[A-Za-z0-9_.:+-]+(\|[A-Za-z0-9_.:+-]+)*")
 # Label names that come from the scrape target, not from the exposition.
 TARGET_LABELS = {"job", "instance"}
+# Label names Kubernetes service discovery adds to the target (the Prometheus
+# Operator's ServiceMonitor, the usual kubernetes-pods job); alerts may name them.
+KUBERNETES_TARGET_LABELS = {"pod"}
 
 
 def cmd_names(scrape, dashboard_path, rules_path):
@@ -356,7 +362,8 @@ def cmd_names(scrape, dashboard_path, rules_path):
     _, samples = parse_exposition(scrape)
     sample_names = {s for s, _, _ in samples}
     label_names = {k for _, labels, _ in samples for k in labels} | TARGET_LABELS | INCIDENT_LABELS
-    sample_names |= INCIDENT_ONLY
+    label_names |= KUBERNETES_TARGET_LABELS
+    sample_names |= INCIDENT_ONLY | CLUSTER_ONLY
     values = {}
     for sample, labels, _ in samples:
         for k, v in labels.items():

@@ -909,11 +909,15 @@ async fn session(dir: &Path) {
     };
     log(t0, "every situation seen (or one is late)");
 
-    // Every dashboard query evaluates and returns data, now that everything happened.
+    // Every dashboard query evaluates and returns data, now that everything
+    // happened; the cluster-mode panels (tinybroker_nats_*) have none from
+    // this single-node broker, and tests/cluster.rs checks those series.
     let mut no_data = Vec::new();
     for (title, ref_id, expr) in &queries {
+        let cluster_only = expr.contains("tinybroker_nats_");
         match prometheus.query(expr).await {
             Ok(r) if !r.is_empty() => {}
+            Ok(_) if cluster_only => {}
             Ok(_) => no_data.push(format!("{title} {ref_id}: no data\n    {expr}")),
             Err(e) => no_data.push(format!("{title} {ref_id}: {e}")),
         }
