@@ -1,10 +1,16 @@
-//! tinybroker: a single-node, in-memory publish/subscribe broker over gRPC.
+//! tinybroker: an in-memory publish/subscribe broker over gRPC, single-node
+//! or several replicas over a NATS cluster.
 //!
 //! Modules, one concern each: [`topic`] (syntax), [`sublist`] (matching),
-//! [`broker`] (the routing core), [`grpc`] (tonic adapter) with [`wire`] (pre-encoded deliveries), [`server`]
-//! (lifecycle) with [`connections`] (the gRPC listener) and [`incoming`] (requests being received),
-//! [`memory`] (the byte budget), [`side`] (HTTP side server), [`metrics`], [`config`], [`telemetry`],
-//! [`client`] and [`cli`].
+//! [`engine`] (the seam between the gRPC front and an engine: its trait, the
+//! engine-neutral types, [`engine::validate`]), [`broker`] (the embedded
+//! engine: routing, queues, eviction, groups), [`cluster`] (the cluster
+//! engine over NATS, each replica's fan-out a [`broker::Broker`]), [`grpc`]
+//! (tonic adapter over any engine) with [`wire`] (pre-encoded deliveries),
+//! [`server`] (lifecycle; picks the engine) with [`connections`] (the gRPC
+//! listener) and [`incoming`] (requests being received), [`memory`] (the byte
+//! budget), [`side`] (HTTP side server), [`metrics`], [`config`],
+//! [`telemetry`], [`client`] and [`cli`].
 
 pub mod auth;
 pub mod broker;
