@@ -44,6 +44,8 @@ pub trait Engine: Clone + Send + Sync + 'static {
     type Publisher: Default + Send;
     /// Held while a run of messages received together is published; dropping
     /// it lets the subscribers they reached run (each once for the run).
+    /// Held across `publish`'s `.await`: an engine whose publish can really
+    /// wait must not defer wake-ups to a thread (its `Burst` is then `()`).
     type Burst: Send;
     /// The deliveries of one open subscription.
     type Stream: DeliveryStream;
