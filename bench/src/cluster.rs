@@ -28,7 +28,7 @@ pub const MIN_VERSION: (u64, u64) = (2, 10);
 pub const INSTALLED: &str = "/usr/local/lib/tinybroker/nats-server-2.10/nats-server";
 /// How long one attempt at starting the cluster may take (a cold start of
 /// 3 takes 0.1 to 0.8 s here), and how many attempts are made.
-const START_TIMEOUT: Duration = Duration::from_secs(8);
+const START_TIMEOUT: Duration = Duration::from_secs(5);
 const START_ATTEMPTS: usize = 4;
 /// How long a replica gets to log its start-up line.
 const REPLICA_START: Duration = Duration::from_secs(20);
