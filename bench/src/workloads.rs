@@ -13,6 +13,7 @@ use crate::{nats, redis_pubsub, tb};
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use std::fmt;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
@@ -554,6 +555,51 @@ impl Topology {
         self.processes().iter().map(|(_, s)| s.stats()).collect()
     }
 
+    /// Cluster runs where a subscriber fell short: how far each one got and
+    /// on which server, and what each replica's `/metrics` says (saved beside
+    /// its log), for the diagnosis.
+    async fn shortfall(&self, domains: &[Arc<Domain>]) -> String {
+        let names: Vec<String> = self.processes().into_iter().map(|(n, _)| n).collect();
+        let progress: Vec<String> = domains
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let k = i % self.entry().len();
+                format!(
+                    "subscriber {i} on {}: {} of {}",
+                    names[k],
+                    d.unique(),
+                    d.unique() + d.lost()
+                )
+            })
+            .collect();
+        let mut text = format!("short: {}", progress.join(", "));
+        for (name, server) in self.processes() {
+            let (Kind::Tinybroker, Some(http)) = (server.kind, server.http) else {
+                continue;
+            };
+            match http_get(http, "/metrics").await {
+                Ok((_, metrics)) => {
+                    let _ = std::fs::write(server.log().with_extension("metrics"), &metrics);
+                    let sum = |m: &str| crate::systems::prom_sum(&metrics, m);
+                    let _ = write!(
+                        text,
+                        "; {name}: published {}, delivered {}, queued {}, NATS connected {}, reconnects {}",
+                        sum("tinybroker_messages_published_total"),
+                        sum("tinybroker_messages_delivered_total"),
+                        sum("tinybroker_queued_messages"),
+                        sum("tinybroker_nats_connected"),
+                        sum("tinybroker_nats_reconnects_total"),
+                    );
+                }
+                Err(e) => {
+                    let _ = write!(text, "; {name}: no /metrics ({e:#})");
+                }
+            }
+        }
+        text
+    }
+
     /// Cluster runs: what the servers counted as lost on the way (NATS
     /// dropping messages to a slow connection, tinybroker evictions).
     async fn losses_counted(&self) -> Result<Option<String>> {
@@ -733,6 +779,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let after = topology.stats()?;
+    if topology.nats.is_some() && domains.iter().any(|d| !d.complete()) {
+        remarks.push(topology.shortfall(&domains).await);
+    }
     if let Some(stalls) = watch.and_then(StallWatch::finish) {
         let (nap, threshold) = (StallWatch::NAP.as_micros(), StallWatch::THRESHOLD.as_millis());
         remarks.push(if stalls.count == 0 {
