@@ -1,10 +1,14 @@
 //! tinybroker-bench: runs the same workloads against tinybroker, NATS core
 //! and Redis pub/sub on this machine, several rounds alternating systems,
 //! and prints one Markdown table of medians with the ratio tinybroker/NATS.
+//! The cluster workloads compare 3 tinybroker replicas in cluster mode over
+//! a 3-server NATS cluster with that NATS cluster used directly.
 //!
 //! Exits non-zero when a tinybroker run loses a message its contract says
 //! must arrive, or when a run fails.
 
+mod cluster;
+mod json;
 mod measure;
 mod nats;
 mod redis_pubsub;
@@ -36,11 +40,13 @@ struct Cli {
     rounds: Option<usize>,
     /// Only workloads whose id or label contains this (repeatable):
     /// fanout-3-16, fanout-3-256, fanout-3-4096, fanout-30-…, latency, group, stalled,
-    /// wide-paced, wide-max (`wide` for both), idle, idle-100.
+    /// wide-paced, wide-max (`wide` for both), idle, idle-100,
+    /// cluster-fanout-3, cluster-fanout-30, cluster-latency (`cluster` for the three).
     #[arg(long)]
     only: Vec<String>,
     /// Tiny configuration for CI: 3000 messages, 1 round, 1000 idle subscriptions,
-    /// wide fan-out to 100 subscribers for 2 s (paced) and 500 messages (unthrottled).
+    /// wide fan-out to 100 subscribers for 2 s (paced) and 500 messages (unthrottled),
+    /// the cluster latency run for 1 s.
     #[arg(long)]
     quick: bool,
     /// Leave Redis out.
@@ -67,6 +73,12 @@ struct Cli {
     /// Messages of the unthrottled wide fan-out run (default 10000; 500 with --quick).
     #[arg(long)]
     wide_messages: Option<u64>,
+    /// Publishing rate of the cluster latency run, messages per second.
+    #[arg(long, default_value_t = 5000)]
+    cluster_rate: u64,
+    /// Length of the cluster latency run (default 10; 1 with --quick).
+    #[arg(long)]
+    cluster_seconds: Option<u64>,
     /// Flow-control window: most messages the publisher keeps ahead of the
     /// slowest live subscriber (or group).
     #[arg(long, default_value_t = 2048)]
@@ -83,6 +95,11 @@ struct Cli {
     nats_bin: PathBuf,
     #[arg(long, default_value = "redis-server")]
     redis_bin: PathBuf,
+    /// nats-server 2.10 or later for the cluster workloads (default:
+    /// $TB_NATS_SERVER, else what scripts/install-nats.sh installs); without
+    /// one they are skipped, saying so.
+    #[arg(long)]
+    nats_cluster_bin: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -150,6 +167,8 @@ async fn run(cli: Cli) -> Result<bool> {
         wide_rate: cli.wide_rate.max(1),
         wide_seconds: cli.wide_seconds.unwrap_or(if cli.quick { 2 } else { 10 }).max(1),
         wide_messages: cli.wide_messages.unwrap_or(if cli.quick { 500 } else { 10_000 }),
+        cluster_rate: cli.cluster_rate.max(1),
+        cluster_seconds: cli.cluster_seconds.unwrap_or(if cli.quick { 1 } else { 10 }).max(1),
     };
     if cli.window as usize > cli.consumer_capacity {
         bail!(
@@ -164,6 +183,7 @@ async fn run(cli: Cli) -> Result<bool> {
             cli.tinybroker_bin.display()
         )
     })?;
+    let nats_cluster = cluster::find_binary(cli.nats_cluster_bin.as_deref());
     let log_dir = std::env::temp_dir().join(format!("tinybroker-bench-{}", std::process::id()));
     std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
     let settings = Settings {
@@ -171,12 +191,13 @@ async fn run(cli: Cli) -> Result<bool> {
             tinybroker,
             nats: cli.nats_bin.clone(),
             redis: cli.redis_bin.clone(),
+            nats_cluster: nats_cluster.as_ref().ok().cloned(),
             log_dir: log_dir.clone(),
         },
         window: cli.window,
         consumer_capacity: cli.consumer_capacity,
     };
-    let selected: Vec<Case> = workloads::cases(&scale, !cli.skip_redis)
+    let mut selected: Vec<Case> = workloads::cases(&scale, !cli.skip_redis)
         .into_iter()
         .filter(|c| cli.only.is_empty() || cli.only.iter().any(|o| c.id.contains(o) || c.label.contains(o)))
         .map(|mut c| {
@@ -188,6 +209,22 @@ async fn run(cli: Cli) -> Result<bool> {
     if selected.is_empty() {
         bail!("--only {:?} matches no workload", cli.only);
     }
+    if let Err(why) = &nats_cluster {
+        let skipped: Vec<String> = selected
+            .iter()
+            .filter(|c| matches!(c.spec, workloads::Spec::Cluster { .. }))
+            .map(|c| c.id.clone())
+            .collect();
+        if !skipped.is_empty() {
+            eprintln!("tinybroker-bench: skipping {}: {why}", skipped.join(", "));
+            selected.retain(|c| !matches!(c.spec, workloads::Spec::Cluster { .. }));
+            if selected.is_empty() {
+                eprintln!("tinybroker-bench: nothing left to run");
+                let _ = std::fs::remove_dir_all(&log_dir);
+                return Ok(true);
+            }
+        }
+    }
     eprintln!(
         "tinybroker-bench: {} workloads, {rounds} round(s), {messages} messages (1→3), window {}, tinybroker consumer capacity {}; server logs in {}",
         selected.len(),
@@ -197,10 +234,22 @@ async fn run(cli: Cli) -> Result<bool> {
     );
 
     eprintln!(
-        "versions: {} | {} | {}",
+        "versions: {} | {} | {}{}",
         systems::version_of(&settings.bins.tinybroker, "--version"),
         systems::version_of(&settings.bins.nats, "--version"),
         systems::version_of(&settings.bins.redis, "--version"),
+        match &settings.bins.nats_cluster {
+            Some(bin)
+                if selected
+                    .iter()
+                    .any(|c| matches!(c.spec, workloads::Spec::Cluster { .. })) =>
+                format!(
+                    " | cluster: {} ({})",
+                    systems::version_of(bin, "--version"),
+                    bin.display()
+                ),
+            _ => String::new(),
+        }
     );
 
     let mut all_ok = true;
@@ -228,7 +277,11 @@ async fn run(cli: Cli) -> Result<bool> {
                             res.lost,
                             res.dup,
                             res.latency
-                                .filter(|_| matches!(case.spec, workloads::Spec::Wide { rate: Some(_), .. }))
+                                .filter(|_| matches!(
+                                    case.spec,
+                                    workloads::Spec::Wide { rate: Some(_), .. }
+                                        | workloads::Spec::Cluster { rate: Some(_), .. }
+                                ))
                                 .map(|l| format!(", p50/p99/p999 {:.2}/{:.2}/{:.2} ms", l.p50, l.p99, l.p999))
                                 .unwrap_or_default()
                                 + &res

@@ -48,11 +48,79 @@ pub async fn round_trip(client: &Client) -> Result<()> {
     }
 }
 
-/// Opens a subscriber (in `queue` if given) on its own connection and starts its receive loop.
+/// A request to `subject` (a [`Responders`] subject on another server of a
+/// cluster), retried while it has no responders, until one answers. When
+/// it does, that server has seen every `SUB` this client sent before: the
+/// interest and the request travel the same route (docs/cluster-notes.md,
+/// "What works").
+pub async fn sync_through(client: &Client, subject: &str) -> Result<()> {
+    within(NET, &format!("a round trip through {subject}"), async {
+        loop {
+            match client.request(subject.to_owned(), Bytes::new()).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
+                    tokio::time::sleep(Duration::from_millis(2)).await
+                }
+                Err(e) => return Err(e).with_context(|| format!("NATS request to {subject}")),
+            }
+        }
+    })
+    .await?
+}
+
+/// One responder per server of a NATS cluster, each answering requests on
+/// its own subject ([`Responders::subject`]) with an empty reply, for
+/// [`sync_through`].
+pub struct Responders {
+    subjects: Vec<String>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Responders {
+    pub async fn start(servers: &[Server]) -> Result<Responders> {
+        let mut subjects = Vec::new();
+        let mut tasks = Vec::new();
+        for (k, server) in servers.iter().enumerate() {
+            let client = connect(server).await?;
+            let subject = format!("_bench.sync.{k}");
+            let mut requests = within(NET, "subscribing a responder", client.subscribe(subject.clone()))
+                .await?
+                .context("NATS subscribe")?;
+            round_trip(&client).await?;
+            tasks.push(tokio::spawn(async move {
+                while let Some(request) = requests.next().await {
+                    if let Some(reply) = request.reply {
+                        let _ = client.publish(reply, Bytes::new()).await;
+                    }
+                }
+            }));
+            subjects.push(subject);
+        }
+        Ok(Responders { subjects, tasks })
+    }
+
+    /// The subject answered on server `k`.
+    pub fn subject(&self, k: usize) -> &str {
+        &self.subjects[k]
+    }
+}
+
+impl Drop for Responders {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Opens a subscriber (in `queue` if given) on its own connection and starts
+/// its receive loop; with `sync`, once a round trip through each of those
+/// [`Responders`] subjects proves their servers know the subscription.
 pub async fn subscribe(
     server: &Server,
     pattern: &str,
     queue: Option<&str>,
+    sync: &[String],
     rec: Recorder,
     stop: CancellationToken,
 ) -> Result<JoinHandle<Tally>> {
@@ -70,6 +138,9 @@ pub async fn subscribe(
     }
     .context("NATS subscribe")?;
     round_trip(&client).await?;
+    for subject in sync {
+        sync_through(&client, subject).await?;
+    }
     Ok(tokio::spawn(async move {
         let _client = client;
         drive(sub.map(Ok::<_, Infallible>), rec, stop, |_: &async_nats::Message| {}).await

@@ -1,7 +1,7 @@
 //! Medians over rounds and the Markdown table.
 
 use crate::systems::Kind;
-use crate::workloads::{Case, RunResult, Spec, Variant};
+use crate::workloads::{CLUSTER_P99_TARGET, CLUSTER_THROUGHPUT_TARGET, Case, RunResult, Spec, Variant};
 use std::fmt::Write;
 
 /// Every round's outcome of one workload against one contender.
@@ -119,6 +119,33 @@ fn kib(bytes: f64) -> String {
     }
 }
 
+fn verdict(met: Option<bool>) -> &'static str {
+    match met {
+        Some(true) => "met",
+        Some(false) => "missed",
+        None => "—",
+    }
+}
+
+/// Medians over rounds of each process's CPU per published message.
+fn cpu_parts(runs: &Runs) -> Option<String> {
+    let ok: Vec<&RunResult> = runs.results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    let first = ok.iter().find(|r| !r.cpu_parts.is_empty())?;
+    let parts: Vec<String> = first
+        .cpu_parts
+        .iter()
+        .map(|(name, _)| {
+            let m = median(
+                ok.iter()
+                    .filter_map(|r| r.cpu_parts.iter().find(|(n, _)| n == name).map(|(_, v)| *v))
+                    .collect(),
+            );
+            format!("{name} {}", m.map(|m| format!("{m:.1}")).unwrap_or_else(|| "—".into()))
+        })
+        .collect();
+    Some(format!("CPU µs per published message (medians): {}", parts.join(", ")))
+}
+
 /// The ratio cell of a non-NATS row against the NATS row of the same workload.
 fn vs_nats(spec: &Spec, s: &Summary, nats: &Summary) -> String {
     match spec {
@@ -140,6 +167,25 @@ fn vs_nats(spec: &Spec, s: &Summary, nats: &Summary) -> String {
             times(ratio(s.delivered, nats.delivered)),
             times(ratio(s.cpu_per_m, nats.cpu_per_m))
         ),
+        Spec::Cluster { rate: Some(_), .. } => {
+            let p99 = ratio(s.p99, nats.p99);
+            format!(
+                "p50 {}, p99 {} (target ≤ ×{:.0}: {})",
+                times(ratio(s.p50, nats.p50)),
+                times(p99),
+                CLUSTER_P99_TARGET,
+                verdict(p99.map(|r| r <= CLUSTER_P99_TARGET))
+            )
+        }
+        Spec::Cluster { rate: None, .. } => {
+            let r = ratio(s.delivered, nats.delivered);
+            format!(
+                "{} (target ≥ ×{:.1}: {})",
+                times(r),
+                CLUSTER_THROUGHPUT_TARGET,
+                verdict(r.map(|r| r >= CLUSTER_THROUGHPUT_TARGET))
+            )
+        }
         Spec::FanOut { .. } => format!(
             "{} (pub {})",
             times(ratio(s.delivered, nats.delivered)),
@@ -237,9 +283,17 @@ pub fn render(cases: &[(Case, Vec<Runs>)]) -> String {
             );
             notes.extend(s.errors.iter().map(|e| format!("{label}: error: {e}")));
             notes.extend(s.violations.iter().map(|e| format!("{label}: CONTRACT VIOLATION: {e}")));
-            let mut remarks = s.remarks.clone();
-            remarks.dedup();
+            // Each remark once, in the order first seen (rounds repeat them).
+            let mut remarks: Vec<&String> = Vec::new();
+            for remark in &s.remarks {
+                if !remarks.contains(&remark) {
+                    remarks.push(remark);
+                }
+            }
             notes.extend(remarks.iter().map(|e| format!("{label}: {e}")));
+            if let Some(parts) = cpu_parts(r) {
+                notes.push(format!("{label}: {parts}"));
+            }
         }
     }
     if !notes.is_empty() {

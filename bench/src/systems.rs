@@ -61,6 +61,8 @@ pub struct Binaries {
     pub tinybroker: PathBuf,
     pub nats: PathBuf,
     pub redis: PathBuf,
+    /// nats-server >= 2.10 for the cluster workloads, when there is one.
+    pub nats_cluster: Option<PathBuf>,
     /// Directory for server logs (kept for a failed run's diagnosis).
     pub log_dir: PathBuf,
 }
@@ -89,31 +91,15 @@ impl Server {
         let addr = free_port()?;
         let http = if kind == Kind::Redis { None } else { Some(free_port()?) };
         let log = bins.log_dir.join(format!("{}-{}.log", kind, addr.port()));
-        let out = File::create(&log).with_context(|| format!("creating server log {}", log.display()))?;
-        let err = out.try_clone().context("duplicating the server log handle")?;
         let mut cmd = match kind {
             Kind::Tinybroker => {
-                let mut c = Command::new(&bins.tinybroker);
-                c.arg("serve");
-                // Nothing from the caller's environment may change the setup.
-                for (key, _) in std::env::vars_os() {
-                    let k = key.to_string_lossy();
-                    if k.starts_with("TINYBROKER_") || k.starts_with("OTEL_") {
-                        c.env_remove(&key);
-                    }
-                }
+                let mut c = tinybroker_command(bins, tb);
                 c.env("TINYBROKER_GRPC_ADDR", addr.to_string())
                     .env(
                         "TINYBROKER_METRICS_ADDR",
                         http.map(|h| h.to_string()).unwrap_or_default(),
                     )
-                    .env("RUST_LOG", "warn")
-                    .env("TINYBROKER_CONSUMER_CAPACITY", tb.consumer_capacity.to_string())
-                    .env("TINYBROKER_MAX_SUBSCRIPTIONS", tb.max_subscriptions.to_string())
-                    .env(
-                        "TINYBROKER_METRICS_PER_SUBSCRIPTION",
-                        tb.metrics_per_subscription.to_string(),
-                    );
+                    .env("RUST_LOG", "warn");
                 c
             }
             Kind::Nats => {
@@ -132,38 +118,41 @@ impl Server {
                 c
             }
         };
-        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: prctl is async-signal-safe; it only asks the kernel to
-        // SIGKILL this child if the bench dies without cleaning up.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let program = cmd.get_program().to_string_lossy().into_owned();
-        let child = cmd.spawn().with_context(|| match kind {
-            Kind::Tinybroker => format!(
-                "starting {program} (build it with `cargo build --release -p tinybroker`, or pass --tinybroker-bin)"
-            ),
-            _ => format!("starting {program} (install it with `apt-get install -y nats-server redis-server`)"),
-        })?;
-        let mut server = Server {
+        let child = spawn_logged(kind, &mut cmd, &log)?;
+        let mut server = Server::adopt(kind, addr, http, child, log);
+        server.wait_ready().await?;
+        Ok(server)
+    }
+
+    /// A server spawned by the caller (with [`spawn_logged`]) whose
+    /// addresses are known; dropping it kills and reaps the process.
+    pub fn adopt(kind: Kind, addr: SocketAddr, http: Option<SocketAddr>, child: Child, log: PathBuf) -> Server {
+        Server {
             kind,
             addr,
             http,
             child,
             log,
-        };
-        server.wait_ready().await?;
-        Ok(server)
+        }
+    }
+
+    /// The file that has the server's stdout and stderr.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait().context("polling the server process")
     }
 
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    async fn wait_ready(&mut self) -> Result<()> {
+    /// Waits until [`Server::probe`] passes (for tinybroker: gRPC health
+    /// SERVING), failing with the end of the log if the process exits.
+    pub async fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Some(status) = self.child.try_wait().context("polling the server process")? {
@@ -239,14 +228,59 @@ impl Drop for Server {
     }
 }
 
-fn tail_of(path: &Path) -> String {
+/// `tinybroker serve` with a clean `TINYBROKER_*` environment and the
+/// run's settings; the caller adds the addresses and `RUST_LOG`.
+pub fn tinybroker_command(bins: &Binaries, tb: &TinybrokerEnv) -> Command {
+    let mut c = Command::new(&bins.tinybroker);
+    c.arg("serve");
+    // Nothing from the caller's environment may change the setup.
+    for (key, _) in std::env::vars_os() {
+        let k = key.to_string_lossy();
+        if k.starts_with("TINYBROKER_") || k.starts_with("OTEL_") {
+            c.env_remove(&key);
+        }
+    }
+    c.env("TINYBROKER_CONSUMER_CAPACITY", tb.consumer_capacity.to_string())
+        .env("TINYBROKER_MAX_SUBSCRIPTIONS", tb.max_subscriptions.to_string())
+        .env(
+            "TINYBROKER_METRICS_PER_SUBSCRIPTION",
+            tb.metrics_per_subscription.to_string(),
+        );
+    c
+}
+
+/// Spawns `cmd` (a server of `kind`) with stdin closed, stdout and stderr
+/// to `log`, and `PR_SET_PDEATHSIG` so it dies with the bench.
+pub fn spawn_logged(kind: Kind, cmd: &mut Command, log: &Path) -> Result<Child> {
+    let out = File::create(log).with_context(|| format!("creating server log {}", log.display()))?;
+    let err = out.try_clone().context("duplicating the server log handle")?;
+    cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+    // SAFETY: prctl is async-signal-safe; it only asks the kernel to
+    // SIGKILL this child if the bench dies without cleaning up.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    cmd.spawn().with_context(|| match kind {
+        Kind::Tinybroker => format!(
+            "starting {program} (build it with `cargo build --release -p tinybroker`, or pass --tinybroker-bin)"
+        ),
+        _ => format!("starting {program} (install it with `apt-get install -y nats-server redis-server`)"),
+    })
+}
+
+/// The end of a server's log, for an error message.
+pub fn tail_of(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
 /// A free port on 127.0.0.1 (bound, then released for the server to take).
-fn free_port() -> Result<SocketAddr> {
+pub fn free_port() -> Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0 to find a free port")?;
     listener.local_addr().context("reading the free port")
 }
@@ -299,6 +333,18 @@ impl ProcStats {
         })
     }
 
+    /// The counters of several processes together: RSS and peak RSS and CPU
+    /// added up, read at the first one's time.
+    pub fn sum(parts: &[ProcStats]) -> Option<ProcStats> {
+        let first = parts.first()?;
+        Some(ProcStats {
+            rss_kib: parts.iter().map(|p| p.rss_kib).sum(),
+            peak_rss_kib: parts.iter().map(|p| p.peak_rss_kib).sum(),
+            cpu_ticks: parts.iter().map(|p| p.cpu_ticks).sum(),
+            at: first.at,
+        })
+    }
+
     /// CPU (utime + stime) used between two snapshots, in seconds.
     pub fn cpu_seconds_since(&self, earlier: &ProcStats) -> f64 {
         // SAFETY: sysconf has no preconditions.
@@ -331,13 +377,33 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
             .nth(1)
             .and_then(|c| c.parse().ok())
             .with_context(|| format!("no HTTP status in the answer to GET {path}"))?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let chunked = head.lines().any(|l| {
+            l.split_once(':').is_some_and(|(k, v)| {
+                k.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked")
+            })
+        });
+        let body = if chunked { dechunk(body) } else { body.to_owned() };
         anyhow::Ok((code, body))
     })
     .await?
+}
+
+/// The body of a `Transfer-Encoding: chunked` answer (nats-server's
+/// monitoring port sends its larger documents so).
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let size = size.split(';').next().unwrap_or("").trim();
+        let Ok(n) = usize::from_str_radix(size, 16) else { break };
+        if n == 0 || after.len() < n {
+            out.push_str(&after[..n.min(after.len())]);
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].strip_prefix("\r\n").unwrap_or(&after[n..]);
+    }
+    out
 }
 
 /// The sum of every sample of a Prometheus metric (all label sets).
@@ -349,6 +415,18 @@ pub fn prom_sum(text: &str, name: &str) -> f64 {
                 .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
         })
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The sample of a Prometheus metric whose labels include `label`
+/// (`reason="nats_slow_consumer"`); 0 when there is none.
+pub fn prom_with_label(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|rest| rest.split_once('}'))
+        .filter(|(labels, _)| labels.split(',').any(|l| l == label))
+        .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
         .sum()
 }
 
@@ -390,6 +468,17 @@ mod tests {
             prom_sum("tinybroker_evictions_total 2\n", "tinybroker_evictions_total"),
             2.0
         );
+        let dropped = "tinybroker_messages_dropped_total{reason=\"evicted\"} 4\ntinybroker_messages_dropped_total{reason=\"nats_slow_consumer\"} 3\n";
+        let name = "tinybroker_messages_dropped_total";
+        assert_eq!(prom_with_label(dropped, name, "reason=\"nats_slow_consumer\""), 3.0);
+        assert_eq!(prom_with_label(dropped, name, "reason=\"other\""), 0.0);
+    }
+
+    #[test]
+    fn chunked_bodies() {
+        assert_eq!(dechunk("5\r\nhello\r\n7\r\n, world\r\n0\r\n\r\n"), "hello, world");
+        assert_eq!(dechunk("3;x=y\r\nabc\r\n0\r\n\r\n"), "abc");
+        assert_eq!(dechunk(""), "");
     }
 
     #[test]

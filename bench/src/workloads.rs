@@ -6,12 +6,14 @@
 //! latency workload, at a steady rate), wait until every live subscriber has
 //! everything (or nothing moves for a while), and read the counters.
 
+use crate::cluster::{self, NatsCluster};
 use crate::measure::{Domain, Flow, Percentiles, Recorder, Signal, StallWatch, Tally, new_histogram, payload};
-use crate::systems::{Binaries, Kind, Server, TinybrokerEnv, within};
+use crate::systems::{Binaries, Kind, ProcStats, Server, TinybrokerEnv, http_get, prom_with_label, within};
 use crate::{nats, redis_pubsub, tb};
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use std::fmt;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
@@ -72,6 +74,18 @@ pub enum Spec {
     Wide {
         subs: usize,
         per_conn: usize,
+        size: usize,
+        rate: Option<u64>,
+        messages: u64,
+    },
+    /// A cluster of `nodes` (issue 15): tinybroker replicas over as many
+    /// NATS servers, or those NATS servers used directly. One publisher on
+    /// the first node, `subs` subscribers spread over the nodes (subscriber
+    /// i on node i % nodes), each on its own connection; at `rate` msg/s
+    /// (the latency run) or as fast as the window lets it.
+    Cluster {
+        nodes: usize,
+        subs: usize,
         size: usize,
         rate: Option<u64>,
         messages: u64,
@@ -142,6 +156,9 @@ pub struct Scale {
     pub wide_seconds: u64,
     /// Messages of the unthrottled wide fan-out run.
     pub wide_messages: u64,
+    /// Rate and length of the cluster latency run.
+    pub cluster_rate: u64,
+    pub cluster_seconds: u64,
 }
 
 /// Every workload, with message counts derived from `messages` (the 1→3
@@ -155,6 +172,8 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
         wide_rate,
         wide_seconds,
         wide_messages,
+        cluster_rate,
+        cluster_seconds,
     } = *scale;
     let mut out = Vec::new();
     let fan_peers = |redis: bool| {
@@ -279,8 +298,47 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
         },
         variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
     });
+    // Cluster mode (issue 15): 3 replicas over a 3-server NATS cluster
+    // against that NATS cluster used directly.
+    for subs in [3usize, 30] {
+        out.push(Case {
+            id: format!("{CLUSTER_PREFIX}fanout-{subs}"),
+            label: format!("cluster of {CLUSTER_NODES}: fan-out 1→{subs}, 256 B"),
+            spec: Spec::Cluster {
+                nodes: CLUSTER_NODES,
+                subs,
+                size: 256,
+                rate: None,
+                messages: (if subs == 30 { messages / 10 } else { messages }).max(100),
+            },
+            variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+        });
+    }
+    out.push(Case {
+        id: format!("{CLUSTER_PREFIX}latency"),
+        label: format!(
+            "cluster of {CLUSTER_NODES}: latency at {}k msg/s for {cluster_seconds} s, 1→{CLUSTER_NODES}, 256 B",
+            cluster_rate as f64 / 1000.0
+        ),
+        spec: Spec::Cluster {
+            nodes: CLUSTER_NODES,
+            subs: CLUSTER_NODES,
+            size: 256,
+            rate: Some(cluster_rate.max(1)),
+            messages: (cluster_rate * cluster_seconds).max(100),
+        },
+        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+    });
     out
 }
+
+/// Ids of the cluster workloads start with this (`--only cluster`).
+pub const CLUSTER_PREFIX: &str = "cluster-";
+/// Replicas and NATS servers of the cluster workloads.
+pub const CLUSTER_NODES: usize = 3;
+/// Targets of issue 15 on this machine (the gateway's overhead, not scale-out).
+pub const CLUSTER_THROUGHPUT_TARGET: f64 = 0.6;
+pub const CLUSTER_P99_TARGET: f64 = 2.0;
 
 /// Everything one run measured.
 #[derive(Debug, Clone, Default)]
@@ -305,6 +363,8 @@ pub struct RunResult {
     pub stalled_flagged: Option<bool>,
     /// Things worth a line under the table (ended streams, stalls).
     pub remarks: Vec<String>,
+    /// Cluster runs: each process's CPU per published message, in µs.
+    pub cpu_parts: Vec<(String, f64)>,
 }
 
 pub async fn run(case: &Case, variant: Variant, settings: &Settings) -> Result<RunResult> {
@@ -363,6 +423,7 @@ async fn subscribe(
     variant: Variant,
     server: &Server,
     group_member: Option<usize>,
+    sync: &[String],
     rec: Recorder,
     stop: CancellationToken,
 ) -> Result<JoinHandle<Tally>> {
@@ -375,8 +436,8 @@ async fn subscribe(
             };
             tb::subscribe(server, PATTERN, mode, rec, stop).await
         }
-        (Kind::Nats, None) => nats::subscribe(server, PATTERN, None, rec, stop).await,
-        (Kind::Nats, Some(_)) => nats::subscribe(server, PATTERN, Some(nats::QUEUE_GROUP), rec, stop).await,
+        (Kind::Nats, None) => nats::subscribe(server, PATTERN, None, sync, rec, stop).await,
+        (Kind::Nats, Some(_)) => nats::subscribe(server, PATTERN, Some(nats::QUEUE_GROUP), sync, rec, stop).await,
         (Kind::Redis, None) => redis_pubsub::subscribe(server, PATTERN, rec, stop).await,
         (Kind::Redis, Some(_)) => bail!("Redis pub/sub has no consumer groups"),
     }
@@ -396,6 +457,183 @@ async fn open_shared(
         Kind::Redis => bail!("the shared-connection workloads have no Redis variant"),
     }
     .with_context(|| format!("opening the subscribers of connection {c}"))
+}
+
+/// The processes of one messaging run and where its clients connect:
+/// one server, or a cluster (tinybroker replicas over a NATS cluster, or
+/// the NATS cluster itself). Fields drop in order: the replicas before the
+/// NATS servers under them.
+struct Topology {
+    /// NATS cluster peer: what its subscribers sync through.
+    responders: Option<nats::Responders>,
+    /// The servers clients connect to: the one server, or the replicas;
+    /// empty for the NATS cluster peer, whose clients use `nats`.
+    front: Vec<Server>,
+    nats: Option<NatsCluster>,
+}
+
+impl Topology {
+    async fn single(kind: Kind, settings: &Settings, env: &TinybrokerEnv) -> Result<Topology> {
+        Ok(Topology {
+            responders: None,
+            front: vec![Server::start(kind, &settings.bins, env).await?],
+            nats: None,
+        })
+    }
+
+    async fn cluster(kind: Kind, nodes: usize, settings: &Settings, env: &TinybrokerEnv) -> Result<Topology> {
+        let bin = settings
+            .bins
+            .nats_cluster
+            .as_deref()
+            .context("the cluster workloads need a nats-server 2.10 (--nats-cluster-bin)")?;
+        let nats = NatsCluster::start(bin, &settings.bins.log_dir, nodes).await?;
+        match kind {
+            Kind::Tinybroker => Ok(Topology {
+                responders: None,
+                front: cluster::start_replicas(&settings.bins, env, &nats, nodes).await?,
+                nats: Some(nats),
+            }),
+            Kind::Nats => Ok(Topology {
+                responders: Some(nats::Responders::start(&nats.servers).await?),
+                front: Vec::new(),
+                nats: Some(nats),
+            }),
+            Kind::Redis => bail!("the cluster workloads have no Redis variant"),
+        }
+    }
+
+    /// The servers clients connect to.
+    fn entry(&self) -> &[Server] {
+        match (&self.nats, self.front.is_empty()) {
+            (Some(nats), true) => &nats.servers,
+            _ => &self.front,
+        }
+    }
+
+    /// Where the publisher connects: the first server (or replica).
+    fn publisher(&self) -> &Server {
+        &self.entry()[0]
+    }
+
+    /// Where subscriber `i` connects (server i % servers), and for the NATS
+    /// cluster peer the responder subjects of the other servers, which it
+    /// makes a round trip through before the run.
+    fn subscriber(&self, i: usize) -> (&Server, Vec<String>) {
+        let entry = self.entry();
+        let k = i % entry.len();
+        let sync = self
+            .responders
+            .as_ref()
+            .map(|r| {
+                (0..entry.len())
+                    .filter(|&m| m != k)
+                    .map(|m| r.subject(m).to_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        (&entry[k], sync)
+    }
+
+    /// Every process of the system under test, named for the notes (`r0`…
+    /// for replicas, `n0`… for NATS servers of a cluster).
+    fn processes(&self) -> Vec<(String, &Server)> {
+        let cluster = self.nats.is_some();
+        let mut all: Vec<(String, &Server)> = self
+            .front
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (if cluster { format!("r{i}") } else { s.kind.to_string() }, s))
+            .collect();
+        if let Some(nats) = &self.nats {
+            all.extend(nats.servers.iter().enumerate().map(|(i, s)| (format!("n{i}"), s)));
+        }
+        all
+    }
+
+    fn stats(&self) -> Result<Vec<ProcStats>> {
+        self.processes().iter().map(|(_, s)| s.stats()).collect()
+    }
+
+    /// Cluster runs where a subscriber fell short: how far each one got and
+    /// on which server, and what each replica's `/metrics` says (saved beside
+    /// its log), for the diagnosis.
+    async fn shortfall(&self, domains: &[Arc<Domain>]) -> String {
+        let names: Vec<String> = self.processes().into_iter().map(|(n, _)| n).collect();
+        let progress: Vec<String> = domains
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let k = i % self.entry().len();
+                format!(
+                    "subscriber {i} on {}: {} of {}",
+                    names[k],
+                    d.unique(),
+                    d.unique() + d.lost()
+                )
+            })
+            .collect();
+        let mut text = format!("short: {}", progress.join(", "));
+        for (name, server) in self.processes() {
+            let (Kind::Tinybroker, Some(http)) = (server.kind, server.http) else {
+                continue;
+            };
+            match http_get(http, "/metrics").await {
+                Ok((_, metrics)) => {
+                    let _ = std::fs::write(server.log().with_extension("metrics"), &metrics);
+                    let sum = |m: &str| crate::systems::prom_sum(&metrics, m);
+                    let _ = write!(
+                        text,
+                        "; {name}: published {}, delivered {}, queued {}, NATS connected {}, reconnects {}",
+                        sum("tinybroker_messages_published_total"),
+                        sum("tinybroker_messages_delivered_total"),
+                        sum("tinybroker_queued_messages"),
+                        sum("tinybroker_nats_connected"),
+                        sum("tinybroker_nats_reconnects_total"),
+                    );
+                }
+                Err(e) => {
+                    let _ = write!(text, "; {name}: no /metrics ({e:#})");
+                }
+            }
+        }
+        text
+    }
+
+    /// Cluster runs: what the servers counted as lost on the way (NATS
+    /// dropping messages to a slow connection, tinybroker evictions).
+    async fn losses_counted(&self) -> Result<Option<String>> {
+        if self.nats.is_none() {
+            return Ok(None);
+        }
+        let mut parts = Vec::new();
+        for (name, server) in self.processes() {
+            match server.kind {
+                Kind::Tinybroker => {
+                    let http = server.http.context("a replica without a metrics address")?;
+                    let (_, text) = http_get(http, "/metrics").await?;
+                    let slow = prom_with_label(
+                        &text,
+                        "tinybroker_messages_dropped_total",
+                        "reason=\"nats_slow_consumer\"",
+                    );
+                    let evicted = crate::systems::prom_sum(&text, "tinybroker_evictions_total");
+                    if slow > 0.0 || evicted > 0.0 {
+                        parts.push(format!(
+                            "{name}: {slow} dropped by NATS as a slow consumer, {evicted} evictions"
+                        ));
+                    }
+                }
+                _ => {
+                    let slow = nats::varz_number(server, "slow_consumers").await?;
+                    if slow > 0 {
+                        parts.push(format!("{name}: {slow} slow consumers"));
+                    }
+                }
+            }
+        }
+        Ok((!parts.is_empty()).then(|| parts.join("; ")))
+    }
 }
 
 async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Result<RunResult> {
@@ -427,9 +665,21 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
             rate,
             messages,
         } => (subs, per_conn.max(1), size, messages, rate, false, false),
+        Spec::Cluster {
+            subs,
+            size,
+            rate,
+            messages,
+            ..
+        } => (subs, 1, size, messages, rate, false, false),
         Spec::Idle { .. } => unreachable!("idle runs are not messaging runs"),
     };
-    let server = Server::start(kind, &settings.bins, &tinybroker_env(settings, live + 1, true)).await?;
+    let env = tinybroker_env(settings, live + 1, true);
+    let topology = match spec {
+        Spec::Cluster { nodes, .. } => Topology::cluster(kind, nodes, settings, &env).await?,
+        _ => Topology::single(kind, settings, &env).await?,
+    };
+    let server = topology.publisher();
     let signal = Arc::new(Signal::default());
     let stop = CancellationToken::new();
     // Cancel the receivers however this function ends.
@@ -449,7 +699,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         let mut connections = Vec::new();
         for (c, share) in domains.chunks(per_conn).enumerate() {
             let share: Vec<Recorder> = share.iter().map(|d| Recorder::new(d.clone())).collect();
-            connections.push(open_shared(kind, &server, c, share, stop.clone()));
+            connections.push(open_shared(kind, server, c, share, stop.clone()));
         }
         let opened = within(
             Duration::from_secs(120),
@@ -463,8 +713,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
             let domain = if group { &domains[0] } else { &domains[i] };
             let member = group.then_some(i);
             let rec = Recorder::new(domain.clone());
+            let (at, sync) = topology.subscriber(i);
             receivers.push(
-                subscribe(variant, &server, member, rec, stop.clone())
+                subscribe(variant, at, member, &sync, rec, stop.clone())
                     .await
                     .with_context(|| format!("opening subscriber {i}"))?,
             );
@@ -472,18 +723,18 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     }
     let _stalled = if stalled {
         Some(match kind {
-            Kind::Tinybroker => tb::stalled(&server, PATTERN).await?,
-            Kind::Nats => nats::stalled(&server, PATTERN).await?,
+            Kind::Tinybroker => tb::stalled(server, PATTERN).await?,
+            Kind::Nats => nats::stalled(server, PATTERN).await?,
             Kind::Redis => bail!("the stalled workload has no Redis variant"),
         })
     } else {
         None
     };
-    let mut publisher = Publisher::new(kind, &server).await?;
+    let mut publisher = Publisher::new(kind, server).await?;
     let mut flow = Flow::new(domains.clone(), settings.window, signal.clone());
     let mut remarks = Vec::new();
 
-    let before = server.stats()?;
+    let before = topology.stats()?;
     let watch = rate.is_some().then(StallWatch::start);
     let t0 = Instant::now();
     let mut sent = 0u64;
@@ -527,7 +778,10 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let after = server.stats()?;
+    let after = topology.stats()?;
+    if topology.nats.is_some() && domains.iter().any(|d| !d.complete()) {
+        remarks.push(topology.shortfall(&domains).await);
+    }
     if let Some(stalls) = watch.and_then(StallWatch::finish) {
         let (nap, threshold) = (StallWatch::NAP.as_micros(), StallWatch::THRESHOLD.as_millis());
         remarks.push(if stalls.count == 0 {
@@ -550,7 +804,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
 
     // Was the stalled subscriber dealt with?
     let stalled_flagged = if stalled {
-        Some(stalled_flagged(&server).await?)
+        Some(stalled_flagged(server).await?)
     } else {
         None
     };
@@ -570,11 +824,49 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     let received: u64 = tallies.iter().map(|t| t.received).sum();
     let split = (group && received > 0).then(|| tallies.iter().map(|t| t.received as f64 / received as f64).collect());
 
+    // Cluster runs: what the servers say they dropped on the way.
+    let counted = topology.losses_counted().await?;
+    if let Some(c) = &counted {
+        remarks.push(format!("counted by the servers: {c}"));
+    }
+    let processes = topology.processes();
+    if topology.nats.is_some() {
+        let names: Vec<&str> = processes.iter().map(|(n, _)| n.as_str()).collect();
+        remarks.push(format!(
+            "CPU and peak RSS are the sums over {} ({})",
+            names.join(", "),
+            if kind == Kind::Tinybroker {
+                "the replicas and the NATS servers under them"
+            } else {
+                "the NATS servers"
+            }
+        ));
+    }
+    // Per process only when the run used enough CPU for 10 ms ticks to say
+    // something per process (a second in all).
+    let cpu_total: f64 = before.iter().zip(&after).map(|(b, a)| a.cpu_seconds_since(b)).sum();
+    let cpu_parts = if topology.nats.is_some() && sent > 0 && cpu_total >= 1.0 {
+        processes
+            .iter()
+            .zip(before.iter().zip(&after))
+            .map(|((name, _), (b, a))| (name.clone(), a.cpu_seconds_since(b) / sent as f64 * 1e6))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let (before, after) = match (ProcStats::sum(&before), ProcStats::sum(&after)) {
+        (Some(b), Some(a)) => (b, a),
+        _ => bail!("no server process to read"),
+    };
+
     // What the contract (docs/contract.md, Delivery) says must arrive.
     let violation = if kind != Kind::Tinybroker {
         None
     } else if lost > 0 {
-        Some(format!("{lost} messages lost"))
+        Some(match &counted {
+            Some(c) => format!("{lost} messages lost ({c})"),
+            None => format!("{lost} messages lost"),
+        })
     } else if group && !variant.manual_ack && dup > 0 {
         Some(format!("{dup} duplicates in AUTO ack (exactly once expected)"))
     } else if !group && dup > 0 {
@@ -600,6 +892,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         split,
         stalled_flagged,
         remarks,
+        cpu_parts,
     })
 }
 
@@ -738,6 +1031,8 @@ mod tests {
             wide_rate: 200,
             wide_seconds: 2,
             wide_messages: 500,
+            cluster_rate: 5000,
+            cluster_seconds: 1,
         };
         let cases = cases(&scale, false);
         let find = |id: &str| cases.iter().find(|c| c.id == id).map(|c| c.spec);
@@ -774,5 +1069,35 @@ mod tests {
             .map(|c| c.id.as_str())
             .collect();
         assert_eq!(wide, ["wide-paced", "wide-max"]);
+        // `--only cluster` picks the three cluster runs and nothing else.
+        let clustered: Vec<&Case> = cases
+            .iter()
+            .filter(|c| c.id.contains("cluster") || c.label.contains("cluster"))
+            .collect();
+        let ids: Vec<&str> = clustered.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["cluster-fanout-3", "cluster-fanout-30", "cluster-latency"]);
+        assert!(
+            clustered
+                .iter()
+                .all(|c| matches!(c.spec, Spec::Cluster { nodes: 3, .. }))
+        );
+        assert!(matches!(
+            clustered[1].spec,
+            Spec::Cluster {
+                subs: 30,
+                rate: None,
+                messages: 300,
+                ..
+            }
+        ));
+        assert!(matches!(
+            clustered[2].spec,
+            Spec::Cluster {
+                subs: 3,
+                rate: Some(5000),
+                messages: 5000,
+                ..
+            }
+        ));
     }
 }
