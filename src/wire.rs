@@ -21,6 +21,12 @@ use std::sync::Arc;
 
 /// Field number of `Message.delivery_attempt` in `broker.proto`.
 const DELIVERY_ATTEMPT_FIELD: u32 = 8;
+/// Keys (field number and wire type, one byte each) of `Message.publish_time`
+/// (field 5, length-delimited) and of its `google.protobuf.Timestamp`'s
+/// `seconds` (field 1, varint) and `nanos` (field 2, varint).
+const PUBLISH_TIME_KEY: u8 = (5 << 3) | 2;
+const SECONDS_KEY: u8 = 1 << 3;
+const NANOS_KEY: u8 = 2 << 3;
 
 /// One delivery on the wire, byte for byte a `tinybroker.v1.Message`. The
 /// server only sends it: the generated server code refers to it in place of
@@ -36,6 +42,10 @@ pub struct EncodedMessage {
 }
 
 impl EncodedMessage {
+    /// `#[inline]`: built once per delivery by the subscription stream;
+    /// without it this was a call of its own that returned the struct
+    /// through memory (BENCHMARKS.md, "Refactor to an engine seam").
+    #[inline]
     pub fn new(message: Arc<Published>, subscriber: &SubscriberFields, delivery_attempt: u32) -> Self {
         Self {
             publish_time: prost_types::Timestamp::from(message.publish_time),
@@ -46,8 +56,9 @@ impl EncodedMessage {
     }
 
     /// Encoded length of fields 1 to 5.
+    #[inline]
     fn published_len(&self) -> usize {
-        use prost::encoding::{bytes, hash_map, message as nested, string, uint64};
+        use prost::encoding::{bytes, encoded_len_varint, hash_map, string, uint64};
         let Some(m) = &self.message else { return 0 };
         let headers = if m.headers.is_empty() {
             0
@@ -69,8 +80,27 @@ impl EncodedMessage {
         } else {
             0
         };
-        topic + payload + headers + sequence + nested::encoded_len(5, &self.publish_time)
+        let publish_time = timestamp_len(&self.publish_time);
+        topic + payload + headers + sequence + 1 + encoded_len_varint(publish_time as u64) + publish_time
     }
+}
+
+/// Encoded length of a Timestamp's fields (`seconds`, `nanos`; 0 is not
+/// written), as `prost_types::Timestamp::encoded_len` gives it.
+#[inline]
+fn timestamp_len(t: &prost_types::Timestamp) -> usize {
+    use prost::encoding::encoded_len_varint;
+    let seconds = if t.seconds != 0 {
+        1 + encoded_len_varint(t.seconds as u64)
+    } else {
+        0
+    };
+    let nanos = if t.nanos != 0 {
+        1 + encoded_len_varint(t.nanos as u64)
+    } else {
+        0
+    };
+    seconds + nanos
 }
 
 /// The encoded fields of a delivery that depend only on the subscription.
@@ -91,8 +121,13 @@ impl SubscriberFields {
 impl prost::Message for EncodedMessage {
     /// Fields 1 to 5 as prost encodes them (the same order, the same
     /// defaults skipped), then the subscription's fields and the attempt.
+    /// This and `encoded_len` are `#[inline]`: both run once per delivery in
+    /// tonic's encoder (`encode_item`), which may be compiled in another
+    /// codegen unit, and without it `encoded_len` was a call of its own
+    /// there (BENCHMARKS.md, "Refactor to an engine seam").
+    #[inline]
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        use prost::encoding::{bytes, hash_map, message as nested, string, uint64};
+        use prost::encoding::{bytes, encode_varint, hash_map, string, uint64};
         if let Some(m) = &self.message {
             if !m.topic.is_empty() {
                 string::encode(1, &m.topic, buf);
@@ -116,7 +151,22 @@ impl prost::Message for EncodedMessage {
             if m.sequence != 0 {
                 uint64::encode(4, &m.sequence, buf);
             }
-            nested::encode(5, &self.publish_time, buf);
+            // What prost's nested-message encoder writes for a Timestamp
+            // (key, length, the fields that are not 0), by hand: through it,
+            // the length is computed twice and the Timestamp's own encoder
+            // is one more call per delivery.
+            let t = &self.publish_time;
+            buf.put_u8(PUBLISH_TIME_KEY);
+            encode_varint(timestamp_len(t) as u64, buf);
+            if t.seconds != 0 {
+                buf.put_u8(SECONDS_KEY);
+                encode_varint(t.seconds as u64, buf);
+            }
+            if t.nanos != 0 {
+                buf.put_u8(NANOS_KEY);
+                // An int32 is sign-extended, as prost does.
+                encode_varint(t.nanos as u64, buf);
+            }
         }
         buf.put_slice(&self.subscriber);
         if self.delivery_attempt != 0 {
@@ -124,6 +174,7 @@ impl prost::Message for EncodedMessage {
         }
     }
 
+    #[inline]
     fn encoded_len(&self) -> usize {
         let attempt = if self.delivery_attempt != 0 {
             prost::encoding::uint32::encoded_len(DELIVERY_ATTEMPT_FIELD, &self.delivery_attempt)
@@ -187,7 +238,16 @@ mod tests {
         bare.publish_time = SystemTime::UNIX_EPOCH - Duration::from_millis(1500);
         let mut big = Published::for_test("metrics.cpu.host-1", u64::MAX);
         big.payload = Bytes::from(vec![7u8; 70_000]);
-        for published in [full, bare, big] {
+        // publish_time's seconds and nanos each 0 or not, before and after 1970.
+        let mut epoch = Published::for_test("t", 1);
+        epoch.publish_time = SystemTime::UNIX_EPOCH;
+        let mut whole = Published::for_test("t", 2);
+        whole.publish_time = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let mut before_whole = Published::for_test("t", 3);
+        before_whole.publish_time = SystemTime::UNIX_EPOCH - Duration::from_secs(3);
+        let mut nanos_only = Published::for_test("t", 4);
+        nanos_only.publish_time = SystemTime::UNIX_EPOCH + Duration::from_nanos(999_999_999);
+        for published in [full, bare, big, epoch, whole, before_whole, nanos_only] {
             let published = Arc::new(published);
             for (id, group, attempt) in [("sub-1", "workers", 3), ("s", "", 1), ("", "", 0)] {
                 let encoded = EncodedMessage::new(published.clone(), &SubscriberFields::new(id, group), attempt);
