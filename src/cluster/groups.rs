@@ -45,6 +45,9 @@ use tokio::time::Instant;
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// How often held messages are checked against their ack deadlines.
 const DEADLINE_TICK: Duration = Duration::from_millis(100);
+/// How long a replica shutting down waits for its last pulls to be
+/// answered before it hands back what its members hold.
+const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
 const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
@@ -58,6 +61,11 @@ pub(super) struct Groups {
     table: Mutex<HashMap<String, Vec<String>>>,
     /// Groups with members on this replica.
     hubs: Mutex<HashMap<String, Arc<Hub>>>,
+    /// Cancelled when this replica begins to shut down: its hubs stop
+    /// pulling (the group's backlog stays in JetStream for the members
+    /// elsewhere), and what they still hold is handed back before it exits
+    /// ([`ClusterEngine::hand_back_groups`]).
+    closing: tokio_util::sync::CancellationToken,
 }
 
 /// Where a publish matching a group goes.
@@ -342,6 +350,7 @@ impl ClusterEngine {
             state: Mutex::new(HubState::default()),
             room: tokio::sync::Notify::new(),
             stop: tokio_util::sync::CancellationToken::new(),
+            pulled: tokio_util::sync::CancellationToken::new(),
             ack_wait,
             redeliveries: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
@@ -411,6 +420,48 @@ impl ClusterEngine {
         groups
     }
 
+    /// Shutdown begins: no hub pulls from its group any more.
+    pub(super) fn stop_pulling(&self) {
+        self.inner.groups.closing.cancel();
+    }
+
+    /// At shutdown, once the grace period is over: every group message this
+    /// replica still holds (handed to a member and not acked, or pulled and
+    /// not handed out yet) goes back to its group at once, so that members
+    /// on other replicas get it now rather than after the consumer's
+    /// `ack_wait`. The pulls still open are waited for first (what they
+    /// bring is handed back as it comes). The caller flushes the
+    /// connection.
+    pub(super) async fn hand_back_groups(&self) {
+        self.stop_pulling();
+        let hubs: Vec<Arc<Hub>> = self.inner.groups.hubs.lock().values().cloned().collect();
+        let deadline = Instant::now() + HAND_BACK_WAIT;
+        for hub in &hubs {
+            let _ = tokio::time::timeout_at(deadline, hub.pulled.cancelled()).await;
+        }
+        let mut messages = Vec::new();
+        for hub in &hubs {
+            let mut state = hub.state.lock();
+            let held: Vec<Held> = state.held.drain().map(|(_, h)| h).collect();
+            hub.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
+            messages.extend(held.into_iter().map(|h| h.message));
+            messages.extend(state.waiting.drain(..).map(|w| w.message));
+            for member in &mut state.members {
+                member.holds = 0;
+            }
+        }
+        let count = messages.len();
+        for message in messages {
+            let _ = message.ack_with(AckKind::Nak(None)).await;
+        }
+        if count > 0 {
+            tracing::info!(
+                handed_back = count,
+                "shutdown: unacked consumer-group messages handed back to their groups"
+            );
+        }
+    }
+
     /// Publishes a message that used its last attempt to `_dlq.<group>`.
     async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32) {
         let Ok(m) = pb::Message::decode(message.payload.clone()) else {
@@ -472,6 +523,8 @@ pub(super) struct Hub {
     /// or progressed for this long (a replica that died).
     ack_wait: Duration,
     stop: tokio_util::sync::CancellationToken,
+    /// Cancelled when the pull loop has ended (no pull of it is open).
+    pulled: tokio_util::sync::CancellationToken,
     redeliveries: AtomicU64,
     dead_lettered: AtomicU64,
     acked: AtomicU64,
@@ -604,8 +657,10 @@ impl Hub {
     /// Pulls as many messages as the members have room for, and hands them
     /// out.
     async fn pull(self: Arc<Self>) {
+        let _pulled = self.pulled.clone().drop_guard();
+        let closing = self.engine.inner.groups.closing.clone();
         loop {
-            if self.stop.is_cancelled() {
+            if self.stop.is_cancelled() || closing.is_cancelled() {
                 return;
             }
             let room = self.state.lock().room();
@@ -613,6 +668,7 @@ impl Hub {
                 tokio::select! {
                     _ = self.room.notified() => continue,
                     _ = self.stop.cancelled() => return,
+                    _ = closing.cancelled() => return,
                 }
             }
             let batch = self
@@ -626,7 +682,7 @@ impl Hub {
                 Ok(mut batch) => {
                     while let Some(message) = batch.next().await {
                         match message {
-                            Ok(message) if self.stop.is_cancelled() => {
+                            Ok(message) if self.stop.is_cancelled() || closing.is_cancelled() => {
                                 let _ = message.ack_with(AckKind::Nak(None)).await;
                             }
                             Ok(message) => self.hand_out(message),

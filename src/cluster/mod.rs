@@ -600,6 +600,7 @@ impl Engine for ClusterEngine {
 
     fn begin_shutdown(&self) {
         self.inner.local.begin_shutdown();
+        self.stop_pulling();
     }
 
     fn drainable(&self) -> usize {
@@ -612,6 +613,11 @@ impl Engine for ClusterEngine {
 
     async fn maintain(self, stop: impl Future<Output = ()> + Send + 'static) {
         self.inner.local.clone().maintain(stop).await;
+        // The grace period is over: what members here still hold goes back
+        // to their groups now, before the process exits (a nak left to a
+        // member's stream closing, later, could be lost with the process,
+        // and the message would wait for the consumer's ack_wait).
+        self.hand_back_groups().await;
         // Leave the cluster: this replica's ids are released as its streams
         // end; say it is gone, and flush what is unsent.
         // Bounded: with NATS unreachable, shutdown must not wait for it.
