@@ -41,7 +41,11 @@ fn urls_from(nats: &NatsCluster, first: usize) -> Vec<String> {
 }
 
 async fn serving_status(broker: &TestBroker) -> Option<ServingStatus> {
-    let channel = tonic::transport::Endpoint::from_shared(broker.url())
+    serving_status_at(&broker.url()).await
+}
+
+async fn serving_status_at(url: &str) -> Option<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
         .ok()?
         .connect()
         .await
@@ -1226,6 +1230,215 @@ async fn sigkill_of_the_group_streams_nats_leader_loses_no_acknowledged_publish(
             "every replica's member gets work again: {got:?}"
         );
         drop(ledger);
+        stop_members.cancel();
+        for m in members {
+            let _ = m.await;
+        }
+    })
+    .await;
+}
+
+/// A replica process (`tinybroker serve`, as a pod runs it) named `id`,
+/// connected to server `first` of `nats` first, with a 2 s shutdown grace.
+async fn spawn_replica(nats: &NatsCluster, first: usize, id: &str, prefix: &str) -> common::process::BrokerProcess {
+    let env = vec![
+        ("TINYBROKER_NATS_URL", urls_from(nats, first).join(",")),
+        ("TINYBROKER_NATS_PREFIX", prefix.to_owned()),
+        ("TINYBROKER_REPLICA_ID", id.to_owned()),
+        ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "2".to_owned()),
+    ];
+    let replica = tokio::task::spawn_blocking(move || common::process::BrokerProcess::spawn(&env))
+        .await
+        .unwrap();
+    wait_until("the replica process to be SERVING", || async {
+        serving_status_at(&replica.url()).await == Some(ServingStatus::Serving)
+    })
+    .await;
+    replica
+}
+
+/// A rolling restart of three replica processes (each replaced by a new
+/// one with a new id, then SIGTERMed: a graceful shutdown) under a steady
+/// publisher and a MANUAL group whose three members join again through
+/// the Service front whenever their stream ends, plus a broadcast
+/// subscriber. No group message published OK is lost: with an ack
+/// deadline (and so `ack_wait`) of 60 s, a message a stopping replica
+/// does not hand back would come back only after the test's deadline. A
+/// failed Publish says UNAVAILABLE, and the subscriber is back on a live
+/// replica after each round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_under_a_publisher_loses_no_manual_group_message() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let prefix = "rollgrp";
+        let mut live: Vec<(String, common::process::BrokerProcess)> = Vec::new();
+        for i in 0..3 {
+            let id = format!("r{i}");
+            live.push((id.clone(), spawn_replica(&nats, i, &id, prefix).await));
+        }
+        let addr_of = |p: &common::process::BrokerProcess| -> std::net::SocketAddr { p.grpc_addr.parse().unwrap() };
+        let backends = std::sync::Arc::new(parking_lot::Mutex::new(
+            live.iter().map(|(_, p)| addr_of(p)).collect::<Vec<_>>(),
+        ));
+        let front = format!("http://{}", service(backends.clone()).await);
+
+        let ledger = ledger(3);
+        let stop_members = tokio_util::sync::CancellationToken::new();
+        let mut request = member_request(&["orders.*"], "fulfil", true, 8);
+        request.ack_deadline_ms = 60_000;
+        let members: Vec<_> = (0..3)
+            .map(|i| {
+                spawn_manual_member(
+                    front.clone(),
+                    request.clone(),
+                    i,
+                    Duration::from_millis(150),
+                    ledger.clone(),
+                    stop_members.clone(),
+                )
+            })
+            .collect();
+        let group_members = |url: String| async move {
+            let mut admin = pb::admin_client::AdminClient::new(try_channel(&url).await?);
+            let groups = admin
+                .list_consumer_groups(pb::ListConsumerGroupsRequest {})
+                .await
+                .ok()?
+                .into_inner()
+                .groups;
+            groups.into_iter().find(|g| g.name == "fulfil").map(|g| g.members)
+        };
+        wait_until("three members in the group", || {
+            let members = group_members(live[0].1.url());
+            async move { members.await == Some(3) }
+        })
+        .await;
+
+        let client = tinybroker::client::Client::connect(&front).await.unwrap();
+        let mut subscriber = client.subscriber(subscribe_request(&["config.>"]), true);
+        let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        subscriber.on_event(move |e| {
+            let _ = events_tx.send(format!("{e}"));
+        });
+        subscriber.open().await.unwrap();
+
+        let log = std::sync::Arc::new(parking_lot::Mutex::new(PublishLog::default()));
+        let stop_publishing = tokio_util::sync::CancellationToken::new();
+        let publisher = spawn_publisher(
+            front.clone(),
+            "orders.new",
+            "order".into(),
+            Duration::from_millis(20),
+            log.clone(),
+            stop_publishing.clone(),
+        );
+        let ok_count = || log.lock().ok.len();
+        wait_until("the publisher to get 30 through", || async { ok_count() >= 30 }).await;
+        // What each stopping replica said it handed back, from its log.
+        let mut handed_back = Vec::new();
+        for round in 3..6 {
+            let (_, mut leaving) = live.remove(0);
+            let id = format!("r{round}");
+            let fresh = spawn_replica(&nats, round % 3, &id, prefix).await;
+            backends.lock().push(addr_of(&fresh));
+            live.push((id, fresh));
+            backends.lock().retain(|a| *a != addr_of(&leaving));
+            let before = ok_count();
+            leaving.guard.signal("TERM");
+            let status = common::process::exit_status(&mut leaving.guard, Duration::from_secs(20)).await;
+            assert!(
+                status.success(),
+                "round {round}: the replica stopped cleanly: {status:?}"
+            );
+            handed_back.push(
+                leaving
+                    .drain_lines()
+                    .iter()
+                    .find(|l| l.contains("handed back"))
+                    .map(|l| common::process::field(l, "handed_back"))
+                    .unwrap_or_else(|| "0".into()),
+            );
+            // The broadcast subscriber is back on a live replica: it gets
+            // a marker of this round.
+            let mut marker_publisher =
+                pb::broker_client::BrokerClient::new(try_channel(&live[0].1.url()).await.expect("a live replica"));
+            let marker = format!("round-{round}");
+            loop {
+                marker_publisher
+                    .publish(publish_request("config.flags", &marker))
+                    .await
+                    .unwrap();
+                match tokio::time::timeout(Duration::from_millis(300), subscriber.next()).await {
+                    Ok(Ok(Some(m))) if m.payload == marker.as_bytes() => break,
+                    Ok(Ok(Some(_))) | Err(_) => continue,
+                    Ok(other) => panic!("{marker}: the subscriber gave up: {other:?}"),
+                }
+            }
+            let ids: Vec<String> = live.iter().map(|(id, _)| id.clone()).collect();
+            wait_until("the members and the subscriber on live replicas", || {
+                let (url, ids) = (live[0].1.url(), ids.clone());
+                async move {
+                    let listing = common::subscriptions(&url).await;
+                    let members = listing.iter().filter(|s| s.consumer_group == "fulfil").count();
+                    let broadcast = listing.iter().filter(|s| s.consumer_group.is_empty()).count();
+                    (members, broadcast) == (3, 1) && listing.iter().all(|s| ids.contains(&s.replica_id))
+                }
+            })
+            .await;
+            wait_until("the publisher to get 20 more through", || async {
+                ok_count() >= before + 20
+            })
+            .await;
+        }
+        stop_publishing.cancel();
+        publisher.await.unwrap();
+        let published = log.lock().ok.clone();
+        let missing = wait_all_acked(&ledger, &published, Duration::from_secs(15)).await;
+        let log = log.lock();
+        let ledger = ledger.lock();
+        let (deliveries, delivered_twice, acked_twice, redeliveries) = ledger_counts(&ledger);
+        eprintln!(
+            "rollgrp: published OK {}, failed {} ({:?}), hung {}, slowest publish {:?}; member joins {:?}; \
+             handed back at each shutdown {handed_back:?}; \
+             deliveries {deliveries}, acked {} distinct, delivered more than once {delivered_twice}, \
+             acked more than once {acked_twice}, redeliveries {redeliveries}, acks that settled nothing {}; missing {}",
+            log.ok.len(),
+            log.failed.len(),
+            log.failed
+                .iter()
+                .map(|(c, m, _)| format!("{c:?}: {m}"))
+                .collect::<std::collections::BTreeSet<_>>(),
+            log.hung,
+            log.slowest,
+            ledger.joins,
+            ledger.acked.len(),
+            ledger.unsettled_acks,
+            missing.len(),
+        );
+        assert!(
+            missing.is_empty(),
+            "{} messages published OK were never acked: {:?}",
+            missing.len(),
+            missing
+                .iter()
+                .take(10)
+                .map(|(s, p)| (s, p, history(&ledger, *s)))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(log.hung, 0, "no Publish may hang over a rolling restart");
+        assert!(
+            log.failed.iter().all(|(code, _, _)| *code == Code::Unavailable),
+            "a failed Publish says UNAVAILABLE: {:?}",
+            log.failed
+        );
+        drop((log, ledger));
+        let mut seen = Vec::new();
+        while let Ok(e) = events.try_recv() {
+            seen.push(e);
+        }
+        assert!(seen.iter().any(|e| e.contains("shutting down")), "{seen:#?}");
         stop_members.cancel();
         for m in members {
             let _ = m.await;
