@@ -19,6 +19,11 @@
 //!   that dies leaves its messages to the consumer's `ack_wait`.
 //! - A message whose attempt fails after `max_delivery_attempts` is
 //!   published to `_dlq.<group>` by the replica holding it, then acked.
+//! - A group without members on any live replica for its idle TTL is
+//!   removed cluster-wide ([`ClusterEngine::expire_idle_groups`], from each
+//!   replica's heartbeat): table entry, stream and consumer.
+//! - A replica shutting down stops pulling, and hands back what its members
+//!   still hold before it exits ([`ClusterEngine::hand_back_groups`]).
 
 use super::registry::key;
 use super::{ClusterEngine, ClusterStream, Ready};
@@ -48,6 +53,14 @@ const DEADLINE_TICK: Duration = Duration::from_millis(100);
 /// How long a replica shutting down waits for its last pulls to be
 /// answered before it hands back what its members hold.
 const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
+/// How long a group must be seen without members, at two checks at
+/// least, before it is removed, however short its idle TTL: a join that
+/// wrote the table just before the first check shows its member by the
+/// second.
+const IDLE_SEEN_FOR: Duration = Duration::from_secs(1);
+/// How often a hub whose pulls fail makes sure its stream and consumer
+/// exist.
+const HEAL_EVERY: Duration = Duration::from_secs(2);
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
 const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
@@ -66,6 +79,14 @@ pub(super) struct Groups {
     /// elsewhere), and what they still hold is handed back before it exits
     /// ([`ClusterEngine::hand_back_groups`]).
     closing: tokio_util::sync::CancellationToken,
+    /// Groups seen without members on any replica: since when, at which
+    /// revision of their table entry (a join writes it again).
+    idle: Mutex<HashMap<String, Idle>>,
+}
+
+struct Idle {
+    revision: u64,
+    since: Instant,
 }
 
 /// Where a publish matching a group goes.
@@ -171,14 +192,15 @@ impl ClusterEngine {
     }
 
     /// Stores `body` in a group's stream, with an ack; retried over a
-    /// leader election. `id` makes retries idempotent.
+    /// leader election. `id` makes retries idempotent. False when the group
+    /// was removed meanwhile (its idle TTL): the message matched no group.
     pub(super) async fn publish_to_group(
         &self,
         ready: &Ready,
         route: &GroupRoute,
         body: Bytes,
         id: String,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<bool, BrokerError> {
         let started = Instant::now();
         loop {
             let message = jetstream::message::PublishMessage::build()
@@ -189,7 +211,8 @@ impl ClusterEngine {
                 Err(e) => Err(e.to_string()),
             };
             match result {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(true),
+                Err(_) if !self.inner.groups.table.lock().contains_key(&route.name) => return Ok(false),
                 Err(error) if started.elapsed() < PUBLISH_RETRY_FOR => {
                     tracing::debug!(group = %route.name, %error, "publish to a group's stream retried");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -232,7 +255,7 @@ impl ClusterEngine {
             validate::name_field("subscription_id", &request.subscription_id)?;
         }
         let id = request.subscription_id.clone();
-        let hub = self.hub(ready, &name, ack_deadline).await?;
+        let hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
         self.claim(ready, &id).await?;
         let release = super::Release {
             store: ready.subscriptions.clone(),
@@ -260,7 +283,10 @@ impl ClusterEngine {
     }
 
     /// The group's patterns are the first member's: writes them, or checks
-    /// them against what is written.
+    /// them against what is written. A join also writes the entry again
+    /// (same value, a new revision), so that a replica about to remove the
+    /// group as idle (a delete expecting the revision it saw while the group
+    /// had no members) leaves it be.
     async fn fix_patterns(&self, ready: &Ready, name: &str, patterns: &[String]) -> Result<(), BrokerError> {
         let unavailable = |e: &dyn std::fmt::Display| {
             BrokerError::Unavailable(format!("the consumer-group table (NATS) did not answer: {e}"))
@@ -269,41 +295,167 @@ impl ClusterEngine {
             patterns: patterns.to_vec(),
         })
         .map_err(|e| unavailable(&e))?;
-        match ready.groups.create(key(name), entry.into()).await {
-            Ok(_) => {
-                self.route_group(name, patterns.to_vec());
+        let mut lost_race = None;
+        for _ in 0..5 {
+            match ready.groups.create(key(name), entry.clone().into()).await {
+                Ok(_) => {
+                    self.route_group(name, patterns.to_vec());
+                    return Ok(());
+                }
+                Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
+                Err(e) => return Err(unavailable(&e)),
+            }
+            let existing = ready.groups.entry(key(name)).await.map_err(|e| unavailable(&e))?;
+            // Removed meanwhile: create it again.
+            let Some(existing) = existing.filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put) else {
+                continue;
+            };
+            let existing_patterns: Vec<String> = serde_json::from_slice::<TableEntry>(&existing.value)
+                .map(|e| e.patterns)
+                .unwrap_or_default();
+            if existing_patterns != patterns {
+                let shown = |p: &[String]| {
+                    let parsed: Vec<TopicPattern> = p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect();
+                    validate::pattern_list(&parsed)
+                };
+                return Err(BrokerError::FailedPrecondition(format!(
+                    "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                    truncate(name),
+                    shown(&existing_patterns),
+                    shown(patterns)
+                )));
+            }
+            // Written again since this join's last try: by another join,
+            // which is as good.
+            if lost_race.is_some_and(|r| r != existing.revision)
+                || ready
+                    .groups
+                    .update(key(name), existing.value.clone(), existing.revision)
+                    .await
+                    .is_ok()
+            {
+                self.route_group(name, existing_patterns);
                 return Ok(());
             }
-            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
-            Err(e) => return Err(unavailable(&e)),
+            lost_race = Some(existing.revision);
         }
-        let existing = ready.groups.get(key(name)).await.map_err(|e| unavailable(&e))?;
-        let existing: Vec<String> = existing
-            .and_then(|v| serde_json::from_slice::<TableEntry>(&v).ok())
-            .map(|e| e.patterns)
-            .unwrap_or_default();
-        if existing != patterns {
-            let shown = |p: &[String]| {
-                let parsed: Vec<TopicPattern> = p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect();
-                validate::pattern_list(&parsed)
+        Err(BrokerError::Unavailable(format!(
+            "consumer group {:?}: its table entry kept changing under this join; try again",
+            truncate(name)
+        )))
+    }
+
+    /// Removes, cluster-wide, every group that every live replica reports
+    /// without members (`complete`) for its idle TTL: its table entry (a
+    /// delete expecting the revision seen when it was first found idle, so
+    /// that a join since then keeps it), then its stream and consumer, with
+    /// their backlog (dropped, counted here as `group_expired`). Run by
+    /// every replica at each heartbeat; the first whose delete succeeds
+    /// removes the stream.
+    pub(super) async fn expire_idle_groups(&self, ready: &Ready, groups: &[GroupInfo], complete: bool) {
+        let ttl = self.inner.local.limits().group_idle_ttl.max(IDLE_SEEN_FOR);
+        let memberless: Vec<&GroupInfo> = groups.iter().filter(|g| complete && g.members == 0).collect();
+        self.inner
+            .groups
+            .idle
+            .lock()
+            .retain(|name, _| memberless.iter().any(|g| g.name == *name));
+        for group in memberless {
+            let Ok(Some(entry)) = ready.groups.entry(key(&group.name)).await else {
+                continue;
             };
-            return Err(BrokerError::FailedPrecondition(format!(
-                "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
-                truncate(name),
-                shown(&existing),
-                shown(patterns)
-            )));
+            if entry.operation != async_nats::jetstream::kv::Operation::Put {
+                continue;
+            }
+            let now = Instant::now();
+            let seen_since = {
+                let mut idle = self.inner.groups.idle.lock();
+                let seen = idle.entry(group.name.clone()).or_insert(Idle {
+                    revision: entry.revision,
+                    since: now,
+                });
+                if seen.revision != entry.revision {
+                    *seen = Idle {
+                        revision: entry.revision,
+                        since: now,
+                    };
+                }
+                seen.since
+            };
+            if now.duration_since(seen_since) < ttl {
+                continue;
+            }
+            self.inner.groups.idle.lock().remove(&group.name);
+            if ready
+                .groups
+                .delete_expect_revision(key(&group.name), Some(entry.revision))
+                .await
+                .is_err()
+            {
+                // A member joined, or another replica removed it first.
+                continue;
+            }
+            self.unroute_group(&group.name);
+            // What it held: every message of the work-queue stream, the
+            // backlog and what waits for a dead replica's ack_wait alike.
+            let stream = stream_name(&self.inner.config.prefix, &group.name);
+            let left = match ready.js.get_stream(&stream).await {
+                Ok(s) => s.cached_info().state.messages as usize,
+                Err(_) => group.backlog,
+            };
+            if let Err(error) = ready.js.delete_stream(&stream).await {
+                tracing::warn!(consumer_group = %group.name, %stream, %error, "the idle group's stream was not deleted");
+            }
+            self.inner.local.count_group_removal(&group.name, left);
         }
-        self.route_group(name, existing);
-        Ok(())
     }
 
     /// The group's hub on this replica, started (with its stream and
     /// consumer) on its first local member.
-    async fn hub(&self, ready: &Ready, name: &str, ack_deadline: Duration) -> Result<Arc<Hub>, BrokerError> {
+    async fn hub(
+        &self,
+        ready: &Ready,
+        name: &str,
+        patterns: &[String],
+        ack_deadline: Duration,
+    ) -> Result<Arc<Hub>, BrokerError> {
         if let Some(hub) = self.inner.groups.hubs.lock().get(name) {
             return Ok(hub.clone());
         }
+        let consumer = self.group_consumer(ready, name, ack_deadline).await?;
+        let ack_wait = consumer.cached_info().config.ack_wait;
+        let mut hubs = self.inner.groups.hubs.lock();
+        if let Some(hub) = hubs.get(name) {
+            return Ok(hub.clone());
+        }
+        let hub = Arc::new(Hub {
+            name: name.to_owned(),
+            patterns: patterns.to_vec(),
+            engine: self.clone(),
+            consumer: Mutex::new(consumer),
+            healed_at: Mutex::new(Instant::now()),
+            state: Mutex::new(HubState::default()),
+            room: tokio::sync::Notify::new(),
+            stop: tokio_util::sync::CancellationToken::new(),
+            pulled: tokio_util::sync::CancellationToken::new(),
+            ack_wait,
+            redeliveries: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+        });
+        hubs.insert(name.to_owned(), hub.clone());
+        tokio::spawn(hub.clone().pull());
+        tokio::spawn(hub.clone().watch_deadlines());
+        Ok(hub)
+    }
+
+    /// The group's stream and its consumer, created if missing.
+    async fn group_consumer(
+        &self,
+        ready: &Ready,
+        name: &str,
+        ack_deadline: Duration,
+    ) -> Result<jetstream::consumer::PullConsumer, BrokerError> {
         let limits = self.inner.local.limits();
         let prefix = &self.inner.config.prefix;
         let unavailable =
@@ -338,28 +490,7 @@ impl ClusterEngine {
             )
             .await
             .map_err(|e| unavailable(&e))?;
-        let ack_wait = consumer.cached_info().config.ack_wait;
-        let mut hubs = self.inner.groups.hubs.lock();
-        if let Some(hub) = hubs.get(name) {
-            return Ok(hub.clone());
-        }
-        let hub = Arc::new(Hub {
-            name: name.to_owned(),
-            engine: self.clone(),
-            consumer,
-            state: Mutex::new(HubState::default()),
-            room: tokio::sync::Notify::new(),
-            stop: tokio_util::sync::CancellationToken::new(),
-            pulled: tokio_util::sync::CancellationToken::new(),
-            ack_wait,
-            redeliveries: AtomicU64::new(0),
-            dead_lettered: AtomicU64::new(0),
-            acked: AtomicU64::new(0),
-        });
-        hubs.insert(name.to_owned(), hub.clone());
-        tokio::spawn(hub.clone().pull());
-        tokio::spawn(hub.clone().watch_deadlines());
-        Ok(hub)
+        Ok(consumer)
     }
 
     /// The hub holding member `id`, if it is on this replica.
@@ -514,8 +645,13 @@ struct Settings {
 /// A group's members on this replica and the JetStream messages they hold.
 pub(super) struct Hub {
     name: String,
+    /// The group's patterns, to write the table again if the group was
+    /// removed under its members ([`Hub::heal`]).
+    patterns: Vec<String>,
     engine: ClusterEngine,
-    consumer: jetstream::consumer::PullConsumer,
+    consumer: Mutex<jetstream::consumer::PullConsumer>,
+    /// When [`Hub::heal`] last ran.
+    healed_at: Mutex<Instant>,
     state: Mutex<HubState>,
     /// Notified when a member gets room.
     room: tokio::sync::Notify,
@@ -671,8 +807,8 @@ impl Hub {
                     _ = closing.cancelled() => return,
                 }
             }
-            let batch = self
-                .consumer
+            let consumer = self.consumer.lock().clone();
+            let batch = consumer
                 .batch()
                 .max_messages(room.min(256))
                 .expires(PULL_EXPIRES)
@@ -688,6 +824,7 @@ impl Hub {
                             Ok(message) => self.hand_out(message),
                             Err(error) => {
                                 tracing::debug!(group = %self.name, %error, "pull interrupted");
+                                self.heal().await;
                                 break;
                             }
                         }
@@ -695,9 +832,36 @@ impl Hub {
                 }
                 Err(error) => {
                     tracing::debug!(group = %self.name, %error, "pull failed; retrying");
+                    self.heal().await;
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
+        }
+    }
+
+    /// After a failed pull, at most every [`HEAL_EVERY`]: while the hub has
+    /// members, makes sure its group is in the table and its stream and
+    /// consumer exist (a group removed as idle by another replica just as a
+    /// member joined here, or a stream lost with its servers), and pulls
+    /// from that consumer from now on. Idempotent when all is there.
+    async fn heal(&self) {
+        {
+            let mut healed_at = self.healed_at.lock();
+            if healed_at.elapsed() < HEAL_EVERY || self.state.lock().members.is_empty() {
+                return;
+            }
+            *healed_at = Instant::now();
+        }
+        let Some(ready) = self.engine.inner.ready.lock().clone() else {
+            return;
+        };
+        let healed = async {
+            self.engine.fix_patterns(&ready, &self.name, &self.patterns).await?;
+            self.engine.group_consumer(&ready, &self.name, self.ack_wait).await
+        };
+        match healed.await {
+            Ok(consumer) => *self.consumer.lock() = consumer,
+            Err(error) => tracing::debug!(group = %self.name, %error, "group stream not checked"),
         }
     }
 

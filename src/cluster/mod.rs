@@ -354,13 +354,20 @@ impl ClusterEngine {
     /// Every group of the cluster: the table, each replica's part, and
     /// each group's backlog.
     async fn list_groups_now(&self, ready: &Ready) -> Vec<GroupInfo> {
+        self.list_groups_all(ready).await.0
+    }
+
+    /// [`ClusterEngine::list_groups_now`], and whether every live replica
+    /// answered (so that a group listed without members has none).
+    async fn list_groups_all(&self, ready: &Ready) -> (Vec<GroupInfo>, bool) {
         let mut parts = Vec::new();
-        for answer in self.gather(ready, rpc::Call::ListGroups).await {
+        let (answers, complete) = self.gather_all(ready, rpc::Call::ListGroups).await;
+        for answer in answers {
             if let rpc::Answer::Groups(mut list) = answer {
                 parts.append(&mut list);
             }
         }
-        self.cluster_groups(ready, parts).await
+        (self.cluster_groups(ready, parts).await, complete)
     }
 
     /// The engine's state, or UNAVAILABLE saying why it cannot serve.
