@@ -1220,16 +1220,17 @@ async fn sigkill_of_the_group_streams_nats_leader_loses_no_acknowledged_publish(
         }
         let missing = wait_all_acked(&ledger, &after, Duration::from_secs(10)).await;
         assert!(missing.is_empty(), "after the restart, never acked: {missing:?}");
-        let ledger = ledger.lock();
-        let got: Vec<usize> = (0..3)
-            .map(|m| ledger.deliveries.iter().filter(|d| d.2 == m).count() - seen_before[m])
-            .collect();
+        let got: Vec<usize> = {
+            let ledger = ledger.lock();
+            (0..3)
+                .map(|m| ledger.deliveries.iter().filter(|d| d.2 == m).count() - seen_before[m])
+                .collect()
+        };
         eprintln!("jskill: after the restart, 60 published, deliveries per member {got:?}");
         assert!(
             got.iter().all(|&n| n > 0),
             "every replica's member gets work again: {got:?}"
         );
-        drop(ledger);
         stop_members.cancel();
         for m in members {
             let _ = m.await;
@@ -1396,44 +1397,45 @@ async fn a_rolling_restart_under_a_publisher_loses_no_manual_group_message() {
         publisher.await.unwrap();
         let published = log.lock().ok.clone();
         let missing = wait_all_acked(&ledger, &published, Duration::from_secs(15)).await;
-        let log = log.lock();
-        let ledger = ledger.lock();
-        let (deliveries, delivered_twice, acked_twice, redeliveries) = ledger_counts(&ledger);
-        eprintln!(
-            "rollgrp: published OK {}, failed {} ({:?}), hung {}, slowest publish {:?}; member joins {:?}; \
+        {
+            let log = log.lock();
+            let ledger = ledger.lock();
+            let (deliveries, delivered_twice, acked_twice, redeliveries) = ledger_counts(&ledger);
+            eprintln!(
+                "rollgrp: published OK {}, failed {} ({:?}), hung {}, slowest publish {:?}; member joins {:?}; \
              handed back at each shutdown {handed_back:?}; \
              deliveries {deliveries}, acked {} distinct, delivered more than once {delivered_twice}, \
              acked more than once {acked_twice}, redeliveries {redeliveries}, acks that settled nothing {}; missing {}",
-            log.ok.len(),
-            log.failed.len(),
-            log.failed
-                .iter()
-                .map(|(c, m, _)| format!("{c:?}: {m}"))
-                .collect::<std::collections::BTreeSet<_>>(),
-            log.hung,
-            log.slowest,
-            ledger.joins,
-            ledger.acked.len(),
-            ledger.unsettled_acks,
-            missing.len(),
-        );
-        assert!(
-            missing.is_empty(),
-            "{} messages published OK were never acked: {:?}",
-            missing.len(),
-            missing
-                .iter()
-                .take(10)
-                .map(|(s, p)| (s, p, history(&ledger, *s)))
-                .collect::<Vec<_>>()
-        );
-        assert_eq!(log.hung, 0, "no Publish may hang over a rolling restart");
-        assert!(
-            log.failed.iter().all(|(code, _, _)| *code == Code::Unavailable),
-            "a failed Publish says UNAVAILABLE: {:?}",
-            log.failed
-        );
-        drop((log, ledger));
+                log.ok.len(),
+                log.failed.len(),
+                log.failed
+                    .iter()
+                    .map(|(c, m, _)| format!("{c:?}: {m}"))
+                    .collect::<std::collections::BTreeSet<_>>(),
+                log.hung,
+                log.slowest,
+                ledger.joins,
+                ledger.acked.len(),
+                ledger.unsettled_acks,
+                missing.len(),
+            );
+            assert!(
+                missing.is_empty(),
+                "{} messages published OK were never acked: {:?}",
+                missing.len(),
+                missing
+                    .iter()
+                    .take(10)
+                    .map(|(s, p)| (s, p, history(&ledger, *s)))
+                    .collect::<Vec<_>>()
+            );
+            assert_eq!(log.hung, 0, "no Publish may hang over a rolling restart");
+            assert!(
+                log.failed.iter().all(|(code, _, _)| *code == Code::Unavailable),
+                "a failed Publish says UNAVAILABLE: {:?}",
+                log.failed
+            );
+        }
         let mut seen = Vec::new();
         while let Ok(e) = events.try_recv() {
             seen.push(e);
@@ -1443,6 +1445,147 @@ async fn a_rolling_restart_under_a_publisher_loses_no_manual_group_message() {
         for m in members {
             let _ = m.await;
         }
+    })
+    .await;
+}
+
+/// The group streams of `prefix` that server `i` reports: (name, messages).
+async fn group_streams(nats: &NatsCluster, i: usize, prefix: &str) -> Option<Vec<(String, u64)>> {
+    let jsz = nats.monitor(i, "/jsz?streams=true").await?;
+    let group_prefix = format!("{prefix}_g_");
+    let mut names = Vec::new();
+    for account in jsz["account_details"].as_array()? {
+        for stream in account["stream_detail"].as_array().into_iter().flatten() {
+            let name = stream["name"].as_str().unwrap_or_default();
+            if name.starts_with(&group_prefix) {
+                names.push((
+                    name.to_owned(),
+                    stream["state"]["messages"].as_u64().unwrap_or_default(),
+                ));
+            }
+        }
+    }
+    Some(names)
+}
+
+/// A group that has had no member on any replica for its idle TTL is
+/// removed cluster-wide, as in single-node mode: gone from every replica's
+/// listing, its stream and consumer deleted with what they held (counted
+/// as `group_expired` by the replica that removed it), and its name free
+/// for other patterns. Within the TTL it is listed with its backlog; a
+/// group with a member stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        const TTL: Duration = Duration::from_secs(3);
+        let mut brokers = Vec::new();
+        for i in 0..2 {
+            let mut config = replica_config(urls_from(&nats, i), &format!("t{i}"), "idle");
+            config.limits.group_idle_ttl = TTL;
+            brokers.push(start_with(config).await);
+        }
+        for broker in &brokers {
+            wait_serving(broker).await;
+        }
+        let mut busy = brokers[1]
+            .client()
+            .await
+            .open_subscription(member_request(&["busy.*"], "busy", false, 4))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut member = brokers[0]
+            .client()
+            .await
+            .open_subscription(member_request(&["idle.*"], "idle", true, 4))
+            .await
+            .unwrap()
+            .into_inner();
+        publish_n(&brokers[1], "idle.x", 1).await;
+        next_message(&mut member, "the message it leaves unacked").await;
+        drop(member);
+        wait_until("the member to be gone", || async {
+            brokers[1].group("idle").await.is_some_and(|g| g.members == 0)
+        })
+        .await;
+        let left_at = std::time::Instant::now();
+        publish_n(&brokers[1], "idle.x", 2).await;
+        // Within the TTL: listed without members, its three messages kept
+        // in its stream (the busy group's is empty).
+        let within = brokers[0].group("idle").await.expect("listed within its TTL");
+        let mut streams = group_streams(&nats, 0, "idle").await.unwrap_or_default();
+        streams.sort_by_key(|(_, messages)| *messages);
+        assert!(left_at.elapsed() < TTL, "checked within the TTL");
+        assert_eq!(within.members, 0, "{within:?}");
+        assert_eq!(
+            streams.iter().map(|(_, m)| *m).collect::<Vec<_>>(),
+            [0, 3],
+            "{streams:?}"
+        );
+
+        wait_until("the idle group gone from every replica's listing", || async {
+            for broker in &brokers {
+                if broker.group("idle").await.is_some() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await;
+        let removed_after = left_at.elapsed();
+        eprintln!("idle: removed {removed_after:?} after its last member left (TTL {TTL:?})");
+        assert!(removed_after >= TTL, "not before its TTL: {removed_after:?}");
+        wait_until("its stream deleted", || async {
+            group_streams(&nats, 0, "idle").await.is_some_and(|s| s.len() == 1)
+        })
+        .await;
+        let mut expired = 0.0;
+        for broker in &brokers {
+            let (_, metrics) = broker.http_get("/metrics").await;
+            expired += common::process::metric_with_label(
+                &metrics,
+                "tinybroker_messages_dropped_total",
+                "reason=\"group_expired\"",
+            )
+            .unwrap_or(0.0);
+        }
+        eprintln!("idle: dropped as group_expired (all replicas): {expired}");
+        assert_eq!(expired, 3.0, "what it held is dropped and counted");
+        // The group with a member is still there.
+        let busy_info = brokers[0].group("busy").await.expect("a group with a member stays");
+        assert_eq!(busy_info.members, 1);
+        // A publish to its topic matches no group now, at once.
+        let started = std::time::Instant::now();
+        let r = brokers[0]
+            .client()
+            .await
+            .publish(publish_request("idle.x", "after"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.matched_groups, 0);
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        // The name is free: a member with other patterns creates it anew,
+        // and gets none of the old messages.
+        let mut reborn = brokers[1]
+            .client()
+            .await
+            .open_subscription(member_request(&["other.*"], "idle", false, 4))
+            .await
+            .expect("the name is free again")
+            .into_inner();
+        let fresh = publish_n(&brokers[0], "other.y", 1).await;
+        let m = next_message(&mut reborn, "the new group's first message").await;
+        assert_eq!(m.sequence, fresh[0]);
+        // The busy member still gets its messages.
+        let sent = publish_n(&brokers[0], "busy.z", 1).await;
+        assert_eq!(
+            next_message(&mut busy, "the busy group's message").await.sequence,
+            sent[0]
+        );
     })
     .await;
 }
