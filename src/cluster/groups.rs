@@ -255,7 +255,7 @@ impl ClusterEngine {
             validate::name_field("subscription_id", &request.subscription_id)?;
         }
         let id = request.subscription_id.clone();
-        let hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
+        let mut hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
         self.claim(ready, &id).await?;
         let release = super::Release {
             store: ready.subscriptions.clone(),
@@ -270,7 +270,12 @@ impl ClusterEngine {
             max_in_flight,
             ack_deadline,
         };
-        hub.join(id.as_str().into(), inner.subscription().clone(), settings);
+        // The hub stops 1.25 s after its last member left; if that moment
+        // fell within this join (the claim above waits for NATS), join the
+        // new one: a member of a stopped hub would never get a message.
+        while !hub.join(id.as_str().into(), inner.subscription().clone(), settings) {
+            hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
+        }
         Ok(ClusterStream {
             inner,
             release: Some(release),
@@ -777,8 +782,13 @@ impl HubState {
 }
 
 impl Hub {
-    fn join(&self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings) {
+    /// Adds a member; false when the hub has stopped (checked under the
+    /// state lock, under which the last member's leave stops it).
+    fn join(&self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings) -> bool {
         let mut state = self.state.lock();
+        if self.stop.is_cancelled() {
+            return false;
+        }
         state.members.push(Member {
             id,
             subscription,
@@ -788,6 +798,7 @@ impl Hub {
         state.dispatch();
         drop(state);
         self.room.notify_one();
+        true
     }
 
     /// Pulls as many messages as the members have room for, and hands them
