@@ -256,7 +256,10 @@ impl ClusterEngine {
         }
         let id = request.subscription_id.clone();
         let mut hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
-        self.claim(ready, &id).await?;
+        if let Err(error) = self.claim(ready, &id).await {
+            hub.unused();
+            return Err(error);
+        }
         let release = super::Release {
             store: ready.subscriptions.clone(),
             id: id.clone(),
@@ -265,7 +268,13 @@ impl ClusterEngine {
             group: name.clone(),
             ack_mode: request.ack_mode,
         };
-        let inner = self.inner.local.open_external(&request, max_in_flight, member)?;
+        let inner = match self.inner.local.open_external(&request, max_in_flight, member) {
+            Ok(inner) => inner,
+            Err(error) => {
+                hub.unused();
+                return Err(error);
+            }
+        };
         let settings = Settings {
             max_in_flight,
             ack_deadline,
@@ -1021,6 +1030,13 @@ impl Hub {
                 self.room.notify_one();
             }
         }
+    }
+
+    /// A join that took this hub failed before its member was added: the
+    /// hub stops as after its last member's leave, unless it has members
+    /// (else a hub started for it would stay, never pulling).
+    fn unused(self: &Arc<Self>) {
+        self.leave("");
     }
 
     /// A member left: what it held goes back at once. The last member out
