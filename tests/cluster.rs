@@ -1506,12 +1506,13 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
             .into_inner();
         publish_n(&brokers[1], "idle.x", 1).await;
         next_message(&mut member, "the message it leaves unacked").await;
+        // Before it leaves: no replica can see the group memberless earlier.
+        let left_at = std::time::Instant::now();
         drop(member);
         wait_until("the member to be gone", || async {
             brokers[1].group("idle").await.is_some_and(|g| g.members == 0)
         })
         .await;
-        let left_at = std::time::Instant::now();
         publish_n(&brokers[1], "idle.x", 2).await;
         // Within the TTL: listed without members, its three messages kept
         // in its stream (the busy group's is empty).
