@@ -1527,6 +1527,22 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
             "{streams:?}"
         );
 
+        // Its memberless gauge counts up on some replica meanwhile.
+        wait_until("a memberless gauge of the idle group above 0", || async {
+            for broker in &brokers {
+                let (_, metrics) = broker.http_get("/metrics").await;
+                let gauge = common::process::metric_with_label(
+                    &metrics,
+                    "tinybroker_consumer_group_memberless_seconds",
+                    "consumer_group=\"idle\"",
+                );
+                if gauge.is_some_and(|s| s > 0.0) {
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
         wait_until("the idle group gone from every replica's listing", || async {
             for broker in &brokers {
                 if broker.group("idle").await.is_some() {

@@ -365,17 +365,23 @@ impl ClusterEngine {
     /// that a join since then keeps it), then its stream and consumer, with
     /// their backlog (dropped, counted here as `group_expired`). Run by
     /// every replica at each heartbeat; the first whose delete succeeds
-    /// removes the stream.
-    pub(super) async fn expire_idle_groups(&self, ready: &Ready, groups: &[GroupInfo], complete: bool) {
+    /// removes the stream. Sets each memberless group's `memberless` (as
+    /// this replica has seen it) in `groups`, and leaves out those removed.
+    pub(super) async fn expire_idle_groups(&self, ready: &Ready, groups: &mut Vec<GroupInfo>, complete: bool) {
         let ttl = self.inner.local.limits().group_idle_ttl.max(IDLE_SEEN_FOR);
-        let memberless: Vec<&GroupInfo> = groups.iter().filter(|g| complete && g.members == 0).collect();
+        let memberless: Vec<String> = groups
+            .iter()
+            .filter(|g| complete && g.members == 0)
+            .map(|g| g.name.clone())
+            .collect();
         self.inner
             .groups
             .idle
             .lock()
-            .retain(|name, _| memberless.iter().any(|g| g.name == *name));
-        for group in memberless {
-            let Ok(Some(entry)) = ready.groups.entry(key(&group.name)).await else {
+            .retain(|name, _| memberless.contains(name));
+        let mut removed = Vec::new();
+        for name in memberless {
+            let Ok(Some(entry)) = ready.groups.entry(key(&name)).await else {
                 continue;
             };
             if entry.operation != async_nats::jetstream::kv::Operation::Put {
@@ -384,7 +390,7 @@ impl ClusterEngine {
             let now = Instant::now();
             let seen_since = {
                 let mut idle = self.inner.groups.idle.lock();
-                let seen = idle.entry(group.name.clone()).or_insert(Idle {
+                let seen = idle.entry(name.clone()).or_insert(Idle {
                     revision: entry.revision,
                     since: now,
                 });
@@ -396,32 +402,38 @@ impl ClusterEngine {
                 }
                 seen.since
             };
+            // For the memberless gauge (as this replica has seen it).
+            if let Some(group) = groups.iter_mut().find(|g| g.name == name) {
+                group.memberless = Some(now.duration_since(seen_since));
+            }
             if now.duration_since(seen_since) < ttl {
                 continue;
             }
-            self.inner.groups.idle.lock().remove(&group.name);
+            self.inner.groups.idle.lock().remove(&name);
             if ready
                 .groups
-                .delete_expect_revision(key(&group.name), Some(entry.revision))
+                .delete_expect_revision(key(&name), Some(entry.revision))
                 .await
                 .is_err()
             {
                 // A member joined, or another replica removed it first.
                 continue;
             }
-            self.unroute_group(&group.name);
+            self.unroute_group(&name);
             // What it held: every message of the work-queue stream, the
             // backlog and what waits for a dead replica's ack_wait alike.
-            let stream = stream_name(&self.inner.config.prefix, &group.name);
+            let stream = stream_name(&self.inner.config.prefix, &name);
             let left = match ready.js.get_stream(&stream).await {
                 Ok(s) => s.cached_info().state.messages as usize,
-                Err(_) => group.backlog,
+                Err(_) => groups.iter().find(|g| g.name == name).map_or(0, |g| g.backlog),
             };
             if let Err(error) = ready.js.delete_stream(&stream).await {
-                tracing::warn!(consumer_group = %group.name, %stream, %error, "the idle group's stream was not deleted");
+                tracing::warn!(consumer_group = %name, %stream, %error, "the idle group's stream was not deleted");
             }
-            self.inner.local.count_group_removal(&group.name, left);
+            self.inner.local.count_group_removal(&name, left);
+            removed.push(name);
         }
+        groups.retain(|g| !removed.contains(&g.name));
     }
 
     /// The group's hub on this replica, started (with its stream and

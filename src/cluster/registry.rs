@@ -28,8 +28,8 @@ impl ClusterEngine {
             }
             // The metrics' group gauges are cluster-wide: refreshed here,
             // and groups memberless for their idle TTL removed.
-            if let Ok((groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await {
-                self.expire_idle_groups(&ready, &groups, complete).await;
+            if let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await {
+                self.expire_idle_groups(&ready, &mut groups, complete).await;
                 *self.inner.groups_seen.lock() = groups;
             }
         }
