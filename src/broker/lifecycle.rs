@@ -101,33 +101,42 @@ impl Broker {
             None => true,
         });
         drop(groups);
-        let stats = &self.shared.stats;
         for (group, left) in removed {
             self.remove_routes(group.key, group.patterns());
-            stats.dropped_group_expired.fetch_add(left as u64, Ordering::Relaxed);
-            if left == 0 {
-                tracing::info!(
-                    consumer_group = group.name(),
-                    dropped = left,
-                    "consumer group removed after its idle TTL with no members"
-                );
-                continue;
-            }
-            tracing::warn!(
-                consumer_group = group.name(),
+            self.count_group_removal(group.name(), left);
+        }
+    }
+
+    /// Counts and logs the removal of group `name` after its idle TTL with
+    /// `left` messages dropped (also for the cluster engine's groups, which
+    /// live in JetStream).
+    pub fn count_group_removal(&self, name: &str, left: usize) {
+        self.shared
+            .stats
+            .dropped_group_expired
+            .fetch_add(left as u64, Ordering::Relaxed);
+        if left == 0 {
+            tracing::info!(
+                consumer_group = name,
                 dropped = left,
                 "consumer group removed after its idle TTL with no members"
             );
-            let mut removals = self.shared.group_removals.lock();
-            if removals.len() >= GROUP_REMOVAL_HISTORY {
-                removals.pop_front();
-            }
-            removals.push_back(GroupRemoval {
-                consumer_group: group.name().to_owned(),
-                removed_at: SystemTime::now(),
-                dropped: left,
-            });
+            return;
         }
+        tracing::warn!(
+            consumer_group = name,
+            dropped = left,
+            "consumer group removed after its idle TTL with no members"
+        );
+        let mut removals = self.shared.group_removals.lock();
+        if removals.len() >= GROUP_REMOVAL_HISTORY {
+            removals.pop_front();
+        }
+        removals.push_back(GroupRemoval {
+            consumer_group: name.to_owned(),
+            removed_at: SystemTime::now(),
+            dropped: left,
+        });
     }
 
     /// Runs [`Broker::tick`] until the broker is dropped or `stop` resolves.

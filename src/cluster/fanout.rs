@@ -99,8 +99,9 @@ impl ClusterEngine {
         let mut outcome = outcome;
         for route in &groups {
             let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
-            self.publish_to_group(&ready, route, body.clone(), id).await?;
-            outcome.matched_groups += 1;
+            if self.publish_to_group(&ready, route, body.clone(), id).await? {
+                outcome.matched_groups += 1;
+            }
         }
         Ok(outcome)
     }

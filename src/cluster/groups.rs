@@ -19,6 +19,11 @@
 //!   that dies leaves its messages to the consumer's `ack_wait`.
 //! - A message whose attempt fails after `max_delivery_attempts` is
 //!   published to `_dlq.<group>` by the replica holding it, then acked.
+//! - A group without members on any live replica for its idle TTL is
+//!   removed cluster-wide ([`ClusterEngine::expire_idle_groups`], from each
+//!   replica's heartbeat): table entry, stream and consumer.
+//! - A replica shutting down stops pulling, and hands back what its members
+//!   still hold before it exits ([`ClusterEngine::hand_back_groups`]).
 
 use super::registry::key;
 use super::{ClusterEngine, ClusterStream, Ready};
@@ -45,6 +50,17 @@ use tokio::time::Instant;
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// How often held messages are checked against their ack deadlines.
 const DEADLINE_TICK: Duration = Duration::from_millis(100);
+/// How long a replica shutting down waits for its last pulls to be
+/// answered before it hands back what its members hold.
+const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
+/// How long a group must be seen without members, at two checks at
+/// least, before it is removed, however short its idle TTL: a join that
+/// wrote the table just before the first check shows its member by the
+/// second.
+const IDLE_SEEN_FOR: Duration = Duration::from_secs(1);
+/// How often a hub whose pulls fail makes sure its stream and consumer
+/// exist.
+const HEAL_EVERY: Duration = Duration::from_secs(2);
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
 const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
@@ -58,6 +74,19 @@ pub(super) struct Groups {
     table: Mutex<HashMap<String, Vec<String>>>,
     /// Groups with members on this replica.
     hubs: Mutex<HashMap<String, Arc<Hub>>>,
+    /// Cancelled when this replica begins to shut down: its hubs stop
+    /// pulling (the group's backlog stays in JetStream for the members
+    /// elsewhere), and what they still hold is handed back before it exits
+    /// ([`ClusterEngine::hand_back_groups`]).
+    closing: tokio_util::sync::CancellationToken,
+    /// Groups seen without members on any replica: since when, at which
+    /// revision of their table entry (a join writes it again).
+    idle: Mutex<HashMap<String, Idle>>,
+}
+
+struct Idle {
+    revision: u64,
+    since: Instant,
 }
 
 /// Where a publish matching a group goes.
@@ -163,14 +192,15 @@ impl ClusterEngine {
     }
 
     /// Stores `body` in a group's stream, with an ack; retried over a
-    /// leader election. `id` makes retries idempotent.
+    /// leader election. `id` makes retries idempotent. False when the group
+    /// was removed meanwhile (its idle TTL): the message matched no group.
     pub(super) async fn publish_to_group(
         &self,
         ready: &Ready,
         route: &GroupRoute,
         body: Bytes,
         id: String,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<bool, BrokerError> {
         let started = Instant::now();
         loop {
             let message = jetstream::message::PublishMessage::build()
@@ -181,7 +211,8 @@ impl ClusterEngine {
                 Err(e) => Err(e.to_string()),
             };
             match result {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(true),
+                Err(_) if !self.inner.groups.table.lock().contains_key(&route.name) => return Ok(false),
                 Err(error) if started.elapsed() < PUBLISH_RETRY_FOR => {
                     tracing::debug!(group = %route.name, %error, "publish to a group's stream retried");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -224,8 +255,11 @@ impl ClusterEngine {
             validate::name_field("subscription_id", &request.subscription_id)?;
         }
         let id = request.subscription_id.clone();
-        let hub = self.hub(ready, &name, ack_deadline).await?;
-        self.claim(ready, &id).await?;
+        let mut hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
+        if let Err(error) = self.claim(ready, &id).await {
+            hub.unused();
+            return Err(error);
+        }
         let release = super::Release {
             store: ready.subscriptions.clone(),
             id: id.clone(),
@@ -234,12 +268,23 @@ impl ClusterEngine {
             group: name.clone(),
             ack_mode: request.ack_mode,
         };
-        let inner = self.inner.local.open_external(&request, max_in_flight, member)?;
+        let inner = match self.inner.local.open_external(&request, max_in_flight, member) {
+            Ok(inner) => inner,
+            Err(error) => {
+                hub.unused();
+                return Err(error);
+            }
+        };
         let settings = Settings {
             max_in_flight,
             ack_deadline,
         };
-        hub.join(id.as_str().into(), inner.subscription().clone(), settings);
+        // The hub stops 1.25 s after its last member left; if that moment
+        // fell within this join (the claim above waits for NATS), join the
+        // new one: a member of a stopped hub would never get a message.
+        while !hub.join(id.as_str().into(), inner.subscription().clone(), settings) {
+            hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
+        }
         Ok(ClusterStream {
             inner,
             release: Some(release),
@@ -252,7 +297,10 @@ impl ClusterEngine {
     }
 
     /// The group's patterns are the first member's: writes them, or checks
-    /// them against what is written.
+    /// them against what is written. A join also writes the entry again
+    /// (same value, a new revision), so that a replica about to remove the
+    /// group as idle (a delete expecting the revision it saw while the group
+    /// had no members) leaves it be.
     async fn fix_patterns(&self, ready: &Ready, name: &str, patterns: &[String]) -> Result<(), BrokerError> {
         let unavailable = |e: &dyn std::fmt::Display| {
             BrokerError::Unavailable(format!("the consumer-group table (NATS) did not answer: {e}"))
@@ -261,41 +309,179 @@ impl ClusterEngine {
             patterns: patterns.to_vec(),
         })
         .map_err(|e| unavailable(&e))?;
-        match ready.groups.create(key(name), entry.into()).await {
-            Ok(_) => {
-                self.route_group(name, patterns.to_vec());
+        let mut lost_race = None;
+        for _ in 0..5 {
+            match ready.groups.create(key(name), entry.clone().into()).await {
+                Ok(_) => {
+                    self.route_group(name, patterns.to_vec());
+                    return Ok(());
+                }
+                Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
+                Err(e) => return Err(unavailable(&e)),
+            }
+            let existing = ready.groups.entry(key(name)).await.map_err(|e| unavailable(&e))?;
+            // Removed meanwhile: create it again.
+            let Some(existing) = existing.filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put) else {
+                continue;
+            };
+            let existing_patterns: Vec<String> = serde_json::from_slice::<TableEntry>(&existing.value)
+                .map(|e| e.patterns)
+                .unwrap_or_default();
+            if existing_patterns != patterns {
+                let shown = |p: &[String]| {
+                    let parsed: Vec<TopicPattern> = p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect();
+                    validate::pattern_list(&parsed)
+                };
+                return Err(BrokerError::FailedPrecondition(format!(
+                    "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                    truncate(name),
+                    shown(&existing_patterns),
+                    shown(patterns)
+                )));
+            }
+            // Written again since this join's last try: by another join,
+            // which is as good.
+            if lost_race.is_some_and(|r| r != existing.revision)
+                || ready
+                    .groups
+                    .update(key(name), existing.value.clone(), existing.revision)
+                    .await
+                    .is_ok()
+            {
+                self.route_group(name, existing_patterns);
                 return Ok(());
             }
-            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
-            Err(e) => return Err(unavailable(&e)),
+            lost_race = Some(existing.revision);
         }
-        let existing = ready.groups.get(key(name)).await.map_err(|e| unavailable(&e))?;
-        let existing: Vec<String> = existing
-            .and_then(|v| serde_json::from_slice::<TableEntry>(&v).ok())
-            .map(|e| e.patterns)
-            .unwrap_or_default();
-        if existing != patterns {
-            let shown = |p: &[String]| {
-                let parsed: Vec<TopicPattern> = p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect();
-                validate::pattern_list(&parsed)
+        Err(BrokerError::Unavailable(format!(
+            "consumer group {:?}: its table entry kept changing under this join; try again",
+            truncate(name)
+        )))
+    }
+
+    /// Removes, cluster-wide, every group that every live replica reports
+    /// without members (`complete`) for its idle TTL: its table entry (a
+    /// delete expecting the revision seen when it was first found idle, so
+    /// that a join since then keeps it), then its stream and consumer, with
+    /// their backlog (dropped, counted here as `group_expired`). Run by
+    /// every replica at each heartbeat; the first whose delete succeeds
+    /// removes the stream. Sets each memberless group's `memberless` (as
+    /// this replica has seen it) in `groups`, and leaves out those removed.
+    pub(super) async fn expire_idle_groups(&self, ready: &Ready, groups: &mut Vec<GroupInfo>, complete: bool) {
+        let ttl = self.inner.local.limits().group_idle_ttl.max(IDLE_SEEN_FOR);
+        let memberless: Vec<String> = groups
+            .iter()
+            .filter(|g| complete && g.members == 0)
+            .map(|g| g.name.clone())
+            .collect();
+        self.inner
+            .groups
+            .idle
+            .lock()
+            .retain(|name, _| memberless.contains(name));
+        let mut removed = Vec::new();
+        for name in memberless {
+            let Ok(Some(entry)) = ready.groups.entry(key(&name)).await else {
+                continue;
             };
-            return Err(BrokerError::FailedPrecondition(format!(
-                "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
-                truncate(name),
-                shown(&existing),
-                shown(patterns)
-            )));
+            if entry.operation != async_nats::jetstream::kv::Operation::Put {
+                continue;
+            }
+            let now = Instant::now();
+            let seen_since = {
+                let mut idle = self.inner.groups.idle.lock();
+                let seen = idle.entry(name.clone()).or_insert(Idle {
+                    revision: entry.revision,
+                    since: now,
+                });
+                if seen.revision != entry.revision {
+                    *seen = Idle {
+                        revision: entry.revision,
+                        since: now,
+                    };
+                }
+                seen.since
+            };
+            // For the memberless gauge (as this replica has seen it).
+            if let Some(group) = groups.iter_mut().find(|g| g.name == name) {
+                group.memberless = Some(now.duration_since(seen_since));
+            }
+            if now.duration_since(seen_since) < ttl {
+                continue;
+            }
+            self.inner.groups.idle.lock().remove(&name);
+            if ready
+                .groups
+                .delete_expect_revision(key(&name), Some(entry.revision))
+                .await
+                .is_err()
+            {
+                // A member joined, or another replica removed it first.
+                continue;
+            }
+            self.unroute_group(&name);
+            // What it held: every message of the work-queue stream, the
+            // backlog and what waits for a dead replica's ack_wait alike.
+            let stream = stream_name(&self.inner.config.prefix, &name);
+            let left = match ready.js.get_stream(&stream).await {
+                Ok(s) => s.cached_info().state.messages as usize,
+                Err(_) => groups.iter().find(|g| g.name == name).map_or(0, |g| g.backlog),
+            };
+            if let Err(error) = ready.js.delete_stream(&stream).await {
+                tracing::warn!(consumer_group = %name, %stream, %error, "the idle group's stream was not deleted");
+            }
+            self.inner.local.count_group_removal(&name, left);
+            removed.push(name);
         }
-        self.route_group(name, existing);
-        Ok(())
+        groups.retain(|g| !removed.contains(&g.name));
     }
 
     /// The group's hub on this replica, started (with its stream and
     /// consumer) on its first local member.
-    async fn hub(&self, ready: &Ready, name: &str, ack_deadline: Duration) -> Result<Arc<Hub>, BrokerError> {
+    async fn hub(
+        &self,
+        ready: &Ready,
+        name: &str,
+        patterns: &[String],
+        ack_deadline: Duration,
+    ) -> Result<Arc<Hub>, BrokerError> {
         if let Some(hub) = self.inner.groups.hubs.lock().get(name) {
             return Ok(hub.clone());
         }
+        let consumer = self.group_consumer(ready, name, ack_deadline).await?;
+        let ack_wait = consumer.cached_info().config.ack_wait;
+        let mut hubs = self.inner.groups.hubs.lock();
+        if let Some(hub) = hubs.get(name) {
+            return Ok(hub.clone());
+        }
+        let hub = Arc::new(Hub {
+            name: name.to_owned(),
+            patterns: patterns.to_vec(),
+            engine: self.clone(),
+            consumer: Mutex::new(consumer),
+            healed_at: Mutex::new(Instant::now()),
+            state: Mutex::new(HubState::default()),
+            room: tokio::sync::Notify::new(),
+            stop: tokio_util::sync::CancellationToken::new(),
+            pulled: tokio_util::sync::CancellationToken::new(),
+            ack_wait,
+            redeliveries: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+        });
+        hubs.insert(name.to_owned(), hub.clone());
+        tokio::spawn(hub.clone().pull());
+        tokio::spawn(hub.clone().watch_deadlines());
+        Ok(hub)
+    }
+
+    /// The group's stream and its consumer, created if missing.
+    async fn group_consumer(
+        &self,
+        ready: &Ready,
+        name: &str,
+        ack_deadline: Duration,
+    ) -> Result<jetstream::consumer::PullConsumer, BrokerError> {
         let limits = self.inner.local.limits();
         let prefix = &self.inner.config.prefix;
         let unavailable =
@@ -330,27 +516,7 @@ impl ClusterEngine {
             )
             .await
             .map_err(|e| unavailable(&e))?;
-        let ack_wait = consumer.cached_info().config.ack_wait;
-        let mut hubs = self.inner.groups.hubs.lock();
-        if let Some(hub) = hubs.get(name) {
-            return Ok(hub.clone());
-        }
-        let hub = Arc::new(Hub {
-            name: name.to_owned(),
-            engine: self.clone(),
-            consumer,
-            state: Mutex::new(HubState::default()),
-            room: tokio::sync::Notify::new(),
-            stop: tokio_util::sync::CancellationToken::new(),
-            ack_wait,
-            redeliveries: AtomicU64::new(0),
-            dead_lettered: AtomicU64::new(0),
-            acked: AtomicU64::new(0),
-        });
-        hubs.insert(name.to_owned(), hub.clone());
-        tokio::spawn(hub.clone().pull());
-        tokio::spawn(hub.clone().watch_deadlines());
-        Ok(hub)
+        Ok(consumer)
     }
 
     /// The hub holding member `id`, if it is on this replica.
@@ -411,6 +577,48 @@ impl ClusterEngine {
         groups
     }
 
+    /// Shutdown begins: no hub pulls from its group any more.
+    pub(super) fn stop_pulling(&self) {
+        self.inner.groups.closing.cancel();
+    }
+
+    /// At shutdown, once the grace period is over: every group message this
+    /// replica still holds (handed to a member and not acked, or pulled and
+    /// not handed out yet) goes back to its group at once, so that members
+    /// on other replicas get it now rather than after the consumer's
+    /// `ack_wait`. The pulls still open are waited for first (what they
+    /// bring is handed back as it comes). The caller flushes the
+    /// connection.
+    pub(super) async fn hand_back_groups(&self) {
+        self.stop_pulling();
+        let hubs: Vec<Arc<Hub>> = self.inner.groups.hubs.lock().values().cloned().collect();
+        let deadline = Instant::now() + HAND_BACK_WAIT;
+        for hub in &hubs {
+            let _ = tokio::time::timeout_at(deadline, hub.pulled.cancelled()).await;
+        }
+        let mut messages = Vec::new();
+        for hub in &hubs {
+            let mut state = hub.state.lock();
+            let held: Vec<Held> = state.held.drain().map(|(_, h)| h).collect();
+            hub.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
+            messages.extend(held.into_iter().map(|h| h.message));
+            messages.extend(state.waiting.drain(..).map(|w| w.message));
+            for member in &mut state.members {
+                member.holds = 0;
+            }
+        }
+        let count = messages.len();
+        for message in messages {
+            let _ = message.ack_with(AckKind::Nak(None)).await;
+        }
+        if count > 0 {
+            tracing::info!(
+                handed_back = count,
+                "shutdown: unacked consumer-group messages handed back to their groups"
+            );
+        }
+    }
+
     /// Publishes a message that used its last attempt to `_dlq.<group>`.
     async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32) {
         let Ok(m) = pb::Message::decode(message.payload.clone()) else {
@@ -463,8 +671,13 @@ struct Settings {
 /// A group's members on this replica and the JetStream messages they hold.
 pub(super) struct Hub {
     name: String,
+    /// The group's patterns, to write the table again if the group was
+    /// removed under its members ([`Hub::heal`]).
+    patterns: Vec<String>,
     engine: ClusterEngine,
-    consumer: jetstream::consumer::PullConsumer,
+    consumer: Mutex<jetstream::consumer::PullConsumer>,
+    /// When [`Hub::heal`] last ran.
+    healed_at: Mutex<Instant>,
     state: Mutex<HubState>,
     /// Notified when a member gets room.
     room: tokio::sync::Notify,
@@ -472,6 +685,8 @@ pub(super) struct Hub {
     /// or progressed for this long (a replica that died).
     ack_wait: Duration,
     stop: tokio_util::sync::CancellationToken,
+    /// Cancelled when the pull loop has ended (no pull of it is open).
+    pulled: tokio_util::sync::CancellationToken,
     redeliveries: AtomicU64,
     dead_lettered: AtomicU64,
     acked: AtomicU64,
@@ -588,8 +803,13 @@ impl HubState {
 }
 
 impl Hub {
-    fn join(&self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings) {
+    /// Adds a member; false when the hub has stopped (checked under the
+    /// state lock, under which the last member's leave stops it).
+    fn join(&self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings) -> bool {
         let mut state = self.state.lock();
+        if self.stop.is_cancelled() {
+            return false;
+        }
         state.members.push(Member {
             id,
             subscription,
@@ -599,13 +819,16 @@ impl Hub {
         state.dispatch();
         drop(state);
         self.room.notify_one();
+        true
     }
 
     /// Pulls as many messages as the members have room for, and hands them
     /// out.
     async fn pull(self: Arc<Self>) {
+        let _pulled = self.pulled.clone().drop_guard();
+        let closing = self.engine.inner.groups.closing.clone();
         loop {
-            if self.stop.is_cancelled() {
+            if self.stop.is_cancelled() || closing.is_cancelled() {
                 return;
             }
             let room = self.state.lock().room();
@@ -613,10 +836,11 @@ impl Hub {
                 tokio::select! {
                     _ = self.room.notified() => continue,
                     _ = self.stop.cancelled() => return,
+                    _ = closing.cancelled() => return,
                 }
             }
-            let batch = self
-                .consumer
+            let consumer = self.consumer.lock().clone();
+            let batch = consumer
                 .batch()
                 .max_messages(room.min(256))
                 .expires(PULL_EXPIRES)
@@ -626,12 +850,13 @@ impl Hub {
                 Ok(mut batch) => {
                     while let Some(message) = batch.next().await {
                         match message {
-                            Ok(message) if self.stop.is_cancelled() => {
+                            Ok(message) if self.stop.is_cancelled() || closing.is_cancelled() => {
                                 let _ = message.ack_with(AckKind::Nak(None)).await;
                             }
                             Ok(message) => self.hand_out(message),
                             Err(error) => {
                                 tracing::debug!(group = %self.name, %error, "pull interrupted");
+                                self.heal().await;
                                 break;
                             }
                         }
@@ -639,9 +864,36 @@ impl Hub {
                 }
                 Err(error) => {
                     tracing::debug!(group = %self.name, %error, "pull failed; retrying");
+                    self.heal().await;
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
+        }
+    }
+
+    /// After a failed pull, at most every [`HEAL_EVERY`]: while the hub has
+    /// members, makes sure its group is in the table and its stream and
+    /// consumer exist (a group removed as idle by another replica just as a
+    /// member joined here, or a stream lost with its servers), and pulls
+    /// from that consumer from now on. Idempotent when all is there.
+    async fn heal(&self) {
+        {
+            let mut healed_at = self.healed_at.lock();
+            if healed_at.elapsed() < HEAL_EVERY || self.state.lock().members.is_empty() {
+                return;
+            }
+            *healed_at = Instant::now();
+        }
+        let Some(ready) = self.engine.inner.ready.lock().clone() else {
+            return;
+        };
+        let healed = async {
+            self.engine.fix_patterns(&ready, &self.name, &self.patterns).await?;
+            self.engine.group_consumer(&ready, &self.name, self.ack_wait).await
+        };
+        match healed.await {
+            Ok(consumer) => *self.consumer.lock() = consumer,
+            Err(error) => tracing::debug!(group = %self.name, %error, "group stream not checked"),
         }
     }
 
@@ -790,6 +1042,13 @@ impl Hub {
                 self.room.notify_one();
             }
         }
+    }
+
+    /// A join that took this hub failed before its member was added: the
+    /// hub stops as after its last member's leave, unless it has members
+    /// (else a hub started for it would stay, never pulling).
+    fn unused(self: &Arc<Self>) {
+        self.leave("");
     }
 
     /// A member left: what it held goes back at once. The last member out

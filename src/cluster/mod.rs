@@ -354,13 +354,20 @@ impl ClusterEngine {
     /// Every group of the cluster: the table, each replica's part, and
     /// each group's backlog.
     async fn list_groups_now(&self, ready: &Ready) -> Vec<GroupInfo> {
+        self.list_groups_all(ready).await.0
+    }
+
+    /// [`ClusterEngine::list_groups_now`], and whether every live replica
+    /// answered (so that a group listed without members has none).
+    async fn list_groups_all(&self, ready: &Ready) -> (Vec<GroupInfo>, bool) {
         let mut parts = Vec::new();
-        for answer in self.gather(ready, rpc::Call::ListGroups).await {
+        let (answers, complete) = self.gather_all(ready, rpc::Call::ListGroups).await;
+        for answer in answers {
             if let rpc::Answer::Groups(mut list) = answer {
                 parts.append(&mut list);
             }
         }
-        self.cluster_groups(ready, parts).await
+        (self.cluster_groups(ready, parts).await, complete)
     }
 
     /// The engine's state, or UNAVAILABLE saying why it cannot serve.
@@ -600,6 +607,7 @@ impl Engine for ClusterEngine {
 
     fn begin_shutdown(&self) {
         self.inner.local.begin_shutdown();
+        self.stop_pulling();
     }
 
     fn drainable(&self) -> usize {
@@ -612,6 +620,11 @@ impl Engine for ClusterEngine {
 
     async fn maintain(self, stop: impl Future<Output = ()> + Send + 'static) {
         self.inner.local.clone().maintain(stop).await;
+        // The grace period is over: what members here still hold goes back
+        // to their groups now, before the process exits (a nak left to a
+        // member's stream closing, later, could be lost with the process,
+        // and the message would wait for the consumer's ack_wait).
+        self.hand_back_groups().await;
         // Leave the cluster: this replica's ids are released as its streams
         // end; say it is gone, and flush what is unsent.
         // Bounded: with NATS unreachable, shutdown must not wait for it.

@@ -26,8 +26,10 @@ impl ClusterEngine {
             if let Err(error) = self.beat(&ready).await {
                 tracing::debug!(%error, "heartbeat not written");
             }
-            // The metrics' group gauges are cluster-wide: refreshed here.
-            if let Ok(groups) = tokio::time::timeout(HEARTBEAT, self.list_groups_now(&ready)).await {
+            // The metrics' group gauges are cluster-wide: refreshed here,
+            // and groups memberless for their idle TTL removed.
+            if let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await {
+                self.expire_idle_groups(&ready, &mut groups, complete).await;
                 *self.inner.groups_seen.lock() = groups;
             }
         }

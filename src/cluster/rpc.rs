@@ -164,6 +164,11 @@ impl ClusterEngine {
 
     /// Gathers `call`'s answers from every live replica.
     pub(super) async fn gather(&self, ready: &Ready, call: Call) -> Vec<Answer> {
+        self.gather_all(ready, call).await.0
+    }
+
+    /// [`ClusterEngine::gather`], and whether every live replica answered.
+    pub(super) async fn gather_all(&self, ready: &Ready, call: Call) -> (Vec<Answer>, bool) {
         let replicas = self.live_replicas(ready).await;
         let calls = replicas.iter().map(|replica| {
             let call = call.clone();
@@ -180,7 +185,9 @@ impl ClusterEngine {
                 }
             }
         });
-        futures::future::join_all(calls).await.into_iter().flatten().collect()
+        let answers: Vec<Answer> = futures::future::join_all(calls).await.into_iter().flatten().collect();
+        let complete = answers.len() == replicas.len();
+        (answers, complete)
     }
 
     /// `here`, what this replica answered about subscription `id`, unless it
