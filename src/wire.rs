@@ -205,6 +205,46 @@ impl prost::Message for EncodedMessage {
     }
 }
 
+/// How many bytes a server stream's encode buffer starts with. tonic's
+/// default (8 KiB) is reserved when the response is created, so every
+/// subscription held one before its first message (issue 16: idle
+/// subscriptions). A delivery that needs more grows it.
+pub const ENCODE_BUFFER: usize = 512;
+
+/// tonic's default: a stream hands h2 what it has encoded once this much is
+/// buffered, rather than encoding everything that is ready first.
+const YIELD_THRESHOLD: usize = 32 * 1024;
+
+/// The codec of the generated servers (`build.rs`): prost's, with a small
+/// initial encode buffer ([`ENCODE_BUFFER`]). Decoding is prost's own.
+#[derive(Debug)]
+pub struct ServerCodec<T, U>(std::marker::PhantomData<(T, U)>);
+
+impl<T, U> Default for ServerCodec<T, U> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<T, U> tonic::codec::Codec for ServerCodec<T, U>
+where
+    T: prost::Message + Send + 'static,
+    U: prost::Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = tonic_prost::ProstEncoder<T>;
+    type Decoder = tonic_prost::ProstDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstEncoder::new(tonic::codec::BufferSettings::new(ENCODE_BUFFER, YIELD_THRESHOLD))
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
