@@ -205,18 +205,22 @@ impl prost::Message for EncodedMessage {
     }
 }
 
-/// How many bytes a server stream's encode buffer starts with. tonic's
-/// default (8 KiB) is reserved when the response is created, so every
-/// subscription held one before its first message (issue 16: idle
-/// subscriptions). A delivery that needs more grows it.
-pub const ENCODE_BUFFER: usize = 512;
+/// How much a server stream's encode buffer takes at a time once it has
+/// something to encode: tonic's default buffer size, so that a busy stream
+/// encodes many deliveries into one allocation, as before.
+pub const ENCODE_CHUNK: usize = 8 * 1024;
 
 /// tonic's default: a stream hands h2 what it has encoded once this much is
 /// buffered, rather than encoding everything that is ready first.
 const YIELD_THRESHOLD: usize = 32 * 1024;
 
-/// The codec of the generated servers (`build.rs`): prost's, with a small
-/// initial encode buffer ([`ENCODE_BUFFER`]). Decoding is prost's own.
+/// The codec of the generated servers (`build.rs`): prost's encoding, with
+/// an encode buffer that takes no memory until the stream has something to
+/// send. tonic reserves a stream's buffer (8 KiB by default) when the
+/// response is made, so every idle subscription held 8 KiB it never used
+/// (issue 16: 7.1 KiB per idle subscription before, BENCHMARKS.md). Here
+/// the buffer starts empty and [`ServerEncoder`] reserves [`ENCODE_CHUNK`]
+/// when a message does not fit what is left. Decoding is prost's own.
 #[derive(Debug)]
 pub struct ServerCodec<T, U>(std::marker::PhantomData<(T, U)>);
 
@@ -233,15 +237,45 @@ where
 {
     type Encode = T;
     type Decode = U;
-    type Encoder = tonic_prost::ProstEncoder<T>;
+    type Encoder = ServerEncoder<T>;
     type Decoder = tonic_prost::ProstDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        tonic_prost::ProstEncoder::new(tonic::codec::BufferSettings::new(ENCODE_BUFFER, YIELD_THRESHOLD))
+        ServerEncoder(std::marker::PhantomData)
     }
 
     fn decoder(&mut self) -> Self::Decoder {
         tonic_prost::ProstDecoder::default()
+    }
+}
+
+/// prost's encoding into a buffer reserved a chunk at a time (see
+/// [`ServerCodec`]).
+#[derive(Debug)]
+pub struct ServerEncoder<T>(std::marker::PhantomData<T>);
+
+impl<T: prost::Message> tonic::codec::Encoder for ServerEncoder<T> {
+    type Item = T;
+    type Error = tonic::Status;
+
+    #[inline]
+    fn encode(&mut self, item: T, buf: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        let len = item.encoded_len();
+        // What is left of the current allocation (`chunk_mut` makes room
+        // for a few bytes when there is none).
+        if buf.chunk_mut().len() < len {
+            buf.reserve(len.max(ENCODE_CHUNK));
+        }
+        // `encode` would compute the length again to check the room made
+        // just above: a second `encoded_len` per delivery.
+        item.encode_raw(buf);
+        Ok(())
+    }
+
+    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
+        // Next to nothing reserved up front: the first message reserves a
+        // chunk. (1, not 0: tonic divides by it when it compresses.)
+        tonic::codec::BufferSettings::new(1, YIELD_THRESHOLD)
     }
 }
 
