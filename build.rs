@@ -26,6 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .out_dir(&server_dir)
         .extern_path(".tinybroker.v1", "crate::pb")
         .extern_path(".tinybroker.v1.Message", "crate::wire::EncodedMessage")
+        .codec_path("crate::wire::ServerCodec")
         .compile_fds(fds)?;
     Ok(())
 }
