@@ -7,10 +7,12 @@
 //! - [`broadcast`]: fan-out, message fields, ordering, eviction,
 //!   subscription ids and error codes;
 //! - [`groups`]: consumer groups, manual ack, redelivery, dead letters,
-//!   overflow and idle TTL.
+//!   overflow and idle TTL;
+//! - [`sizes`]: messages from empty to near the limit, whole and in order.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod broadcast;
 mod groups;
+mod sizes;
