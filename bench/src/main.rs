@@ -281,6 +281,7 @@ async fn run(cli: Cli) -> Result<bool> {
                                     case.spec,
                                     workloads::Spec::Wide { rate: Some(_), .. }
                                         | workloads::Spec::Cluster { rate: Some(_), .. }
+                                        | workloads::Spec::Cluster { group: true, .. }
                                 ))
                                 .map(|l| format!(", p50/p99/p999 {:.2}/{:.2}/{:.2} ms", l.p50, l.p99, l.p999))
                                 .unwrap_or_default()

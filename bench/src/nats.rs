@@ -291,3 +291,158 @@ impl Publisher {
         round_trip(&self.client).await
     }
 }
+
+/// The NATS peer of tinybroker's cluster-wide consumer groups
+/// (src/cluster/groups.rs): the stream and consumer tinybroker creates for
+/// a group, on [`crate::workloads::TOPIC`] directly.
+pub const JS_STREAM: &str = "bench_group";
+pub const JS_CONSUMER: &str = "members";
+/// What a tinybroker hub asks of one pull (`room.min(256)`, 1 s), one
+/// pull at a time.
+const JS_PULL_BATCH: usize = 256;
+const JS_PULL_EXPIRES: Duration = Duration::from_secs(1);
+
+impl Delivery for async_nats::jetstream::Message {
+    fn payload(&self) -> &[u8] {
+        &self.message.payload
+    }
+}
+
+/// Creates the group's stream and its one durable pull consumer as
+/// tinybroker's `group_consumer` does: a WorkQueue memory stream of
+/// `replicas` (tinybroker's default `TINYBROKER_NATS_REPLICAS` is 3),
+/// `group_capacity` 65,536 messages and `group_max_bytes` 128 MiB, oldest
+/// discarded, a 120 s duplicate window; explicit acks, `ack_wait` 30 s
+/// (the default ack deadline), no limit on deliveries or pending acks.
+pub async fn js_group_setup(server: &Server, subject: &str, replicas: usize) -> Result<()> {
+    use async_nats::jetstream::{consumer, stream};
+    let client = connect(server).await?;
+    let js = async_nats::jetstream::new(client);
+    let stream = within(
+        NET,
+        "creating the JetStream stream",
+        js.create_stream(stream::Config {
+            name: JS_STREAM.into(),
+            subjects: vec![subject.to_owned()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::Memory,
+            num_replicas: replicas,
+            max_messages: 65_536,
+            max_bytes: 128 << 20,
+            discard: stream::DiscardPolicy::Old,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        }),
+    )
+    .await?
+    .context("creating the JetStream stream")?;
+    within(
+        NET,
+        "creating the JetStream consumer",
+        stream.create_consumer(consumer::pull::Config {
+            durable_name: Some(JS_CONSUMER.into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            max_ack_pending: -1,
+            ..Default::default()
+        }),
+    )
+    .await?
+    .context("creating the JetStream consumer")?;
+    Ok(())
+}
+
+/// A member of the group on its own connection to `server`: pulls batches
+/// of at most 256 from the shared durable consumer, one pull at a time
+/// (a tinybroker hub's shape), and acks every message explicitly from a
+/// task of its own (the MANUAL member's acker in tb.rs).
+pub async fn js_member(server: &Server, rec: Recorder, stop: CancellationToken) -> Result<JoinHandle<Tally>> {
+    use async_nats::jetstream::consumer::PullConsumer;
+    let client = connect(server).await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let consumer: PullConsumer = within(NET, "opening the JetStream consumer", async {
+        js.get_stream(JS_STREAM)
+            .await
+            .context("getting the JetStream stream")?
+            .get_consumer::<async_nats::jetstream::consumer::pull::Config>(JS_CONSUMER)
+            .await
+            .map_err(|e| anyhow::anyhow!("getting the JetStream consumer: {e}"))
+    })
+    .await??;
+    let batches = futures::stream::unfold(consumer, |c| async move {
+        let batch = c
+            .batch()
+            .max_messages(JS_PULL_BATCH)
+            .expires(JS_PULL_EXPIRES)
+            .messages()
+            .await;
+        Some((batch, c))
+    });
+    let messages = batches.flat_map(|batch| match batch {
+        Ok(batch) => batch.map(|m| m.map_err(|e| e.to_string())).left_stream(),
+        Err(e) => futures::stream::once(async move { Err(format!("pull failed: {e}")) }).right_stream(),
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Subject>();
+    let acker = tokio::spawn(async move {
+        let mut failed = 0u64;
+        while let Some(reply) = rx.recv().await {
+            if client.publish(reply, Bytes::new()).await.is_err() {
+                failed += 1;
+            }
+        }
+        let _ = within(NET, "flushing the acks", client.flush()).await;
+        failed
+    });
+    Ok(tokio::spawn(async move {
+        let tally = drive(messages, rec, stop, move |m: &async_nats::jetstream::Message| {
+            if let Some(reply) = &m.message.reply {
+                let _ = tx.send(reply.clone());
+            }
+        })
+        .await;
+        match within(NET, "sending the last acks", acker).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => eprintln!("warning: {n} JetStream acks not sent (their messages get redelivered)"),
+            Ok(Err(e)) => eprintln!("warning: JetStream ack task failed: {e}"),
+            Err(e) => eprintln!("warning: {e:#}"),
+        }
+        tally
+    }))
+}
+
+/// The group's publisher: every message a JetStream publish with a message
+/// id, its store ack awaited before the next (what a tinybroker replica
+/// does for each message of a PublishStream matching a group).
+pub struct JsPublisher {
+    js: async_nats::jetstream::Context,
+    subject: Subject,
+    sent: u64,
+}
+
+impl JsPublisher {
+    pub async fn new(server: &Server, topic: &str) -> Result<JsPublisher> {
+        Ok(JsPublisher {
+            js: async_nats::jetstream::new(connect(server).await?),
+            subject: Subject::from(topic),
+            sent: 0,
+        })
+    }
+
+    pub async fn send(&mut self, payload: Bytes, deadline: tokio::time::Instant) -> Result<()> {
+        let message = async_nats::jetstream::message::PublishMessage::build()
+            .payload(payload)
+            .message_id(format!("bench-{}", self.sent));
+        self.sent += 1;
+        before(deadline, "publishing to JetStream", async {
+            self.js
+                .send_publish(self.subject.clone(), message)
+                .await
+                .context("JetStream publish")?
+                .await
+                .context("JetStream publish ack")
+        })
+        .await??;
+        Ok(())
+    }
+}

@@ -177,14 +177,23 @@ fn vs_nats(spec: &Spec, s: &Summary, nats: &Summary) -> String {
                 verdict(p99.map(|r| r <= CLUSTER_P99_TARGET))
             )
         }
-        Spec::Cluster { rate: None, .. } => {
+        Spec::Cluster { rate: None, group, .. } => {
             let r = ratio(s.delivered, nats.delivered);
-            format!(
+            let mut text = format!(
                 "{} (target ≥ ×{:.1}: {})",
                 times(r),
                 CLUSTER_THROUGHPUT_TARGET,
                 verdict(r.map(|r| r >= CLUSTER_THROUGHPUT_TARGET))
-            )
+            );
+            if *group {
+                // Unpaced, so its latency is mostly queueing: shown, not judged.
+                text.push_str(&format!(
+                    "; p50 {}, p99 {}",
+                    times(ratio(s.p50, nats.p50)),
+                    times(ratio(s.p99, nats.p99))
+                ));
+            }
+            text
         }
         Spec::FanOut { .. } => format!(
             "{} (pub {})",

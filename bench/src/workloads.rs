@@ -83,12 +83,20 @@ pub enum Spec {
     /// the first node, `subs` subscribers spread over the nodes (subscriber
     /// i on node i % nodes), each on its own connection; at `rate` msg/s
     /// (the latency run) or as fast as the window lets it.
+    ///
+    /// With `group`, the `subs` are the members of one consumer group
+    /// (member i on node i % nodes) instead of broadcast subscribers: for
+    /// tinybroker a MANUAL cluster-wide group (a JetStream WorkQueue stream
+    /// under it), for NATS a JetStream WorkQueue memory stream with one
+    /// durable pull consumer shared by the members, published to with
+    /// JetStream's publish-and-await-ack.
     Cluster {
         nodes: usize,
         subs: usize,
         size: usize,
         rate: Option<u64>,
         messages: u64,
+        group: bool,
     },
     /// `subs` idle subscriptions, `per_conn` per connection. With
     /// `beyond_connections` the connections are opened (and counted by the
@@ -310,6 +318,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
                 size: 256,
                 rate: None,
                 messages: (if subs == 30 { messages / 10 } else { messages }).max(100),
+                group: false,
             },
             variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
         });
@@ -326,8 +335,31 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             size: 256,
             rate: Some(cluster_rate.max(1)),
             messages: (cluster_rate * cluster_seconds).max(100),
+            group: false,
         },
         variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+    });
+    // A MANUAL consumer group of 3, one member per node. Every publish
+    // waits for JetStream's store ack (R3) on both sides, so a tenth of the
+    // 1→3 count is plenty (and keeps --quick short).
+    out.push(Case {
+        id: format!("{CLUSTER_PREFIX}group"),
+        label: format!("cluster of {CLUSTER_NODES}: group of {CLUSTER_NODES} (MANUAL ack), 256 B"),
+        spec: Spec::Cluster {
+            nodes: CLUSTER_NODES,
+            subs: CLUSTER_NODES,
+            size: 256,
+            rate: None,
+            messages: (messages / 10).max(100),
+            group: true,
+        },
+        variants: vec![
+            Variant {
+                kind: Kind::Tinybroker,
+                manual_ack: true,
+            },
+            v(Kind::Nats),
+        ],
     });
     out
 }
@@ -389,6 +421,8 @@ fn tinybroker_env(settings: &Settings, subs: usize, per_sub_metrics: bool) -> Ti
 enum Publisher {
     Tb(tb::Publisher),
     Nats(nats::Publisher),
+    /// The NATS peer of a cluster-wide group: JetStream publish-and-await-ack.
+    NatsJs(nats::JsPublisher),
     Redis(redis_pubsub::Publisher),
 }
 
@@ -406,6 +440,7 @@ impl Publisher {
         match self {
             Publisher::Tb(x) => x.send(p, deadline).await,
             Publisher::Nats(x) => x.send(p, deadline).await,
+            Publisher::NatsJs(x) => x.send(p, deadline).await,
             Publisher::Redis(x) => x.send(p, deadline).await,
         }
     }
@@ -414,6 +449,8 @@ impl Publisher {
         match self {
             Publisher::Tb(x) => x.finish(sent).await,
             Publisher::Nats(x) => x.finish(sent).await,
+            // Every message's store ack was awaited by `send`.
+            Publisher::NatsJs(_) => Ok(()),
             Publisher::Redis(x) => x.finish(sent).await,
         }
     }
@@ -670,8 +707,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
             size,
             rate,
             messages,
+            group,
             ..
-        } => (subs, 1, size, messages, rate, false, false),
+        } => (subs, 1, size, messages, rate, group, false),
         Spec::Idle { .. } => unreachable!("idle runs are not messaging runs"),
     };
     let env = tinybroker_env(settings, live + 1, true);
@@ -690,6 +728,12 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     } else {
         (0..live).map(|_| Domain::new(messages, 1, signal.clone())).collect()
     };
+    // A consumer group over a NATS cluster: for the NATS peer, JetStream's
+    // stream and consumer, made before the members join.
+    let cluster_group = group && topology.nats.is_some();
+    if cluster_group && kind == Kind::Nats {
+        nats::js_group_setup(server, TOPIC, topology.entry().len()).await?;
+    }
     let mut receivers = Vec::with_capacity(live);
     if per_conn > 1 {
         // Broadcast subscribers sharing connections: the connections are
@@ -714,11 +758,12 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
             let member = group.then_some(i);
             let rec = Recorder::new(domain.clone());
             let (at, sync) = topology.subscriber(i);
-            receivers.push(
-                subscribe(variant, at, member, &sync, rec, stop.clone())
-                    .await
-                    .with_context(|| format!("opening subscriber {i}"))?,
-            );
+            let opened = if cluster_group && kind == Kind::Nats {
+                nats::js_member(at, rec, stop.clone()).await
+            } else {
+                subscribe(variant, at, member, &sync, rec, stop.clone()).await
+            };
+            receivers.push(opened.with_context(|| format!("opening subscriber {i}"))?);
         }
     }
     let _stalled = if stalled {
@@ -730,7 +775,11 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     } else {
         None
     };
-    let mut publisher = Publisher::new(kind, server).await?;
+    let mut publisher = if cluster_group && kind == Kind::Nats {
+        Publisher::NatsJs(nats::JsPublisher::new(server, TOPIC).await?)
+    } else {
+        Publisher::new(kind, server).await?
+    };
     let mut flow = Flow::new(domains.clone(), settings.window, signal.clone());
     let mut remarks = Vec::new();
 
@@ -824,6 +873,20 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     let received: u64 = tallies.iter().map(|t| t.received).sum();
     let split = (group && received > 0).then(|| tallies.iter().map(|t| t.received as f64 / received as f64).collect());
 
+    // A cluster group: what tinybroker's hubs redelivered (a duplicate is
+    // allowed only as a redelivery).
+    if cluster_group && kind == Kind::Tinybroker {
+        let mut redelivered = 0.0;
+        for replica in &topology.front {
+            if let Some(http) = replica.http {
+                let (_, text) = http_get(http, "/metrics").await?;
+                redelivered += crate::systems::prom_sum(&text, "tinybroker_redeliveries_total");
+            }
+        }
+        remarks.push(format!(
+            "{dup} duplicates, {redelivered} redeliveries counted by the replicas"
+        ));
+    }
     // Cluster runs: what the servers say they dropped on the way.
     let counted = topology.losses_counted().await?;
     if let Some(c) = &counted {
@@ -1069,13 +1132,21 @@ mod tests {
             .map(|c| c.id.as_str())
             .collect();
         assert_eq!(wide, ["wide-paced", "wide-max"]);
-        // `--only cluster` picks the three cluster runs and nothing else.
+        // `--only cluster` picks the four cluster runs and nothing else.
         let clustered: Vec<&Case> = cases
             .iter()
             .filter(|c| c.id.contains("cluster") || c.label.contains("cluster"))
             .collect();
         let ids: Vec<&str> = clustered.iter().map(|c| c.id.as_str()).collect();
-        assert_eq!(ids, ["cluster-fanout-3", "cluster-fanout-30", "cluster-latency"]);
+        assert_eq!(
+            ids,
+            [
+                "cluster-fanout-3",
+                "cluster-fanout-30",
+                "cluster-latency",
+                "cluster-group"
+            ]
+        );
         assert!(
             clustered
                 .iter()
@@ -1096,8 +1167,25 @@ mod tests {
                 subs: 3,
                 rate: Some(5000),
                 messages: 5000,
+                group: false,
                 ..
             }
         ));
+        assert!(matches!(
+            clustered[3].spec,
+            Spec::Cluster {
+                subs: 3,
+                rate: None,
+                messages: 300,
+                group: true,
+                ..
+            }
+        ));
+        assert!(
+            clustered[3]
+                .variants
+                .iter()
+                .any(|v| v.kind == Kind::Tinybroker && v.manual_ack)
+        );
     }
 }
