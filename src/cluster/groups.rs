@@ -599,9 +599,11 @@ impl ClusterEngine {
         let mut messages = Vec::new();
         for hub in &hubs {
             let mut state = hub.state.lock();
-            let held: Vec<Held> = state.held.drain().map(|(_, h)| h).collect();
+            // Lowest sequence first (nak_in_order).
+            let mut held: Vec<(u64, Held)> = state.held.drain().collect();
+            held.sort_unstable_by_key(|(seq, _)| *seq);
             hub.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
-            messages.extend(held.into_iter().map(|h| h.message));
+            messages.extend(held.into_iter().map(|(_, h)| h.message));
             messages.extend(state.waiting.drain(..).map(|w| w.message));
             for member in &mut state.members {
                 member.holds = 0;
@@ -959,6 +961,7 @@ impl Hub {
 
     pub(super) fn nack(&self, member: &str, sequences: &[u64]) -> Nacked {
         let mut result = Nacked::default();
+        let mut failed = Vec::new();
         for &seq in sequences {
             let held = {
                 let mut state = self.state.lock();
@@ -971,30 +974,33 @@ impl Hub {
             match held {
                 Some(held) => {
                     result.requeued += 1;
-                    self.retry(held);
+                    failed.push((seq, held));
                 }
                 None => result.unknown += 1,
             }
         }
+        self.retry(failed);
         self.room.notify_one();
         result
     }
 
-    /// A delivery failed: redelivered, or dead-lettered after its last
-    /// allowed attempt.
-    fn retry(&self, held: Held) {
+    /// Deliveries failed: each redelivered, or dead-lettered after its
+    /// last allowed attempt.
+    fn retry(&self, failed: Vec<(u64, Held)>) {
         let max = self.engine.inner.local.limits().max_delivery_attempts;
-        let engine = self.engine.clone();
-        let group = self.name.clone();
-        if max > 0 && held.attempt >= max {
-            self.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            tokio::spawn(async move { engine.dead_letter(&group, &held.message, held.attempt).await });
-            return;
+        let mut redeliver = Vec::new();
+        for (seq, held) in failed {
+            if max > 0 && held.attempt >= max {
+                self.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                let engine = self.engine.clone();
+                let group = self.name.clone();
+                tokio::spawn(async move { engine.dead_letter(&group, &held.message, held.attempt).await });
+            } else {
+                redeliver.push((seq, held));
+            }
         }
-        self.redeliveries.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(async move {
-            let _ = held.message.ack_with(AckKind::Nak(None)).await;
-        });
+        self.redeliveries.fetch_add(redeliver.len() as u64, Ordering::Relaxed);
+        nak_in_order(redeliver);
     }
 
     /// Retries what is held past its member's ack deadline.
@@ -1006,7 +1012,7 @@ impl Hub {
                 _ = self.stop.cancelled() => return,
             }
             let now = Instant::now();
-            let expired: Vec<Held> = {
+            let expired: Vec<(u64, Held)> = {
                 let mut state = self.state.lock();
                 // Still being worked on here: JetStream must not redeliver
                 // it elsewhere (each member has its own deadline).
@@ -1030,15 +1036,13 @@ impl Hub {
                     if let Some(held) = state.held.remove(&seq) {
                         let member = held.member.clone();
                         state.release(&member);
-                        expired.push(held);
+                        expired.push((seq, held));
                     }
                 }
                 expired
             };
             if !expired.is_empty() {
-                for held in expired {
-                    self.retry(held);
-                }
+                self.retry(expired);
                 self.room.notify_one();
             }
         }
@@ -1064,15 +1068,11 @@ impl Hub {
                 .filter(|(_, h)| &*h.member == member)
                 .map(|(s, _)| *s)
                 .collect();
-            let held: Vec<Held> = seqs.iter().filter_map(|s| state.held.remove(s)).collect();
+            let held: Vec<(u64, Held)> = seqs.iter().filter_map(|&s| Some((s, state.held.remove(&s)?))).collect();
             (held, state.members.is_empty())
         };
-        for h in held {
-            self.redeliveries.fetch_add(1, Ordering::Relaxed);
-            tokio::spawn(async move {
-                let _ = h.message.ack_with(AckKind::Nak(None)).await;
-            });
-        }
+        self.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
+        nak_in_order(held);
         if empty {
             let hub = self.clone();
             tokio::spawn(async move {
@@ -1096,6 +1096,23 @@ impl Hub {
         }
         self.room.notify_one();
     }
+}
+
+/// Hands messages back to JetStream for redelivery at once, lowest
+/// sequence first, one after another on the connection: JetStream
+/// redelivers in the order of the naks, so the backlog's front is in
+/// sequence order as the contract says (one task per nak, as before,
+/// reordered them).
+fn nak_in_order(mut held: Vec<(u64, Held)>) {
+    if held.is_empty() {
+        return;
+    }
+    held.sort_unstable_by_key(|(seq, _)| *seq);
+    tokio::spawn(async move {
+        for (_, h) in held {
+            let _ = h.message.ack_with(AckKind::Nak(None)).await;
+        }
+    });
 }
 
 trait HeldExt {
