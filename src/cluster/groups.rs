@@ -462,6 +462,7 @@ impl ClusterEngine {
             healed_at: Mutex::new(Instant::now()),
             state: Mutex::new(HubState::default()),
             room: tokio::sync::Notify::new(),
+            emptied: tokio::sync::Notify::new(),
             stop: tokio_util::sync::CancellationToken::new(),
             pulled: tokio_util::sync::CancellationToken::new(),
             ack_wait,
@@ -683,6 +684,8 @@ pub(super) struct Hub {
     state: Mutex<HubState>,
     /// Notified when a member gets room.
     room: tokio::sync::Notify,
+    /// Notified when the last member leaves.
+    emptied: tokio::sync::Notify,
     /// The consumer's `ack_wait`: JetStream redelivers a message not acked
     /// or progressed for this long (a replica that died).
     ack_wait: Duration,
@@ -849,21 +852,36 @@ impl Hub {
                 .messages()
                 .await;
             match batch {
-                Ok(mut batch) => {
-                    while let Some(message) = batch.next().await {
-                        match message {
-                            Ok(message) if self.stop.is_cancelled() || closing.is_cancelled() => {
-                                let _ = message.ack_with(AckKind::Nak(None)).await;
-                            }
-                            Ok(message) => self.hand_out(message),
-                            Err(error) => {
-                                tracing::debug!(group = %self.name, %error, "pull interrupted");
-                                self.heal().await;
+                Ok(mut batch) => loop {
+                    let message = tokio::select! {
+                        message = batch.next() => message,
+                        _ = self.emptied.notified() => {
+                            if self.state.lock().members.is_empty() {
+                                // The last member left: dropping the batch
+                                // unsubscribes its inbox, and the server
+                                // forgets a pull nobody listens to. What is
+                                // published now stays in the stream, the
+                                // backlog, instead of reaching this hub
+                                // with no member to take it (to be nacked
+                                // later, using up an attempt).
                                 break;
                             }
+                            continue;
+                        }
+                    };
+                    let Some(message) = message else { break };
+                    match message {
+                        Ok(message) if self.stop.is_cancelled() || closing.is_cancelled() => {
+                            let _ = message.ack_with(AckKind::Nak(None)).await;
+                        }
+                        Ok(message) => self.hand_out(message),
+                        Err(error) => {
+                            tracing::debug!(group = %self.name, %error, "pull interrupted");
+                            self.heal().await;
+                            break;
                         }
                     }
-                }
+                },
                 Err(error) => {
                     tracing::debug!(group = %self.name, %error, "pull failed; retrying");
                     self.heal().await;
@@ -1074,6 +1092,7 @@ impl Hub {
         self.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
         nak_in_order(held);
         if empty {
+            self.emptied.notify_one();
             let hub = self.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(PULL_EXPIRES + Duration::from_millis(250)).await;
