@@ -463,6 +463,7 @@ impl ClusterEngine {
             state: Mutex::new(HubState::default()),
             room: tokio::sync::Notify::new(),
             emptied: tokio::sync::Notify::new(),
+            pulling: tokio::sync::watch::Sender::new(false),
             stop: tokio_util::sync::CancellationToken::new(),
             pulled: tokio_util::sync::CancellationToken::new(),
             ack_wait,
@@ -686,6 +687,8 @@ pub(super) struct Hub {
     room: tokio::sync::Notify,
     /// Notified when the last member leaves.
     emptied: tokio::sync::Notify,
+    /// True while a pull is outstanding.
+    pulling: tokio::sync::watch::Sender<bool>,
     /// The consumer's `ack_wait`: JetStream redelivers a message not acked
     /// or progressed for this long (a replica that died).
     ack_wait: Duration,
@@ -845,6 +848,7 @@ impl Hub {
                 }
             }
             let consumer = self.consumer.lock().clone();
+            self.pulling.send_replace(true);
             let batch = consumer
                 .batch()
                 .max_messages(room.min(256))
@@ -884,10 +888,13 @@ impl Hub {
                 },
                 Err(error) => {
                     tracing::debug!(group = %self.name, %error, "pull failed; retrying");
+                    self.pulling.send_replace(false);
                     self.heal().await;
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
+            // The batch (its inbox) is gone.
+            self.pulling.send_replace(false);
         }
     }
 
@@ -1018,7 +1025,7 @@ impl Hub {
             }
         }
         self.redeliveries.fetch_add(redeliver.len() as u64, Ordering::Relaxed);
-        nak_in_order(redeliver);
+        nak_in_order(redeliver, std::future::ready(()));
     }
 
     /// Retries what is held past its member's ack deadline.
@@ -1090,9 +1097,15 @@ impl Hub {
             (held, state.members.is_empty())
         };
         self.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
-        nak_in_order(held);
         if empty {
             self.emptied.notify_one();
+            // The pull goes first (its inbox unsubscribed before the naks
+            // are sent), or a redelivery would come back to this hub with
+            // no member to take it.
+            let mut pulling = self.pulling.subscribe();
+            nak_in_order(held, async move {
+                let _ = tokio::time::timeout(2 * PULL_EXPIRES, pulling.wait_for(|p| !*p)).await;
+            });
             let hub = self.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(PULL_EXPIRES + Duration::from_millis(250)).await;
@@ -1112,22 +1125,25 @@ impl Hub {
                     let _ = w.message.ack_with(AckKind::Nak(None)).await;
                 }
             });
+        } else {
+            nak_in_order(held, std::future::ready(()));
         }
         self.room.notify_one();
     }
 }
 
-/// Hands messages back to JetStream for redelivery at once, lowest
-/// sequence first, one after another on the connection: JetStream
-/// redelivers in the order of the naks, so the backlog's front is in
-/// sequence order as the contract says (one task per nak, as before,
+/// Hands messages back to JetStream for redelivery at once (once `first`
+/// is done), lowest sequence first, one after another on the connection:
+/// JetStream redelivers in the order of the naks, so the backlog's front is
+/// in sequence order as the contract says (one task per nak, as before,
 /// reordered them).
-fn nak_in_order(mut held: Vec<(u64, Held)>) {
+fn nak_in_order(mut held: Vec<(u64, Held)>, first: impl std::future::Future<Output = ()> + Send + 'static) {
     if held.is_empty() {
         return;
     }
     held.sort_unstable_by_key(|(seq, _)| *seq);
     tokio::spawn(async move {
+        first.await;
         for (_, h) in held {
             let _ = h.message.ack_with(AckKind::Nak(None)).await;
         }
