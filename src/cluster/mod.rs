@@ -310,6 +310,11 @@ impl ClusterEngine {
             groups,
         };
         self.beat(&ready).await.map_err(|e| retry(&e))?;
+        // Calls are answered from here on (nothing below fails and retries
+        // the set-up): a replica starting at the same time pings this one
+        // as this one pings it, and when each answered only after its own
+        // pings, both waited RPC_TIMEOUT.
+        tokio::spawn(self.clone().answer(calls));
         for replica in self.live_replicas(&ready).await {
             if replica != inner.config.replica_id {
                 let _ = rpc::call(client, prefix, &replica, &rpc::Call::Ping).await;
@@ -317,7 +322,6 @@ impl ClusterEngine {
         }
         *inner.ready.lock() = Some(ready.clone());
         tokio::spawn(self.clone().receive(remote));
-        tokio::spawn(self.clone().answer(calls));
         tokio::spawn(self.clone().watch_groups(ready.clone()));
         tokio::spawn(self.clone().heartbeat(ready));
         tracing::info!(
