@@ -10,7 +10,7 @@ pub mod tls;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
-use tinybroker::config::{Config, Limits};
+use tinybroker::config::{ClusterConfig, Config, Limits};
 use tinybroker::pb;
 use tinybroker::pb::admin_client::AdminClient;
 use tinybroker::pb::broker_client::BrokerClient;
@@ -26,11 +26,26 @@ pub async fn timeout<F: Future>(body: F) -> F::Output {
     tokio::time::timeout(TEST_TIMEOUT, body).await.expect("test timed out")
 }
 
+/// A broker under test. With the memory engine, one embedded broker. With
+/// the cluster engine ([`TestEngine::Cluster`]), replica `a` of two: its
+/// fields (`grpc_addr`, `metrics_addr`, `url()`, `subscriptions()`,
+/// `http_get`) are replica `a`'s, while [`TestBroker::channel`] (and so
+/// `client()`, `admin()`, `wide_channel()`, `narrow_channel()`) alternates
+/// between `a` and `b`; [`TestBroker::replica`] gives a particular one.
 pub struct TestBroker {
     pub grpc_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    /// Cluster engine: replica `b` (replica `a` is this one).
+    peers: Vec<TestBroker>,
+    /// Cluster engine: the NATS server under the replicas (dropped after
+    /// them: fields drop in order).
+    nats: Option<nats::NatsCluster>,
+    /// The next replica [`TestBroker::channel`] connects to.
+    turn: std::sync::atomic::AtomicUsize,
+    /// The next replica [`TestBroker::group`] asks.
+    admin_turn: std::sync::atomic::AtomicUsize,
 }
 
 pub fn config() -> Config {
@@ -49,24 +64,80 @@ pub async fn start_with_limits(limits: Limits) -> TestBroker {
 }
 
 /// The engine a test broker runs: `TB_ENGINE`, `memory` (the default,
-/// the embedded single-node engine). Suites that state the contract
-/// (`tests/contract/`) run against whichever is picked.
+/// the embedded single-node engine) or `cluster` (two replicas over a
+/// nats-server: [`start_cluster`]). Suites that state the contract
+/// (`tests/contract/`) run against whichever is picked; the other suites
+/// are written for the memory engine (`tests/cluster.rs` starts its own
+/// replicas).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TestEngine {
     Memory,
+    Cluster,
 }
 
 pub fn test_engine() -> TestEngine {
     match std::env::var("TB_ENGINE").as_deref() {
         Err(_) | Ok("" | "memory") => TestEngine::Memory,
-        Ok(other) => panic!("TB_ENGINE={other:?}: this tree has one engine, memory"),
+        Ok("cluster") => TestEngine::Cluster,
+        Ok(other) => panic!("TB_ENGINE={other:?}: the engines are memory (the default) and cluster"),
     }
 }
 
+/// A broker with `config`, on the engine [`test_engine`] picks. A config
+/// that already turns cluster mode on (`config.cluster`) is one replica,
+/// started as it is, whatever the engine.
 pub async fn start_with(config: Config) -> TestBroker {
+    if config.cluster.is_some() {
+        return start_embedded(config).await;
+    }
     match test_engine() {
         TestEngine::Memory => start_embedded(config).await,
+        TestEngine::Cluster => start_cluster(config).await,
     }
+}
+
+/// The replica ids of [`start_cluster`]'s replicas, in order.
+pub const CLUSTER_REPLICAS: [&str; 2] = ["a", "b"];
+
+/// Two cluster-engine replicas, `a` and `b`, in this process, each with
+/// `config`, over one nats-server of their own with JetStream (memory
+/// storage; `nats_replicas` 1) and a prefix of their own; returned once
+/// both are SERVING. Panics without a nats-server >= 2.10 (see
+/// `nats::NatsCluster::binary`): `TB_ENGINE=cluster` asked for one.
+pub async fn start_cluster(config: Config) -> TestBroker {
+    let nats = nats::NatsCluster::start(1).await.unwrap_or_else(|| {
+        panic!("TB_ENGINE=cluster needs a nats-server >= 2.10 (TB_NATS_SERVER=<path>; scripts/install-nats.sh)")
+    });
+    let prefix = format!("contract{}", unique());
+    let mut replicas = Vec::new();
+    for id in CLUSTER_REPLICAS {
+        let config = Config {
+            cluster: Some(ClusterConfig {
+                nats_urls: nats.urls(),
+                prefix: prefix.clone(),
+                nats_replicas: 1,
+                nats_token: None,
+                nats_creds: None,
+                nats_ca: None,
+                replica_id: id.into(),
+            }),
+            ..config.clone()
+        };
+        replicas.push(start_embedded(config).await);
+    }
+    for replica in &replicas {
+        wait_until("a cluster replica to be SERVING", || replica.is_serving()).await;
+    }
+    let mut a = replicas.remove(0);
+    a.peers = replicas;
+    a.nats = Some(nats);
+    a
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// A broker with the embedded engine, in this process.
@@ -84,22 +155,54 @@ async fn start_embedded(config: Config) -> TestBroker {
         metrics_addr,
         shutdown: Some(tx),
         task: Some(task),
+        peers: Vec::new(),
+        nats: None,
+        turn: Default::default(),
+        admin_turn: Default::default(),
     }
 }
 
 impl TestBroker {
+    /// Replica `a`'s URL (the only broker's with the memory engine).
     pub fn url(&self) -> String {
         format!("http://{}", self.grpc_addr)
     }
 
+    /// How many replicas serve this broker: 1, or 2 with the cluster engine.
+    pub fn replica_count(&self) -> usize {
+        1 + self.peers.len()
+    }
+
+    /// Replica `i` (0 is `a`, this one; 1 is `b`).
+    pub fn replica(&self, i: usize) -> &TestBroker {
+        match i {
+            0 => self,
+            i => &self.peers[i - 1],
+        }
+    }
+
+    /// The URL of the replica the next channel goes to; with one replica,
+    /// always [`TestBroker::url`]. Each call moves on to the next replica,
+    /// so that a test's publisher and subscribers, or a member and its Ack,
+    /// are on different replicas in cluster mode.
+    fn next_url(&self) -> String {
+        let n = self.replica_count();
+        if n == 1 {
+            return self.url();
+        }
+        let i = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
+        self.replica(i).url()
+    }
+
+    /// A channel to the next replica (see [`TestBroker::next_url`]).
     pub async fn channel(&self) -> Channel {
-        Endpoint::from_shared(self.url()).unwrap().connect().await.unwrap()
+        Endpoint::from_shared(self.next_url()).unwrap().connect().await.unwrap()
     }
 
     /// A channel whose HTTP/2 windows are large enough that the broker can
     /// push everything a test publishes without the client reading.
     pub async fn wide_channel(&self) -> Channel {
-        Endpoint::from_shared(self.url())
+        Endpoint::from_shared(self.next_url())
             .unwrap()
             .initial_stream_window_size(64 << 20)
             .initial_connection_window_size(64 << 20)
@@ -111,7 +214,7 @@ impl TestBroker {
     /// A channel with the smallest HTTP/2 windows, so that a client that
     /// stops reading stops the broker's writes after about 64 KiB.
     pub async fn narrow_channel(&self) -> Channel {
-        Endpoint::from_shared(self.url())
+        Endpoint::from_shared(self.next_url())
             .unwrap()
             .initial_stream_window_size(65_535)
             .initial_connection_window_size(65_535)
@@ -128,17 +231,40 @@ impl TestBroker {
         AdminClient::new(self.channel().await)
     }
 
+    /// A client of replica `i` modulo [`TestBroker::replica_count`] (so the
+    /// only broker's with the memory engine), without moving
+    /// [`TestBroker::channel`]'s turn.
+    pub async fn client_on(&self, i: usize) -> BrokerClient<Channel> {
+        BrokerClient::connect(self.replica(i % self.replica_count()).url())
+            .await
+            .unwrap()
+    }
+
+    /// True when the gRPC health service says SERVING.
+    pub async fn is_serving(&self) -> bool {
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+        let Ok(channel) = Endpoint::from_shared(self.url()).unwrap().connect().await else {
+            return false;
+        };
+        HealthClient::new(channel)
+            .check(HealthCheckRequest { service: String::new() })
+            .await
+            .is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
+    }
+
     /// Every open subscription as the Admin API lists it.
     pub async fn subscriptions(&self) -> Vec<pb::SubscriptionInfo> {
         subscriptions(&self.url()).await
     }
 
     /// The consumer group `name` as the Admin API lists it.
+    /// In cluster mode each call asks the next replica (without moving
+    /// [`TestBroker::channel`]'s turn): the listing is cluster-wide.
     pub async fn group(&self, name: &str) -> Option<pb::ConsumerGroupInfo> {
-        groups(&mut self.admin().await)
-            .await
-            .into_iter()
-            .find(|g| g.name == name)
+        let i = self.admin_turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.replica_count();
+        let mut admin = AdminClient::connect(self.replica(i).url()).await.unwrap();
+        groups(&mut admin).await.into_iter().find(|g| g.name == name)
     }
 
     /// Begins shutdown (as SIGTERM would).
@@ -148,10 +274,17 @@ impl TestBroker {
         }
     }
 
-    /// Triggers shutdown and waits for `server::run` to return.
+    /// Triggers shutdown and waits for `server::run` to return (every
+    /// replica's, in cluster mode).
     pub async fn stop(mut self) {
         self.trigger_shutdown();
+        for peer in &mut self.peers {
+            peer.trigger_shutdown();
+        }
         self.join().await;
+        for peer in &mut self.peers {
+            peer.join().await;
+        }
     }
 
     pub async fn join(&mut self) {
