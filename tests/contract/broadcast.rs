@@ -17,12 +17,19 @@ async fn three_subscribers_on_a_wildcard_each_receive_the_message() {
         for _ in 0..3 {
             streams.push(subscribe(&mut client, &["deploy.*"]).await);
         }
-        let response = client
+        let mut publisher = broker.client().await;
+        let response = publisher
             .publish(publish_request("deploy.rollout", "v42"))
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(response.matched_subscriptions, 3);
+        if test_engine() == TestEngine::Cluster {
+            // docs/contract.md, Cluster mode: `matched_subscriptions` counts
+            // the publishing replica's matches; the three are on the other.
+            assert_eq!(response.matched_subscriptions, 0);
+        } else {
+            assert_eq!(response.matched_subscriptions, 3);
+        }
         assert_eq!(response.matched_groups, 0);
         for (stream, id) in &mut streams {
             let m = stream.message().await.unwrap().unwrap();
@@ -47,9 +54,10 @@ async fn messages_carry_sequence_time_headers_and_subscription_id() {
             ("trace".to_string(), "abc".to_string()),
             ("k".to_string(), "v=1".to_string()),
         ]);
+        let mut publisher = broker.client().await;
         let mut sequences = Vec::new();
         for i in 0..3 {
-            let r = client
+            let r = publisher
                 .publish(pb::PublishRequest {
                     topic: format!("orders.eu.{i}"),
                     payload: vec![i as u8, 0, 255].into(),
@@ -84,13 +92,23 @@ async fn a_message_matching_two_patterns_is_delivered_once() {
         let broker = start().await;
         let mut client = broker.client().await;
         let (mut stream, _) = subscribe(&mut client, &["deploy.*", "deploy.>", "deploy.rollout"]).await;
-        let r = client
+        let mut publisher = broker.client().await;
+        let r = publisher
             .publish(publish_request("deploy.rollout", "once"))
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(r.matched_subscriptions, 1);
-        client.publish(publish_request("deploy.next", "marker")).await.unwrap();
+        if test_engine() == TestEngine::Cluster {
+            // docs/contract.md, Cluster mode: `matched_subscriptions` counts
+            // the publishing replica's matches; the subscriber is on the other.
+            assert_eq!(r.matched_subscriptions, 0);
+        } else {
+            assert_eq!(r.matched_subscriptions, 1);
+        }
+        publisher
+            .publish(publish_request("deploy.next", "marker"))
+            .await
+            .unwrap();
         let first = stream.message().await.unwrap().unwrap();
         assert_eq!(&first.payload[..], b"once");
         let second = stream.message().await.unwrap().unwrap();
@@ -104,6 +122,9 @@ async fn patterns_follow_nats_semantics() {
     timeout(async {
         let broker = start().await;
         let mut client = broker.client().await;
+        // One client for the subscriptions and the publishes: the count is
+        // what this test observes, and in cluster mode it counts the
+        // publishing replica's matches (docs/contract.md, Cluster mode).
         let cases = [
             ("deploy.*", "deploy.a", 1),
             ("deploy.*", "deploy", 0),
@@ -188,8 +209,9 @@ async fn publish_stream_reports_counts_and_sequences() {
         let broker = start().await;
         let mut client = broker.client().await;
         let (mut stream, _) = subscribe(&mut client, &["s.*"]).await;
+        let mut publisher = broker.client().await;
         let requests: Vec<_> = (0..100).map(|i| publish_request("s.x", &i.to_string())).collect();
-        let r = client
+        let r = publisher
             .publish_stream(futures::stream::iter(requests))
             .await
             .unwrap()
@@ -201,7 +223,7 @@ async fn publish_stream_reports_counts_and_sequences() {
             assert_eq!(m.payload, i.to_string().into_bytes());
             assert_eq!(m.sequence, r.first_sequence + i);
         }
-        let empty = client
+        let empty = publisher
             .publish_stream(futures::stream::iter(Vec::<pb::PublishRequest>::new()))
             .await
             .unwrap()
@@ -217,13 +239,14 @@ async fn publish_stream_ends_at_the_first_bad_message_and_keeps_the_earlier_ones
         let broker = start().await;
         let mut client = broker.client().await;
         let (mut stream, _) = subscribe(&mut client, &["s.>"]).await;
+        let mut publisher = broker.client().await;
         let requests = vec![
             publish_request("s.a", "1"),
             publish_request("s.b", "2"),
             publish_request("s..bad", "3"),
             publish_request("s.c", "4"),
         ];
-        let err = client
+        let err = publisher
             .publish_stream(futures::stream::iter(requests))
             .await
             .unwrap_err();
@@ -235,7 +258,7 @@ async fn publish_stream_ends_at_the_first_bad_message_and_keeps_the_earlier_ones
             assert_eq!(m.payload, expected.as_bytes());
         }
         // Nothing after the bad one was published.
-        client.publish(publish_request("s.marker", "m")).await.unwrap();
+        publisher.publish(publish_request("s.marker", "m")).await.unwrap();
         let m = stream.message().await.unwrap().unwrap();
         assert_eq!(&m.payload[..], b"m");
     })
@@ -255,14 +278,15 @@ async fn subscription_ids_are_returned_and_unique_while_open() {
             "worker-1"
         );
         let stream = response.into_inner();
-        let err = client.open_subscription(request.clone()).await.unwrap_err();
+        let mut other = broker.client().await;
+        let err = other.open_subscription(request.clone()).await.unwrap_err();
         assert_eq!(err.code(), Code::AlreadyExists);
         assert!(err.message().contains("worker-1"), "{}", err.message());
 
         // Cancelling the stream frees the id (and stops routing to it).
         drop(stream);
         wait_until("the cancelled subscription to be removed", || {
-            let mut client = client.clone();
+            let mut client = other.clone();
             let request = request.clone();
             async move { client.open_subscription(request).await.is_ok() }
         })
@@ -276,6 +300,8 @@ async fn a_cancelled_subscription_disappears() {
     timeout(async {
         let broker = start().await;
         let mut client = broker.client().await;
+        // One client: the publishing replica's count is what this test
+        // observes (docs/contract.md, Cluster mode).
         let (stream, _) = subscribe(&mut client, &["gone.*"]).await;
         let r = client
             .publish(publish_request("gone.x", "1"))
@@ -387,6 +413,8 @@ async fn oversized_messages_are_resource_exhausted() {
         .await;
         let mut client = broker.client().await;
         let (mut stream, _) = subscribe(&mut client, &["big"]).await;
+        // The publisher: another connection (another replica in cluster mode).
+        let mut client = broker.client().await;
         // Exactly at the limit (payload plus headers) is fine.
         let mut at_limit = publish_request("big", &"x".repeat(990));
         at_limit.headers.insert("abc".into(), "1234567".into());
@@ -445,6 +473,8 @@ async fn bad_input_does_not_disturb_other_subscribers() {
         let broker = start().await;
         let mut client = broker.client().await;
         let (mut stream, _) = subscribe(&mut client, &["ok.*"]).await;
+        // The publisher: another connection (another replica in cluster mode).
+        let mut client = broker.client().await;
         client.publish(publish_request("ok.1", "1")).await.unwrap();
         let _ = client.publish(publish_request("bad topic", "x")).await.unwrap_err();
         let _ = client.open_subscription(subscribe_request(&[">.x"])).await.unwrap_err();
