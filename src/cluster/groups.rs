@@ -458,6 +458,7 @@ impl ClusterEngine {
             name: name.to_owned(),
             patterns: patterns.to_vec(),
             engine: self.clone(),
+            js: ready.js.clone(),
             consumer: Mutex::new(consumer),
             healed_at: Mutex::new(Instant::now()),
             state: Mutex::new(HubState::default()),
@@ -679,6 +680,7 @@ pub(super) struct Hub {
     /// removed under its members ([`Hub::heal`]).
     patterns: Vec<String>,
     engine: ClusterEngine,
+    js: jetstream::Context,
     consumer: Mutex<jetstream::consumer::PullConsumer>,
     /// When [`Hub::heal`] last ran.
     healed_at: Mutex<Instant>,
@@ -847,31 +849,34 @@ impl Hub {
                     _ = closing.cancelled() => return,
                 }
             }
-            let consumer = self.consumer.lock().clone();
+            let mut consumer = self.consumer.lock().clone();
             self.pulling.send_replace(true);
-            let batch = consumer
-                .batch()
-                .max_messages(room.min(256))
-                .expires(PULL_EXPIRES)
-                .messages()
-                .await;
+            let batch = Pull::start(&self.engine.inner.client, &self.js, &consumer, room.min(256)).await;
             match batch {
                 Ok(mut batch) => loop {
                     let message = tokio::select! {
-                        message = batch.next() => message,
-                        _ = self.emptied.notified() => {
-                            if self.state.lock().members.is_empty() {
-                                // The last member left: dropping the batch
-                                // unsubscribes its inbox, and the server
-                                // forgets a pull nobody listens to. What is
-                                // published now stays in the stream, the
-                                // backlog, instead of reaching this hub
-                                // with no member to take it (to be nacked
-                                // later, using up an attempt).
-                                break;
-                            }
-                            continue;
+                        message = batch.next() => Some(message),
+                        _ = self.emptied.notified() => None,
+                    };
+                    let Some(message) = message else {
+                        if self.state.lock().members.is_empty() {
+                            // The last member left: its inbox unsubscribed,
+                            // the server forgets a pull nobody listens to.
+                            // What is published now stays in the stream,
+                            // the backlog, instead of reaching this hub
+                            // with no member to take it (to be nacked
+                            // later, using up an attempt).
+                            batch.cancel().await;
+                            // JetStream drops a pull whose inbox lost its
+                            // subscriber only when it next goes over its
+                            // waiting pulls, as a consumer info makes it
+                            // do; till then a nacked message could be sent
+                            // to it, found undeliverable and queued again
+                            // behind the others (out of order).
+                            let _ = tokio::time::timeout(PULL_EXPIRES, consumer.info()).await;
+                            break;
                         }
+                        continue;
                     };
                     let Some(message) = message else { break };
                     match message {
@@ -1148,6 +1153,73 @@ fn nak_in_order(mut held: Vec<(u64, Held)>, first: impl std::future::Future<Outp
             let _ = h.message.ack_with(AckKind::Nak(None)).await;
         }
     });
+}
+
+/// One pull request and the subscription its answer comes to, as
+/// async-nats' `Consumer::batch` makes them, with an unsubscribe that is
+/// awaited ([`Pull::cancel`]): dropping async-nats' `Batch` unsubscribes from
+/// a task of its own, so what this replica sends next (a leaving member's
+/// naks) could reach the server first and be redelivered to the pull being
+/// dropped.
+struct Pull {
+    subscriber: async_nats::Subscriber,
+    js: jetstream::Context,
+    left: usize,
+    /// As async-nats: a pull whose expiry never came ends 5 s after it.
+    deadline: Instant,
+}
+
+impl Pull {
+    async fn start(
+        client: &async_nats::Client,
+        js: &jetstream::Context,
+        consumer: &jetstream::consumer::PullConsumer,
+        messages: usize,
+    ) -> Result<Pull, async_nats::Error> {
+        let inbox = client.new_inbox();
+        let subscriber = client.subscribe(inbox.clone()).await?;
+        let request = pull::BatchConfig {
+            batch: messages,
+            expires: Some(PULL_EXPIRES),
+            ..Default::default()
+        };
+        consumer.request_batch(request, inbox.into()).await?;
+        Ok(Pull {
+            subscriber,
+            js: js.clone(),
+            left: messages,
+            deadline: Instant::now() + PULL_EXPIRES + Duration::from_secs(5),
+        })
+    }
+
+    /// The next message; None once the pull is answered in full or has
+    /// expired.
+    async fn next(&mut self) -> Option<Result<jetstream::Message, String>> {
+        use async_nats::StatusCode;
+        while self.left > 0 {
+            let message = tokio::time::timeout_at(self.deadline, self.subscriber.next())
+                .await
+                .ok()??;
+            match message.status.unwrap_or(StatusCode::OK) {
+                StatusCode::OK => {
+                    self.left -= 1;
+                    return Some(Ok(jetstream::Message {
+                        message,
+                        context: self.js.clone(),
+                    }));
+                }
+                StatusCode::IDLE_HEARTBEAT => {}
+                StatusCode::TIMEOUT | StatusCode::NOT_FOUND => return None,
+                status => return Some(Err(format!("{status}: {:?}", message.description))),
+            }
+        }
+        None
+    }
+
+    /// Unsubscribes (sent before anything this replica sends after).
+    async fn cancel(&mut self) {
+        let _ = self.subscriber.unsubscribe().await;
+    }
 }
 
 trait HeldExt {
