@@ -20,7 +20,7 @@ const SIZES: &[usize] = &[
 /// bytes that depend on its index, so a piece of another message or a
 /// shifted copy is seen.
 fn payload(i: usize) -> Vec<u8> {
-    let len = if i % 2 == 0 { SIZES[i / 2] } else { 3 };
+    let len = if i.is_multiple_of(2) { SIZES[i / 2] } else { 3 };
     (0..len).map(|j| (i * 7 + j * 13 % 251) as u8).collect()
 }
 
