@@ -362,6 +362,61 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
     .await;
 }
 
+/// A replica started while a group exists routes to it from its very first
+/// accepted publish: it reads the group table before it serves (a publish
+/// loop from the moment it starts takes the first one it accepts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_later_knows_the_groups_from_its_first_publish() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let first = replicas(&nats, 1, "late").await;
+        let mut client = first[0].client().await;
+        let mut member = client
+            .open_subscription(member_request(&["late.*"], "early", false, 16))
+            .await
+            .unwrap()
+            .into_inner();
+        let late = start_with(replica_config(urls_from(&nats, 1), "late", "late")).await;
+        // Connect as soon as the listener answers, then publish until the
+        // replica accepts one.
+        let channel = loop {
+            if let Ok(channel) = tonic::transport::Endpoint::from_shared(late.url())
+                .unwrap()
+                .connect()
+                .await
+            {
+                break channel;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let mut publisher = pb::broker_client::BrokerClient::new(channel);
+        let mut refused = 0;
+        let accepted = loop {
+            match publisher.publish(publish_request("late.job", "first")).await {
+                Ok(response) => break response.into_inner(),
+                Err(status) => {
+                    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+                    refused += 1;
+                }
+            }
+        };
+        eprintln!("the late replica refused {refused} publishes before its first");
+        assert_eq!(
+            accepted.matched_groups, 1,
+            "the first accepted publish reaches the group"
+        );
+        let m = tokio::time::timeout(Duration::from_secs(10), member.message())
+            .await
+            .expect("the group's member gets it")
+            .unwrap()
+            .unwrap();
+        assert_eq!((m.sequence, &m.payload[..]), (accepted.sequence, &b"first"[..]));
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
     let Some(nats) = NatsCluster::start(3).await else {

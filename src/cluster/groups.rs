@@ -124,6 +124,33 @@ struct TableEntry {
 }
 
 impl ClusterEngine {
+    /// Reads the whole group table into the local trie: done before the
+    /// replica says SERVING, so that its first publishes reach the groups
+    /// that already exist ([`Self::watch_groups`] then keeps it in step,
+    /// from the table's history again: `route_group` of an entry already
+    /// routed changes nothing).
+    pub(super) async fn load_groups(&self, ready: &Ready) -> Result<usize, String> {
+        use futures::TryStreamExt;
+        let keys: Vec<String> = match ready.groups.keys().await {
+            Ok(keys) => keys.try_collect().await.map_err(|e| e.to_string())?,
+            Err(e) => return Err(e.to_string()),
+        };
+        let mut loaded = 0;
+        for key in keys {
+            let Some(name) = super::registry::unkey(&key) else {
+                continue;
+            };
+            let Some(value) = ready.groups.get(&key).await.map_err(|e| e.to_string())? else {
+                continue;
+            };
+            if let Ok(e) = serde_json::from_slice::<TableEntry>(&value) {
+                self.route_group(&name, e.patterns);
+                loaded += 1;
+            }
+        }
+        Ok(loaded)
+    }
+
     /// Keeps the local group trie in step with the table.
     pub(super) async fn watch_groups(self, ready: Ready) {
         loop {

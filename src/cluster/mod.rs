@@ -320,6 +320,7 @@ impl ClusterEngine {
                 let _ = rpc::call(client, prefix, &replica, &rpc::Call::Ping).await;
             }
         }
+        let groups_known = self.load_groups(&ready).await.map_err(|e| retry(&e))?;
         *inner.ready.lock() = Some(ready.clone());
         tokio::spawn(self.clone().receive(remote));
         tokio::spawn(self.clone().watch_groups(ready.clone()));
@@ -328,6 +329,7 @@ impl ClusterEngine {
             replica_id = %inner.config.replica_id,
             nats_server = %self.nats_server(),
             incarnation,
+            groups_known,
             "cluster mode: connected to NATS; SERVING"
         );
         inner.health.send_replace(EngineHealth::Serving);
