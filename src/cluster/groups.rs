@@ -86,7 +86,14 @@ pub(super) struct Groups {
 
 struct Idle {
     revision: u64,
+    /// When this replica first saw it memberless (the memberless gauge).
     since: Instant,
+    /// When it was seen memberless a second time in a row: its idle TTL
+    /// runs from here. A member joining as the first check gathered the
+    /// counts may not be counted yet, and one that left before the second
+    /// check is never seen; the second memberless sighting comes after
+    /// any member's leave, so the group is never removed before its TTL.
+    confirmed: Option<Instant>,
 }
 
 /// Where a publish matching a group goes.
@@ -116,6 +123,22 @@ fn stream_name(prefix: &str, group: &str) -> String {
 
 fn subject(prefix: &str, group: &str) -> String {
     format!("{prefix}.g.{:016x}", fnv(group))
+}
+
+/// How long creating a group's stream is retried while JetStream cannot
+/// place it (see [`placement_pending`]).
+const PLACEMENT_RETRY_FOR: Duration = Duration::from_secs(5);
+
+/// Whether JetStream refused a stream for want of room on its servers
+/// (`CLUSTER_NO_PEERS`, `INSUFFICIENT_RESOURCES`): retried for a while,
+/// since a stream deleted a moment before still holds its reservation.
+fn placement_pending(error: &jetstream::context::CreateStreamError) -> bool {
+    use jetstream::ErrorCode;
+    matches!(
+        error.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(e)
+            if e.error_code() == ErrorCode::CLUSTER_NO_PEERS || e.error_code() == ErrorCode::INSUFFICIENT_RESOURCES
+    )
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -415,25 +438,30 @@ impl ClusterEngine {
                 continue;
             }
             let now = Instant::now();
-            let seen_since = {
+            let (seen_since, idle_since) = {
                 let mut idle = self.inner.groups.idle.lock();
-                let seen = idle.entry(name.clone()).or_insert(Idle {
+                let fresh = Idle {
                     revision: entry.revision,
                     since: now,
-                });
+                    confirmed: None,
+                };
+                let seen = idle.entry(name.clone()).or_insert(fresh);
                 if seen.revision != entry.revision {
                     *seen = Idle {
                         revision: entry.revision,
                         since: now,
+                        confirmed: None,
                     };
+                } else if seen.confirmed.is_none() && seen.since != now {
+                    seen.confirmed = Some(now);
                 }
-                seen.since
+                (seen.since, seen.confirmed)
             };
             // For the memberless gauge (as this replica has seen it).
             if let Some(group) = groups.iter_mut().find(|g| g.name == name) {
                 group.memberless = Some(now.duration_since(seen_since));
             }
-            if now.duration_since(seen_since) < ttl {
+            if idle_since.is_none_or(|since| now.duration_since(since) < ttl) {
                 continue;
             }
             self.inner.groups.idle.lock().remove(&name);
@@ -516,22 +544,33 @@ impl ClusterEngine {
         let prefix = &self.inner.config.prefix;
         let unavailable =
             |e: &dyn std::fmt::Display| BrokerError::Unavailable(format!("JetStream did not answer: {e}"));
-        let stream = ready
-            .js
-            .get_or_create_stream(stream::Config {
-                name: stream_name(prefix, name),
-                subjects: vec![subject(prefix, name)],
-                retention: stream::RetentionPolicy::WorkQueue,
-                storage: stream::StorageType::Memory,
-                num_replicas: self.inner.config.nats_replicas,
-                max_messages: limits.group_capacity as i64,
-                max_bytes: limits.group_max_bytes as i64,
-                discard: stream::DiscardPolicy::Old,
-                duplicate_window: Duration::from_secs(120),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| unavailable(&e))?;
+        let config = stream::Config {
+            name: stream_name(prefix, name),
+            subjects: vec![subject(prefix, name)],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::Memory,
+            num_replicas: self.inner.config.nats_replicas,
+            max_messages: limits.group_capacity as i64,
+            max_bytes: limits.group_max_bytes as i64,
+            discard: stream::DiscardPolicy::Old,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        // A stream just deleted (a group removed after its idle TTL, whose
+        // name is taken again) still holds its memory reservation on the
+        // servers for a moment: JetStream answers "no suitable peers for
+        // placement, insufficient storage" (10005) until it lets go.
+        let started = Instant::now();
+        let stream = loop {
+            match ready.js.get_or_create_stream(config.clone()).await {
+                Ok(stream) => break stream,
+                Err(e) if placement_pending(&e) && started.elapsed() < PLACEMENT_RETRY_FOR => {
+                    tracing::debug!(group = %name, error = %e, "creating a group's stream retried");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(unavailable(&e)),
+            }
+        };
         let consumer: jetstream::consumer::PullConsumer = stream
             .get_or_create_consumer(
                 "members",
