@@ -36,20 +36,8 @@ impl ClusterEngine {
     pub(super) fn deliver(&self, message: async_nats::Message) {
         match pb::Message::decode(message.payload) {
             Ok(m) => {
-                let publish_time = m
-                    .publish_time
-                    .and_then(|t| SystemTime::try_from(t).ok())
-                    .unwrap_or_else(SystemTime::now);
-                let sequence = m.sequence;
-                self.inner.local.deliver_remote(
-                    NewMessage {
-                        topic: m.topic,
-                        payload: m.payload,
-                        headers: m.headers,
-                    },
-                    sequence,
-                    publish_time,
-                );
+                let (message, sequence, publish_time) = from_envelope(m);
+                self.inner.local.deliver_remote(message, sequence, publish_time);
             }
             Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
         }
@@ -105,4 +93,20 @@ impl ClusterEngine {
         }
         Ok(outcome)
     }
+}
+
+/// What a message the cluster carries (a `Message` envelope, encoded by the
+/// publishing replica) gives the local engine: the message, its cluster-wide
+/// sequence and its publish time (now, if it has none that converts).
+pub(super) fn from_envelope(m: pb::Message) -> (NewMessage, u64, SystemTime) {
+    let publish_time = m
+        .publish_time
+        .and_then(|t| SystemTime::try_from(t).ok())
+        .unwrap_or_else(SystemTime::now);
+    let message = NewMessage {
+        topic: m.topic,
+        payload: m.payload,
+        headers: m.headers,
+    };
+    (message, m.sequence, publish_time)
 }

@@ -43,7 +43,7 @@ use prost::Message as _;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio::time::Instant;
 
 /// How long a pull waits for messages before asking again.
@@ -1004,20 +1004,12 @@ impl Hub {
             });
             return;
         };
-        let sequence = m.sequence;
-        let publish_time = m
-            .publish_time
-            .and_then(|t| SystemTime::try_from(t).ok())
-            .unwrap_or_else(SystemTime::now);
-        let published = self.engine.inner.local.published_elsewhere(
-            NewMessage {
-                topic: m.topic,
-                payload: m.payload,
-                headers: m.headers,
-            },
-            sequence,
-            publish_time,
-        );
+        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
+        let published = self
+            .engine
+            .inner
+            .local
+            .published_elsewhere(new_message, sequence, publish_time);
         let mut state = self.state.lock();
         state.waiting.push_back(Waiting {
             message,
