@@ -17,22 +17,22 @@
 //! off once about 64 KiB of them (65,000 frames) wait unread.
 //!
 //! Writes (issue 16): h2 writes every DATA frame of 256 bytes or more with
-//! a `writev` of its own on a socket that has vectored writes, and tokio runs
-//! the connection's task right after each stream task that wakes it. A
-//! message fanned out to the 50 subscriptions of one connection then cost 50
-//! system calls. Two things make it one or two:
+//! a `writev` of its own on a socket that has vectored writes. A message
+//! fanned out to the 50 subscriptions of one connection then cost 50 system
+//! calls. Two things make it one or two:
+//! - the connection's requests run in its own task ([`crate::streams`]), so
+//!   all the streams a message woke queue their frames before the
+//!   connection writes;
 //! - [`Coalesce`] reports no vectored writes, so h2 copies frames under
 //!   1 KiB into its 16 KiB write buffer and writes as many as are pending at
 //!   once; it stages that buffer so that a larger frame's payload, which h2
-//!   writes next, still goes out with it in one `writev`, as before;
-//! - [`serve_connection`] lets a connection with two or more open
-//!   subscriptions yield once before each poll, so that the stream tasks
-//!   already queued run (and queue their frames) before it writes.
+//!   writes next, still goes out with it in one `writev`, as before.
 
 use crate::incoming::{BoundedBody, ConnectionIncoming, IncomingLimits};
+use crate::streams::Requests;
 use bytes::{Buf, Bytes};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::io;
@@ -323,18 +323,14 @@ async fn serve_connection<S, B>(
         Err(_) => return stats.reject(Rejection::HandshakeTimeout, peer, None),
     };
     let incoming = ConnectionIncoming::new(settings.incoming.clone());
-    let subscriptions = Arc::new(AtomicUsize::new(0));
-    let counter = subscriptions.clone();
     let per_request = hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
         request.extensions_mut().insert(info.clone());
-        let counted = is_subscription(request.uri().path()).then(|| counter.clone());
         let request = request.map(|body| BoundedBody::new(body, incoming.clone()));
-        futures::TryFutureExt::map_ok(service.clone().oneshot(request), move |response| {
-            response.map(|body| Counted::new(body, counted))
-        })
+        service.clone().oneshot(request)
     });
     let limits = &settings.limits;
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    let mut requests = Requests::new();
+    let mut builder = hyper::server::conn::http2::Builder::new(requests.spawner());
     builder
         .timer(TokioTimer::new())
         .initial_stream_window_size(STREAM_WINDOW)
@@ -342,33 +338,25 @@ async fn serve_connection<S, B>(
         .max_concurrent_streams(limits.max_streams_per_connection)
         .keep_alive_interval(limits.keepalive_interval)
         .keep_alive_timeout(limits.keepalive_timeout);
-    let connection = builder.serve_connection(TokioIo::new(io), per_request);
-    tokio::pin!(connection);
-    let mut yielded = false;
+    let mut connection = Box::pin(builder.serve_connection(TokioIo::new(io), per_request));
     let result = tokio::select! {
-        result = std::future::poll_fn(|cx| {
-            // With several subscriptions, one message wakes several stream
-            // tasks, and each wakes this task. tokio runs it right after the
-            // first of them (its LIFO slot); going round the run queue once
-            // lets the others queue their frames first, and h2 writes them
-            // together. One subscription has nothing to wait for.
-            if !yielded && subscriptions.load(Ordering::Relaxed) >= YIELD_FROM_SUBSCRIPTIONS {
-                yielded = true;
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-            yielded = false;
-            connection.as_mut().poll(cx)
-        }) => result,
+        result = std::future::poll_fn(|cx| requests.drive(connection.as_mut(), cx)) => result,
         _ = stop.cancelled() => {
             // GOAWAY: calls in progress may finish, no new ones start.
             connection.as_mut().graceful_shutdown();
-            match tokio::time::timeout(GRACEFUL_CLOSE, connection).await {
+            let finished = std::future::poll_fn(|cx| requests.drive(connection.as_mut(), cx));
+            match tokio::time::timeout(GRACEFUL_CLOSE, finished).await {
                 Ok(result) => result,
                 Err(_) => return tracing::debug!(%peer, "gRPC connection did not finish its calls in time; dropped"),
             }
         }
     };
+    // Dropping the connection ends the streams of requests still running
+    // (h2 tells each its connection is gone); they end at their next poll.
+    drop(connection);
+    if tokio::time::timeout(GRACEFUL_CLOSE, requests.finish()).await.is_err() {
+        tracing::warn!(%peer, running = requests.len(), "requests of a closed gRPC connection did not end; dropped");
+    }
     if let Err(e) = result {
         match library_go_away(&e) {
             Some(reason) => stats.reject(reason, peer, Some(&e.to_string())),
@@ -652,63 +640,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesce<T> {
     }
 }
 
-/// From how many open subscriptions a connection yields before each poll
-/// (see [`serve_connection`]). With one, the yield only adds a poll per
-/// wake: +15 % CPU per delivery in the 20k msg/s 1→3 latency run, where
-/// every subscriber has a connection of its own.
-const YIELD_FROM_SUBSCRIPTIONS: usize = 2;
-
-/// Whether a request opens a subscription (`Broker.OpenSubscription`).
-fn is_subscription(path: &str) -> bool {
-    path.strip_prefix('/')
-        .and_then(|p| p.strip_prefix(crate::pb::BROKER_SERVICE_NAME))
-        .is_some_and(|method| method == "/OpenSubscription")
-}
-
-/// A response body; while `count` is set, it counts as one in it, from its
-/// response until the stream is done with it.
-struct Counted<B> {
-    body: B,
-    count: Option<Arc<AtomicUsize>>,
-}
-
-impl<B> Counted<B> {
-    fn new(body: B, count: Option<Arc<AtomicUsize>>) -> Self {
-        if let Some(count) = &count {
-            count.fetch_add(1, Ordering::Relaxed);
-        }
-        Self { body, count }
-    }
-}
-
-impl<B> Drop for Counted<B> {
-    fn drop(&mut self) {
-        if let Some(count) = &self.count {
-            count.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl<B: http_body::Body + Unpin> http_body::Body for Counted<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
 /// Raises the soft limit of open file descriptors to the hard limit, so that
 /// `max_connections` connections fit; returns the limit now in force.
 pub fn raise_fd_limit() -> io::Result<libc::rlim_t> {
@@ -924,29 +855,6 @@ mod tests {
                 }
             });
         }
-    }
-
-    #[test]
-    fn subscriptions_are_counted_while_their_body_lives() {
-        assert!(is_subscription("/tinybroker.v1.Broker/OpenSubscription"));
-        for path in [
-            "/tinybroker.v1.Broker/Publish",
-            "/tinybroker.v1.Admin/OpenSubscription",
-            "/OpenSubscription",
-            "",
-        ] {
-            assert!(!is_subscription(path), "{path}");
-        }
-        let count = Arc::new(AtomicUsize::new(0));
-        let first = Counted::new((), Some(count.clone()));
-        let second = Counted::new((), Some(count.clone()));
-        let other = Counted::new((), None);
-        assert_eq!(count.load(Ordering::Relaxed), 2);
-        drop(first);
-        drop(other);
-        assert_eq!(count.load(Ordering::Relaxed), 1);
-        drop(second);
-        assert_eq!(count.load(Ordering::Relaxed), 0);
     }
 
     #[test]

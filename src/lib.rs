@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod pb;
 pub mod server;
 pub mod side;
+pub mod streams;
 pub mod sublist;
 pub mod telemetry;
 pub mod topic;

@@ -218,7 +218,7 @@ async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nat
     let Some(mut nats) = NatsCluster::start(1).await else {
         return;
     };
-    timeout(async {
+    rejoin_timeout(async {
         nats.stop(0).await;
         let mut config = replica_config(nats.urls(), "alone", "late");
         if let Some(c) = config.cluster.as_mut() {
@@ -1114,7 +1114,7 @@ async fn sigkill_of_the_group_streams_nats_leader_loses_no_acknowledged_publish(
     let Some(mut nats) = NatsCluster::start(3).await else {
         return;
     };
-    timeout(async {
+    rejoin_timeout(async {
         let brokers = replicas(&nats, 3, "jskill").await;
         let ledger = ledger(3);
         let stop_members = tokio_util::sync::CancellationToken::new();

@@ -26,6 +26,15 @@ pub async fn timeout<F: Future>(body: F) -> F::Output {
     tokio::time::timeout(TEST_TIMEOUT, body).await.expect("test timed out")
 }
 
+/// Upper bound for a test that restarts a NATS server and waits for it to
+/// be current again (up to `nats::REJOIN_TIMEOUT` of it).
+pub const REJOIN_TEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Runs a test body that restarts a NATS server under [`REJOIN_TEST_TIMEOUT`].
+pub async fn rejoin_timeout<F: Future>(body: F) -> F::Output {
+    tokio::time::timeout(REJOIN_TEST_TIMEOUT, body).await.expect("test timed out")
+}
+
 /// A broker under test. With the memory engine, one embedded broker. With
 /// the cluster engine ([`TestEngine::Cluster`]), replica `a` of two: its
 /// fields (`grpc_addr`, `metrics_addr`, `url()`, `subscriptions()`,
