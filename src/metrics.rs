@@ -145,12 +145,18 @@ impl Metrics {
 /// cache line other tasks write, and they are merged into the histogram on
 /// [`LocalObserver::flush`], every 256 observations, and on drop.
 ///
-/// The local buckets are made at the first observation: a subscription
-/// stream that never delivers holds only the shared histogram's handle
-/// (issue 16: the buckets were 182 bytes of every idle subscription).
+/// A run of one observation (a subscription woken for one message, the
+/// everyday case at modest rates) is kept as a value and goes straight to the
+/// shared histogram on flush; the local buckets are made only for a run of
+/// two or more, so a stream that never delivers, or delivers one message at
+/// a time, holds only the shared histogram's handle (issue 16: the buckets
+/// were 182 bytes of every idle subscription, and merging all of them for a
+/// single observation was 3.5 % of the CPU of a paced wide fan-out).
 pub struct LocalObserver {
     shared: Histogram,
     local: Option<LocalHistogram>,
+    /// The run's only observation so far.
+    single: Option<f64>,
     unflushed: u32,
 }
 
@@ -161,14 +167,23 @@ impl LocalObserver {
         Self {
             shared: shared.clone(),
             local: None,
+            single: None,
             unflushed: 0,
         }
     }
 
     pub fn observe(&mut self, seconds: f64) {
-        let shared = &self.shared;
-        self.local.get_or_insert_with(|| shared.local()).observe(seconds);
         self.unflushed += 1;
+        if self.unflushed == 1 {
+            self.single = Some(seconds);
+            return;
+        }
+        let shared = &self.shared;
+        let local = self.local.get_or_insert_with(|| shared.local());
+        if let Some(first) = self.single.take() {
+            local.observe(first);
+        }
+        local.observe(seconds);
         if self.unflushed >= Self::FLUSH_EVERY {
             self.flush();
         }
@@ -182,12 +197,14 @@ impl LocalObserver {
     }
 
     pub fn flush(&mut self) {
-        if self.unflushed > 0 {
-            if let Some(local) = &self.local {
-                local.flush();
-            }
-            self.unflushed = 0;
+        if let Some(single) = self.single.take() {
+            self.shared.observe(single);
+        } else if self.unflushed > 0
+            && let Some(local) = &self.local
+        {
+            local.flush();
         }
+        self.unflushed = 0;
     }
 }
 
@@ -820,6 +837,40 @@ mod tests {
     use crate::engine::{NewMessage, SubscribeRequest};
     use futures::StreamExt;
     use std::task::{Context, Poll, Waker};
+
+    /// Runs of one, two and hundreds of observations, flushed or dropped:
+    /// every one reaches the shared histogram once, in the right bucket.
+    #[test]
+    fn a_local_observer_loses_and_doubles_nothing() {
+        let shared = Histogram::with_opts(prometheus::HistogramOpts::new("h", "h").buckets(vec![0.5, 2.0])).unwrap();
+        let mut local = LocalObserver::new(&shared);
+        local.observe(0.1);
+        assert_eq!(shared.get_sample_count(), 0, "held until flushed");
+        local.flush();
+        assert_eq!(shared.get_sample_count(), 1);
+        local.flush();
+        assert_eq!(shared.get_sample_count(), 1, "a second flush adds nothing");
+        local.observe(1.0);
+        local.observe(1.0);
+        local.flush();
+        assert_eq!(shared.get_sample_count(), 3);
+        local.observe_many(3.0, 300);
+        assert_eq!(shared.get_sample_count(), 3 + 256, "flushed every 256");
+        local.flush();
+        local.observe(0.2);
+        drop(local);
+        assert_eq!(shared.get_sample_count(), 304, "the last one flushed on drop");
+        assert!((shared.get_sample_sum() - (0.1 + 2.0 + 900.0 + 0.2)).abs() < 1e-9);
+        use prometheus::core::Metric as _;
+        let buckets: Vec<u64> = shared
+            .metric()
+            .get_histogram()
+            .get_bucket()
+            .iter()
+            .map(|b| b.cumulative_count())
+            .collect();
+        assert_eq!(buckets, vec![2, 4], "0.1 and 0.2 under 0.5; the two 1.0 under 2.0");
+    }
 
     /// The value of the one sample `series` (name and labels as rendered).
     fn value(text: &str, series: &str) -> Option<f64> {

@@ -231,8 +231,6 @@ impl Requests {
                     tracing::error!("a request panicked; its stream is reset, its connection goes on");
                 }
             }
-            // Requests the one just polled started (an upgrade) run next.
-            self.start_queued();
         }
         polling.clear();
         self.polling = polling;

@@ -32,7 +32,9 @@ pub const REJOIN_TEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Runs a test body that restarts a NATS server under [`REJOIN_TEST_TIMEOUT`].
 pub async fn rejoin_timeout<F: Future>(body: F) -> F::Output {
-    tokio::time::timeout(REJOIN_TEST_TIMEOUT, body).await.expect("test timed out")
+    tokio::time::timeout(REJOIN_TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out")
 }
 
 /// A broker under test. With the memory engine, one embedded broker. With
