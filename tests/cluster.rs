@@ -1661,3 +1661,92 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
     })
     .await;
 }
+
+/// A full group backlog on a 3-server NATS cluster (R3 streams): the oldest
+/// messages are dropped, and every one of them is counted once, by the
+/// replica whose publish dropped it, while two replicas publish into the
+/// full backlog at once: published = backlog + dropped, in Admin and in the
+/// metrics. The member that comes back gets the newest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_replicas() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let mut brokers = Vec::new();
+        for i in 0..2 {
+            let mut config = replica_config(urls_from(&nats, i), &format!("r{i}"), "full");
+            config.limits.group_capacity = 4;
+            brokers.push(start_with(config).await);
+        }
+        for broker in &brokers {
+            wait_serving(broker).await;
+        }
+        let mut client = brokers[0].client().await;
+        let first = client
+            .open_subscription(member_request(&["work"], "slow", false, 1))
+            .await
+            .unwrap()
+            .into_inner();
+        drop(first);
+        let mut admin = brokers[1].admin().await;
+        wait_until("the member to have left", || {
+            let mut admin = admin.clone();
+            async move { groups(&mut admin).await.first().is_some_and(|g| g.members == 0) }
+        })
+        .await;
+
+        // Two replicas publish 20 each at the same time into a backlog of 4.
+        let (a, b) = tokio::join!(publish_n(&brokers[0], "work", 20), publish_n(&brokers[1], "work", 20));
+        // The backlog is read from the consumer, whose server may apply the
+        // last stored messages a moment after the publish was acked.
+        wait_until("the backlog to read 4", || {
+            let mut admin = admin.clone();
+            async move { groups(&mut admin).await[0].backlog == 4 }
+        })
+        .await;
+        let g = groups(&mut admin).await.remove(0);
+        assert_eq!(g.dropped, 36, "every message dropped is counted once: {g:?}");
+        let mut counted = 0.0;
+        for broker in &brokers {
+            let (_, metrics) = broker.http_get("/metrics").await;
+            counted += common::process::metric_with_label(
+                &metrics,
+                "tinybroker_messages_dropped_total",
+                "reason=\"group_overflow\"",
+            )
+            .unwrap_or(0.0);
+        }
+        assert_eq!(counted, 36.0, "group_overflow summed over the replicas");
+
+        // The member back gets the 4 kept, and they are the newest: each is
+        // among the last 4 its replica published (a publish into the full
+        // backlog always drops the oldest, so a message with 4 of its own
+        // replica's after it is gone).
+        let mut member = brokers[1]
+            .client()
+            .await
+            .open_subscription(member_request(&["work"], "slow", false, 10))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut kept = Vec::new();
+        for _ in 0..4 {
+            kept.push(next_message(&mut member, "a kept message").await.sequence);
+        }
+        for seq in &kept {
+            let newest = [&a[a.len() - 4..], &b[b.len() - 4..]];
+            assert!(
+                newest.iter().any(|last| last.contains(seq)),
+                "{seq} is among the newest: kept {kept:?}, a {a:?}, b {b:?}"
+            );
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), member.message())
+                .await
+                .is_err(),
+            "nothing beyond the 4 kept"
+        );
+    })
+    .await;
+}

@@ -6,10 +6,14 @@
 //!   which groups it matches.
 //! - Each group is a WorkQueue memory stream `<prefix>_g_<hash>` on the one
 //!   subject `<prefix>.g.<hash>` (`max_msgs` = `group_capacity`, `max_bytes`
-//!   = `group_max_bytes`, oldest discarded), written once per matching group
-//!   by the publishing replica with an ack and a message id, and read by one
-//!   durable pull consumer. The backlog lives there while no member is
-//!   connected, replicated by NATS.
+//!   = `group_max_bytes`), written once per matching group by the publishing
+//!   replica with an ack and a message id, and read by one durable pull
+//!   consumer. The backlog lives there while no member is connected,
+//!   replicated by NATS. A full stream refuses the message (discard new);
+//!   the publishing replica then deletes the oldest message never delivered,
+//!   counts it (`group_overflow`) and stores the new one
+//!   ([`ClusterEngine::make_room`]): JetStream discarding the oldest itself
+//!   would say nothing, and every loss must be counted.
 //! - A replica with members of a group runs a [`Hub`]: it pulls only as many
 //!   messages as its members have room for (`max_in_flight`), hands them
 //!   out round-robin, and holds each JetStream message until it is done:
@@ -64,6 +68,10 @@ const HEAL_EVERY: Duration = Duration::from_secs(2);
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
 const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
+/// Most messages one publish deletes from a full group backlog to make room
+/// (a large message in a backlog full of bytes needs several); beyond it,
+/// the new message is the one dropped.
+const MAKE_ROOM_AT_MOST: usize = 64;
 
 /// What this replica knows of the cluster's groups.
 #[derive(Default)]
@@ -82,6 +90,8 @@ pub(super) struct Groups {
     /// Groups seen without members on any replica: since when, at which
     /// revision of their table entry (a join writes it again).
     idle: Mutex<HashMap<String, Idle>>,
+    /// Messages this replica dropped from a full group backlog, per group.
+    overflowed: Mutex<HashMap<String, u64>>,
 }
 
 struct Idle {
@@ -100,6 +110,16 @@ struct Idle {
 pub(super) struct GroupRoute {
     pub(super) name: String,
     pub(super) subject: String,
+}
+
+/// Whether JetStream refused a message because the group's stream is full
+/// (`max_msgs` or `max_bytes`, discard new).
+fn backlog_full(error: &jetstream::context::PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|e| e.downcast_ref::<jetstream::Error>())
+        .is_some_and(|e| {
+            e.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED && e.to_string().contains("maximum")
+        })
 }
 
 /// A stable 64-bit FNV-1a hash: names a group's stream and subject the
@@ -228,6 +248,7 @@ impl ClusterEngine {
 
     fn unroute_group(&self, name: &str) {
         let groups = &self.inner.groups;
+        groups.overflowed.lock().remove(name);
         if let Some(old) = groups.table.lock().remove(name) {
             let mut routes = groups.routes.write();
             for p in old.iter().filter_map(|p| TopicPattern::parse(p).ok()) {
@@ -252,22 +273,43 @@ impl ClusterEngine {
         id: String,
     ) -> Result<bool, BrokerError> {
         let started = Instant::now();
+        let mut made_room = 0;
         loop {
+            // After a refusal for a full backlog, a new message id: a
+            // clustered stream remembers the refused one and would answer
+            // the retry "duplicate" without storing it.
+            let attempt_id = match made_room {
+                0 => id.clone(),
+                n => format!("{id}-{n}"),
+            };
             let message = jetstream::message::PublishMessage::build()
                 .payload(body.clone())
-                .message_id(id.clone());
+                .message_id(attempt_id);
             let result = match ready.js.send_publish(route.subject.clone(), message).await {
-                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
+                Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
+                Err(e) => Err((false, e.to_string())),
             };
             match result {
                 Ok(()) => return Ok(true),
+                Err((true, error)) => {
+                    // The backlog is full: the oldest message goes, as in
+                    // single-node mode, and is counted.
+                    if made_room < MAKE_ROOM_AT_MOST && self.make_room(ready, route).await {
+                        made_room += 1;
+                        continue;
+                    }
+                    // Everything it holds is with members (or too much to
+                    // delete for this one): the new message is dropped.
+                    tracing::debug!(group = %route.name, %error, "a full group backlog dropped the new message");
+                    self.count_overflow(&route.name);
+                    return Ok(true);
+                }
                 Err(_) if !self.inner.groups.table.lock().contains_key(&route.name) => return Ok(false),
-                Err(error) if started.elapsed() < PUBLISH_RETRY_FOR => {
+                Err((false, error)) if started.elapsed() < PUBLISH_RETRY_FOR => {
                     tracing::debug!(group = %route.name, %error, "publish to a group's stream retried");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                Err(error) => {
+                Err((false, error)) => {
                     return Err(BrokerError::Unavailable(format!(
                         "consumer group {:?} did not take the message (JetStream: {error}); it reached broadcast subscribers",
                         truncate(&route.name)
@@ -275,6 +317,51 @@ impl ClusterEngine {
                 }
             }
         }
+    }
+
+    /// Deletes the oldest message of a full group backlog that no member
+    /// was ever given (above the consumer's delivered sequence: one
+    /// consumer per stream), and counts it as dropped. False when there is
+    /// none (every message it holds is with a member or waits for
+    /// redelivery) or JetStream did not answer. Two replicas making room at
+    /// once find the same message; the one whose delete fails looks again.
+    async fn make_room(&self, ready: &Ready, route: &GroupRoute) -> bool {
+        let name = stream_name(&self.inner.config.prefix, &route.name);
+        let Ok(stream) = ready.js.get_stream_no_info(&name).await else {
+            return false;
+        };
+        for _ in 0..3 {
+            let Ok(mut consumer) = stream.get_consumer::<pull::Config>("members").await else {
+                return false;
+            };
+            let Ok(info) = consumer.info().await else {
+                return false;
+            };
+            let undelivered = info.delivered.stream_sequence + 1;
+            let oldest = stream
+                .raw_message_builder()
+                .sequence(undelivered)
+                .next_by_subject(route.subject.clone())
+                .send()
+                .await;
+            let Ok(oldest) = oldest else {
+                return false;
+            };
+            if let Ok(true) = stream.delete_message(oldest.sequence).await {
+                self.count_overflow(&route.name);
+                return true;
+            }
+        }
+        false
+    }
+
+    fn count_overflow(&self, group: &str) {
+        self.inner
+            .local
+            .stats()
+            .dropped_group_overflow
+            .fetch_add(1, Ordering::Relaxed);
+        *self.inner.groups.overflowed.lock().entry(group.to_owned()).or_default() += 1;
     }
 
     /// Opens a member of a cluster-wide group on this replica.
@@ -552,7 +639,9 @@ impl ClusterEngine {
             num_replicas: self.inner.config.nats_replicas,
             max_messages: limits.group_capacity as i64,
             max_bytes: limits.group_max_bytes as i64,
-            discard: stream::DiscardPolicy::Old,
+            // Refused when full, so the publishing replica drops (and
+            // counts) the oldest: `publish_to_group`.
+            discard: stream::DiscardPolicy::New,
             duplicate_window: Duration::from_secs(120),
             ..Default::default()
         };
@@ -600,7 +689,9 @@ impl ClusterEngine {
     /// redeliveries, dead-lettered, acked).
     pub(super) fn local_groups(&self) -> Vec<LocalGroup> {
         let hubs = self.inner.groups.hubs.lock();
-        hubs.values()
+        let overflowed = self.inner.groups.overflowed.lock();
+        let mut groups: Vec<LocalGroup> = hubs
+            .values()
             .map(|h| {
                 let state = h.state.lock();
                 LocalGroup {
@@ -610,9 +701,23 @@ impl ClusterEngine {
                     redeliveries: h.redeliveries.load(Ordering::Relaxed),
                     dead_lettered: h.dead_lettered.load(Ordering::Relaxed),
                     acked: h.acked.load(Ordering::Relaxed),
+                    dropped: overflowed.get(&h.name).copied().unwrap_or(0),
                 }
             })
-            .collect()
+            .collect();
+        // Groups this replica published into without serving a member.
+        for (name, &dropped) in overflowed.iter().filter(|(name, _)| !hubs.contains_key(*name)) {
+            groups.push(LocalGroup {
+                name: name.clone(),
+                members: 0,
+                held: 0,
+                redeliveries: 0,
+                dead_lettered: 0,
+                acked: 0,
+                dropped,
+            });
+        }
+        groups
     }
 
     /// Every group of the table, with members and counts summed over the
@@ -632,6 +737,7 @@ impl ClusterEngine {
                 info.redeliveries += part.redeliveries;
                 info.dead_lettered += part.dead_lettered;
                 info.acked += part.acked;
+                info.dropped += part.dropped;
             }
             let prefix = &self.inner.config.prefix;
             if let Ok(stream) = ready.js.get_stream(stream_name(prefix, &name)).await
@@ -731,6 +837,10 @@ pub(super) struct LocalGroup {
     pub(super) redeliveries: u64,
     pub(super) dead_lettered: u64,
     pub(super) acked: u64,
+    /// Dropped from the full backlog by this replica's publishes (absent
+    /// from a replica of an earlier version).
+    #[serde(default)]
+    pub(super) dropped: u64,
 }
 
 #[derive(Debug, Clone, Copy)]

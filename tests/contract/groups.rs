@@ -312,14 +312,12 @@ async fn a_full_backlog_drops_the_oldest_and_counts_it() {
         wait_members(&broker, "g", 0).await;
         let published = publish_many(&broker, "o", 5).await;
         let g = broker.group("g").await.unwrap();
-        if test_engine() == TestEngine::Cluster {
-            // docs/contract.md, Cluster mode: what a full backlog drops is
-            // not counted yet (JetStream discards the oldest without
-            // telling): `dropped` stays 0.
-            assert_eq!((g.backlog, g.dropped), (3, 0));
-        } else {
-            assert_eq!((g.backlog, g.dropped), (3, 2));
-        }
+        assert_eq!((g.backlog, g.dropped), (3, 2));
+        assert_eq!(
+            broker.dropped_total("group_overflow").await,
+            2.0,
+            "tinybroker_messages_dropped_total{{reason=\"group_overflow\"}}"
+        );
         let (mut member, _) = open(&mut client, member_request(&["o"], "g", false, 0)).await;
         for seq in &published[2..] {
             assert_eq!(member.message().await.unwrap().unwrap().sequence, *seq);
