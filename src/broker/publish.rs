@@ -136,10 +136,16 @@ impl Broker {
     /// memory budget like a local one, after evicting readers far behind
     /// when it is spent; a message already published elsewhere is never
     /// refused here.
-    pub fn deliver_remote(&self, message: NewMessage, sequence: u64, publish_time: std::time::SystemTime) {
+    pub fn deliver_remote(
+        &self,
+        message: NewMessage,
+        sequence: u64,
+        publish_time: std::time::SystemTime,
+        arrived: PublishTime,
+    ) {
         let routes = self.shared.routes.read().matches(&message.topic);
         let published = self.published_elsewhere(message, sequence, publish_time);
-        self.fan_out(published, &routes, PublishTime::now());
+        self.fan_out(published, &routes, arrived);
     }
 
     /// A message published elsewhere (another replica, or a cluster group's

@@ -19,10 +19,13 @@ impl ClusterEngine {
         let local = &self.inner.local;
         while let Some(first) = remote.next().await {
             let _burst = WakeBatch::begin();
-            self.deliver(first);
+            // One reading of the clocks for what arrived together (two
+            // readings per message were 5 % of a receiving replica's CPU).
+            let arrived = PublishTime::now();
+            self.deliver(first, arrived);
             for _ in 1..REMOTE_BURST {
                 match remote.next().now_or_never() {
-                    Some(Some(message)) => self.deliver(message),
+                    Some(Some(message)) => self.deliver(message, arrived),
                     _ => break,
                 }
             }
@@ -33,11 +36,13 @@ impl ClusterEngine {
         }
     }
 
-    pub(super) fn deliver(&self, message: async_nats::Message) {
+    pub(super) fn deliver(&self, message: async_nats::Message, arrived: PublishTime) {
         match pb::Message::decode(message.payload) {
             Ok(m) => {
                 let (message, sequence, publish_time) = from_envelope(m);
-                self.inner.local.deliver_remote(message, sequence, publish_time);
+                self.inner
+                    .local
+                    .deliver_remote(message, sequence, publish_time, arrived);
             }
             Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
         }
@@ -55,7 +60,6 @@ impl ClusterEngine {
         let groups = self.group_routes(&message.topic);
         // Everything but the sequence, which routing assigns; protobuf
         // takes fields in any order, so it is appended after.
-        let mut body = BytesMut::new();
         let head = pb::Message {
             topic: message.topic.clone(),
             payload: message.payload.clone(),
@@ -63,10 +67,12 @@ impl ClusterEngine {
             publish_time: Some(at.wall.into()),
             ..Default::default()
         };
+        // Room for the sequence too: one allocation, no growing.
+        let mut body = BytesMut::with_capacity(head.encoded_len() + 11);
         head.encode(&mut body)
             .map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
         // With its sequence (at most 11 bytes more), before anyone has it.
-        let max_payload = self.inner.client.server_info().max_payload;
+        let max_payload = self.inner.max_payload.load(std::sync::atomic::Ordering::Relaxed);
         if body.len() + 11 > max_payload {
             return Err(BrokerError::ResourceExhausted(format!(
                 "message to {:?} takes {} bytes encoded for NATS, above the NATS server's max_payload {max_payload} (raise it, or keep messages that far below TINYBROKER_MAX_MESSAGE_BYTES)",

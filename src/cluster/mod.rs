@@ -53,7 +53,7 @@ use parking_lot::Mutex;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -84,7 +84,12 @@ struct Inner {
     local: Broker,
     client: async_nats::Client,
     /// Set once the buckets exist and the fan-out subscription is up.
-    ready: Mutex<Option<Ready>>,
+    /// Shared: every publish takes it (cloning the handles in it was a
+    /// fifth of a publishing replica's CPU).
+    ready: Mutex<Option<Arc<Ready>>>,
+    /// The NATS server's `max_payload`, read when connected: every publish
+    /// checks it (`server_info()` copies the whole INFO each time).
+    max_payload: AtomicUsize,
     health: watch::Sender<EngineHealth>,
     connected: AtomicBool,
     reconnects: AtomicU64,
@@ -161,6 +166,7 @@ impl ClusterEngine {
                 config,
                 client,
                 ready: Mutex::new(None),
+                max_payload: AtomicUsize::new(usize::MAX),
                 health,
                 connected: AtomicBool::new(false),
                 reconnects: AtomicU64::new(0),
@@ -183,6 +189,9 @@ impl ClusterEngine {
         let inner = &self.inner;
         match event {
             async_nats::Event::Connected => {
+                inner
+                    .max_payload
+                    .store(inner.client.server_info().max_payload, Ordering::Relaxed);
                 if inner.connected.swap(true, Ordering::AcqRel) {
                     return;
                 }
@@ -246,6 +255,7 @@ impl ClusterEngine {
         }
         inner.connected.store(true, Ordering::Release);
         let max_payload = client.server_info().max_payload;
+        inner.max_payload.store(max_payload, Ordering::Relaxed);
         let max_message_bytes = inner.local.limits().max_message_bytes;
         if max_message_bytes + ENCODING_ALLOWANCE > max_payload && max_message_bytes <= max_payload {
             tracing::warn!(
@@ -321,7 +331,7 @@ impl ClusterEngine {
             }
         }
         let groups_known = self.load_groups(&ready).await.map_err(|e| retry(&e))?;
-        *inner.ready.lock() = Some(ready.clone());
+        *inner.ready.lock() = Some(Arc::new(ready.clone()));
         tokio::spawn(self.clone().receive(remote));
         tokio::spawn(self.clone().watch_groups(ready.clone()));
         tokio::spawn(self.clone().heartbeat(ready));
@@ -377,7 +387,7 @@ impl ClusterEngine {
     }
 
     /// The engine's state, or UNAVAILABLE saying why it cannot serve.
-    fn serving(&self) -> Result<Ready, BrokerError> {
+    fn serving(&self) -> Result<Arc<Ready>, BrokerError> {
         let reason = match &*self.inner.health.borrow() {
             EngineHealth::Serving => None,
             EngineHealth::NotServing(reason) | EngineHealth::Failed(reason) => Some(reason.clone()),
