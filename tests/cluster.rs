@@ -1614,16 +1614,7 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
             group_streams(&nats, 0, "idle").await.is_some_and(|s| s.len() == 1)
         })
         .await;
-        let mut expired = 0.0;
-        for broker in &brokers {
-            let (_, metrics) = broker.http_get("/metrics").await;
-            expired += common::process::metric_with_label(
-                &metrics,
-                "tinybroker_messages_dropped_total",
-                "reason=\"group_expired\"",
-            )
-            .unwrap_or(0.0);
-        }
+        let expired = dropped_total(&brokers, "group_expired").await;
         eprintln!("idle: dropped as group_expired (all replicas): {expired}");
         assert_eq!(expired, 3.0, "what it held is dropped and counted");
         // The group with a member is still there.
@@ -1707,16 +1698,7 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
         .await;
         let g = groups(&mut admin).await.remove(0);
         assert_eq!(g.dropped, 36, "every message dropped is counted once: {g:?}");
-        let mut counted = 0.0;
-        for broker in &brokers {
-            let (_, metrics) = broker.http_get("/metrics").await;
-            counted += common::process::metric_with_label(
-                &metrics,
-                "tinybroker_messages_dropped_total",
-                "reason=\"group_overflow\"",
-            )
-            .unwrap_or(0.0);
-        }
+        let counted = dropped_total(&brokers, "group_overflow").await;
         assert_eq!(counted, 36.0, "group_overflow summed over the replicas");
 
         // The member back gets the 4 kept, and they are the newest: each is

@@ -311,14 +311,20 @@ impl TestBroker {
     /// `tinybroker_messages_dropped_total{reason}`, summed over the
     /// replicas (each counts what it dropped).
     pub async fn dropped_total(&self, reason: &str) -> f64 {
-        let label = format!("reason=\"{reason}\"");
-        let mut total = 0.0;
-        for broker in std::iter::once(self).chain(&self.peers) {
-            let (_, text) = broker.http_get("/metrics").await;
-            total += process::metric_with_label(&text, "tinybroker_messages_dropped_total", &label).unwrap_or(0.0);
-        }
-        total
+        dropped_total(std::iter::once(self).chain(&self.peers), reason).await
     }
+}
+
+/// `tinybroker_messages_dropped_total{reason}`, summed over `brokers`
+/// (cluster replicas each count what they dropped).
+pub async fn dropped_total<'a>(brokers: impl IntoIterator<Item = &'a TestBroker>, reason: &str) -> f64 {
+    let label = format!("reason=\"{reason}\"");
+    let mut total = 0.0;
+    for broker in brokers {
+        let (_, text) = broker.http_get("/metrics").await;
+        total += process::metric_with_label(&text, "tinybroker_messages_dropped_total", &label).unwrap_or(0.0);
+    }
+    total
 }
 
 impl Drop for TestBroker {
