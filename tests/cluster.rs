@@ -1732,3 +1732,77 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
     })
     .await;
 }
+
+/// A Nack goes to another member of the same replica when one has room, as
+/// in single-node mode, not back to the one that nacked it: two MANUAL
+/// members on one replica, each given one message, so the hand-out turn is
+/// back at the first; it nacks, and the second gets the message (attempt 2)
+/// while the first gets nothing more. (Through JetStream, the replica's turn
+/// would give it to the first again.) The first's late Ack is unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_goes_to_another_member_on_the_same_replica() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas(&nats, 2, "nackhere").await;
+        let mut client = brokers[0].client().await;
+        let (mut first, first_id) = open(&mut client, member_request(&["job"], "w", true, 4)).await;
+        let (mut second, second_id) = open(&mut client, member_request(&["job"], "w", true, 4)).await;
+        wait_until("both members counted", || {
+            let broker = &brokers[1];
+            async move {
+                groups(&mut broker.admin().await)
+                    .await
+                    .first()
+                    .is_some_and(|g| g.members == 2)
+            }
+        })
+        .await;
+        let sent = publish_n(&brokers[1], "job", 2).await;
+        let a = next_message(&mut first, "the first member's message").await;
+        let b = next_message(&mut second, "the second member's message").await;
+        assert_eq!([a.sequence, b.sequence].iter().filter(|s| sent.contains(s)).count(), 2);
+        let r = brokers[1]
+            .client()
+            .await
+            .nack(pb::NackRequest {
+                subscription_id: first_id.clone(),
+                sequences: vec![a.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r.requeued, r.unknown), (1, 0));
+        let again = next_message(&mut second, "the nacked message, at the other member").await;
+        assert_eq!((again.sequence, again.delivery_attempt), (a.sequence, 2));
+        assert_eq!(again.subscription_id, second_id);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), first.message())
+                .await
+                .is_err(),
+            "nothing more for the member that nacked"
+        );
+        let late = client
+            .ack(pb::AckRequest {
+                subscription_id: first_id,
+                sequences: vec![a.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((late.acked, late.unknown), (0, 1), "a late ack from the old holder");
+        let ok = client
+            .ack(pb::AckRequest {
+                subscription_id: second_id,
+                sequences: vec![a.sequence, b.sequence],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((ok.acked, ok.unknown), (2, 0));
+        let g = groups(&mut brokers[1].admin().await).await.remove(0);
+        assert_eq!((g.in_flight, g.redeliveries), (0, 1), "{g:?}");
+    })
+    .await;
+}

@@ -894,6 +894,8 @@ struct Waiting {
     message: jetstream::Message,
     published: Arc<crate::broker::Published>,
     attempt: u32,
+    /// The member that nacked it: passed over while another has room.
+    avoid: Option<Arc<str>>,
 }
 
 struct Member {
@@ -906,6 +908,8 @@ struct Member {
 struct Held {
     member: Arc<str>,
     message: jetstream::Message,
+    /// What the member was given, to hand it to another member on a Nack.
+    published: Arc<crate::broker::Published>,
     attempt: u32,
     deadline: Instant,
     /// When JetStream was last told this replica still works on it.
@@ -948,11 +952,19 @@ impl HubState {
 
     /// Hands waiting messages to members with room, round-robin.
     fn dispatch(&mut self) {
-        while !self.waiting.is_empty() {
+        while let Some(front) = self.waiting.front() {
+            let avoid = front.avoid.clone();
             let n = self.members.len();
-            let pick = (0..n)
+            let has_room = |m: &Member| m.holds < m.settings.max_in_flight;
+            let mut with_room = (0..n)
                 .map(|i| (self.cursor + i) % n)
-                .find(|&i| self.members[i].holds < self.members[i].settings.max_in_flight);
+                .filter(|&i| has_room(&self.members[i]));
+            let first = with_room.next();
+            // The member that nacked it only when no other has room.
+            let pick = match (&avoid, first) {
+                (Some(avoid), Some(i)) if self.members[i].id == *avoid => with_room.next().or(first),
+                _ => first,
+            };
             let Some(index) = pick else { return };
             let Some(w) = self.waiting.pop_front() else { return };
             self.cursor = index + 1;
@@ -971,6 +983,7 @@ impl HubState {
             let sequence = w.published.sequence;
             let held = Held {
                 member: member.id.clone(),
+                published: w.published.clone(),
                 deadline: Instant::now() + member.settings.ack_deadline,
                 progress_at: Instant::now(),
                 message: w.message,
@@ -1125,6 +1138,7 @@ impl Hub {
             message,
             published,
             attempt,
+            avoid: None,
         });
         state.dispatch();
     }
@@ -1160,22 +1174,43 @@ impl Hub {
     pub(super) fn nack(&self, member: &str, sequences: &[u64]) -> Nacked {
         let mut result = Nacked::default();
         let mut failed = Vec::new();
+        let max = self.engine.inner.local.limits().max_delivery_attempts;
         for &seq in sequences {
-            let held = {
-                let mut state = self.state.lock();
-                let held = state.held.remove_if(seq, member);
-                if held.is_some() {
-                    state.release(member);
-                }
-                held
+            let mut state = self.state.lock();
+            let Some(held) = state.held.remove_if(seq, member) else {
+                result.unknown += 1;
+                continue;
             };
-            match held {
-                Some(held) => {
-                    result.requeued += 1;
-                    failed.push((seq, held));
-                }
-                None => result.unknown += 1,
+            result.requeued += 1;
+            let Some(index) = state.members.iter().position(|m| &*m.id == member) else {
+                state.dispatch();
+                failed.push((seq, held));
+                continue;
+            };
+            state.members[index].holds = state.members[index].holds.saturating_sub(1);
+            // Another member here with room takes it at once, as in
+            // single-node mode, without a round through JetStream (which
+            // would give it to whichever replica pulls first, this member
+            // included). The JetStream message stays held by this replica.
+            let exhausted = max > 0 && held.attempt >= max;
+            let other_has_room = state
+                .members
+                .iter()
+                .any(|m| &*m.id != member && m.holds < m.settings.max_in_flight);
+            if exhausted || !other_has_room {
+                state.dispatch();
+                failed.push((seq, held));
+                continue;
             }
+            let avoid = state.members[index].id.clone();
+            state.waiting.push_front(Waiting {
+                message: held.message,
+                published: held.published,
+                attempt: held.attempt + 1,
+                avoid: Some(avoid),
+            });
+            state.dispatch();
+            self.redeliveries.fetch_add(1, Ordering::Relaxed);
         }
         self.retry(failed);
         self.room.notify_one();
