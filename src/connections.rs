@@ -204,7 +204,7 @@ pub async fn serve<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let settings = Arc::new(settings);
@@ -296,7 +296,7 @@ async fn serve_connection<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     // tonic's own listener would set it too: without it, Nagle holds back

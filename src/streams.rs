@@ -202,8 +202,8 @@ impl Requests {
     /// Polls, once each, the requests woken or started since the last time.
     fn run_woken(&mut self) {
         self.start_queued();
-        std::mem::swap(&mut self.polling, &mut *self.ready.woken.lock());
         let mut polling = std::mem::take(&mut self.polling);
+        std::mem::swap(&mut polling, &mut *self.ready.woken.lock());
         for &(key, generation) in &polling {
             let Some(running) = self.running.get_mut(key) else {
                 continue;

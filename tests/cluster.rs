@@ -1783,26 +1783,51 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
                 .is_err(),
             "nothing more for the member that nacked"
         );
-        let late = client
-            .ack(pb::AckRequest {
-                subscription_id: first_id,
-                sequences: vec![a.sequence],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!((late.acked, late.unknown), (0, 1), "a late ack from the old holder");
-        let ok = client
-            .ack(pb::AckRequest {
-                subscription_id: second_id,
-                sequences: vec![a.sequence, b.sequence],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!((ok.acked, ok.unknown), (2, 0));
+        let late = ack(&mut client, &first_id, &[a.sequence]).await;
+        assert_eq!(late, (0, 1), "a late ack from the old holder");
+        let ok = ack(&mut client, &second_id, &[a.sequence, b.sequence]).await;
+        assert_eq!(ok, (2, 0));
         let g = groups(&mut brokers[1].admin().await).await.remove(0);
         assert_eq!((g.in_flight, g.redeliveries), (0, 1), "{g:?}");
+    })
+    .await;
+}
+
+/// A full group backlog whose every message is with a member has nothing
+/// older to drop for a new message: the new one is dropped, and counted
+/// (docs/contract.md, Cluster mode). Once the member acks, the group takes
+/// messages again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_backlog_held_by_members_drops_the_new_message_and_counts_it() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let mut config = replica_config(urls_from(&nats, 0), "r0", "held");
+        config.limits.group_capacity = 2;
+        let broker = start_with(config).await;
+        wait_serving(&broker).await;
+        let mut client = broker.client().await;
+        let (mut member, id) = open(&mut client, member_request(&["work"], "busy", true, 2)).await;
+        let held = publish_n(&broker, "work", 2).await;
+        let got = [
+            next_message(&mut member, "the first").await.sequence,
+            next_message(&mut member, "the second").await.sequence,
+        ];
+        assert_eq!(got.to_vec(), held);
+
+        // Both stored messages are with the member: the third is dropped.
+        publish_n(&broker, "work", 1).await;
+        let g = groups(&mut broker.admin().await).await.remove(0);
+        assert_eq!((g.dropped, g.in_flight), (1, 2), "{g:?}");
+        assert_eq!(dropped_total([&broker], "group_overflow").await, 1.0);
+
+        assert_eq!(ack(&mut client, &id, &held).await, (2, 0));
+        let next = publish_n(&broker, "work", 1).await;
+        assert_eq!(
+            next_message(&mut member, "a message after the acks").await.sequence,
+            next[0]
+        );
     })
     .await;
 }

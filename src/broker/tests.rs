@@ -51,6 +51,46 @@ fn an_auto_ack_member_reports_what_it_streamed_when_its_queue_runs_dry() {
     assert_eq!(group.backlog, 0, "all 8 fit");
 }
 
+/// A stream whose queue never runs dry yields after its turn (so that its
+/// connection's other subscriptions and writes get theirs): 128 deliveries,
+/// then `Pending` with its waker woken, then the rest, in order.
+#[test]
+fn a_busy_stream_yields_after_its_turn_and_then_goes_on() {
+    use futures::StreamExt;
+    use std::sync::atomic::AtomicUsize;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let broker = Broker::new(Limits::default());
+    let mut stream = broker
+        .subscribe(SubscribeRequest {
+            topic_patterns: vec!["t".into()],
+            ..Default::default()
+        })
+        .unwrap();
+    for _ in 0..200 {
+        broker.publish(message("t"), None).unwrap();
+    }
+    let woken = Arc::new(Count(AtomicUsize::new(0)));
+    let waker = Waker::from(woken.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut sequences = Vec::new();
+    while let Poll::Ready(Some(d)) = stream.poll_next_unpin(&mut cx) {
+        sequences.push(d.message.sequence);
+    }
+    assert_eq!(sequences.len(), 128, "one turn");
+    assert_eq!(woken.0.load(Ordering::Relaxed), 1, "it asks to be polled again");
+    while let Poll::Ready(Some(d)) = stream.poll_next_unpin(&mut cx) {
+        sequences.push(d.message.sequence);
+    }
+    assert_eq!(sequences.len(), 200, "the rest on the next turn");
+    assert!(sequences.windows(2).all(|w| w[0] < w[1]), "in order");
+}
+
 #[test]
 fn validation_charges_what_message_size_says() {
     let broker = Broker::new(Limits::default());

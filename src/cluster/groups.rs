@@ -709,12 +709,8 @@ impl ClusterEngine {
         for (name, &dropped) in overflowed.iter().filter(|(name, _)| !hubs.contains_key(*name)) {
             groups.push(LocalGroup {
                 name: name.clone(),
-                members: 0,
-                held: 0,
-                redeliveries: 0,
-                dead_lettered: 0,
-                acked: 0,
                 dropped,
+                ..LocalGroup::default()
             });
         }
         groups
@@ -829,7 +825,7 @@ impl ClusterEngine {
 }
 
 /// One replica's part of a group, for the cluster-wide listing.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct LocalGroup {
     pub(super) name: String,
     pub(super) members: usize,

@@ -403,6 +403,19 @@ pub fn member_request(patterns: &[&str], group: &str, manual: bool, max_in_fligh
     }
 }
 
+/// Acks `sequences` for subscription `id`: (acked, unknown).
+pub async fn ack(client: &mut BrokerClient<Channel>, id: &str, sequences: &[u64]) -> (u32, u32) {
+    let r = client
+        .ack(pb::AckRequest {
+            subscription_id: id.into(),
+            sequences: sequences.to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (r.acked, r.unknown)
+}
+
 /// Opens a subscription from a full request; returns its stream and id.
 pub async fn open(
     client: &mut BrokerClient<Channel>,

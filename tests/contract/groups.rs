@@ -235,24 +235,10 @@ async fn nack_hands_the_message_to_another_member_and_the_old_ack_is_unknown() {
         };
         assert_eq!((again.sequence, again.delivery_attempt), (m.sequence, 2));
         assert_eq!(again.subscription_id, new_holder);
-        let late = client
-            .ack(pb::AckRequest {
-                subscription_id: old_holder,
-                sequences: vec![m.sequence],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!((late.acked, late.unknown), (0, 1), "a late ack from the old holder");
-        let ok = client
-            .ack(pb::AckRequest {
-                subscription_id: new_holder,
-                sequences: vec![m.sequence],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!((ok.acked, ok.unknown), (1, 0), "the new holder is undisturbed");
+        let late = ack(&mut client, &old_holder, &[m.sequence]).await;
+        assert_eq!(late, (0, 1), "a late ack from the old holder");
+        let ok = ack(&mut client, &new_holder, &[m.sequence]).await;
+        assert_eq!(ok, (1, 0), "the new holder is undisturbed");
     })
     .await
 }
@@ -294,6 +280,42 @@ async fn a_message_is_dead_lettered_after_max_delivery_attempts() {
         assert!(dead.sequence > sequence);
         let g = broker.group("payments").await.unwrap();
         assert_eq!((g.dead_lettered, g.in_flight, g.backlog), (1, 0, 0));
+    })
+    .await
+}
+
+/// The backlog's byte bound: 20 messages of 1,000 bytes into 4 KiB keep the
+/// newest that fit; every other one is dropped and counted, and the member
+/// that comes back gets exactly the ones kept, the newest.
+#[tokio::test]
+async fn a_backlog_full_of_bytes_drops_the_oldest_and_counts_them() {
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            group_max_bytes: 4096,
+            ..Limits::default()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let (first, _) = open(&mut client, member_request(&["b"], "g", false, 0)).await;
+        drop(first);
+        wait_members(&broker, "g", 0).await;
+        let payload = "x".repeat(1000);
+        let requests: Vec<_> = (0..20).map(|_| publish_request("b", &payload)).collect();
+        let r = client
+            .publish_stream(futures::stream::iter(requests))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.accepted, 20);
+        let g = broker.group("g").await.unwrap();
+        assert!((1..=4).contains(&g.backlog), "{g:?}");
+        assert_eq!(g.backlog as u64 + g.dropped, 20, "kept or counted: {g:?}");
+        assert_eq!(broker.dropped_total("group_overflow").await, g.dropped as f64);
+        let (mut member, _) = open(&mut client, member_request(&["b"], "g", false, 0)).await;
+        let kept = r.last_sequence + 1 - g.backlog as u64..=r.last_sequence;
+        for seq in kept {
+            assert_eq!(member.message().await.unwrap().unwrap().sequence, seq);
+        }
     })
     .await
 }
