@@ -1795,6 +1795,75 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
     .await;
 }
 
+/// A Nack by the only member of a group on its replica hands the message
+/// to a member on another replica, as in single-node mode another member
+/// gets it first (docs/contract.md, Cluster mode): not back through
+/// JetStream to whichever pull comes first, the nacking member's included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas(&nats, 2, "nackthere").await;
+        let mut clients = [brokers[0].client().await, brokers[1].client().await];
+        let (mut s0, id0) = open(&mut clients[0], member_request(&["job"], "w", true, 8)).await;
+        let (mut s1, id1) = open(&mut clients[1], member_request(&["job"], "w", true, 8)).await;
+        let ids = [id0, id1];
+        wait_until("both members counted", || {
+            let broker = &brokers[0];
+            async move {
+                groups(&mut broker.admin().await)
+                    .await
+                    .first()
+                    .is_some_and(|g| g.members == 2)
+            }
+        })
+        .await;
+        const N: usize = 6;
+        let sent = publish_n(&brokers[0], "job", N).await;
+        // Each first delivery is nacked by the member that got it; the
+        // second must reach the other member.
+        let mut first_at = std::collections::HashMap::new();
+        let mut second_at = std::collections::HashMap::new();
+        while second_at.len() < N {
+            let (m, member) = tokio::select! {
+                m = next_message(&mut s0, "a delivery") => (m, 0),
+                m = next_message(&mut s1, "a delivery") => (m, 1),
+            };
+            assert!(sent.contains(&m.sequence), "{m:?}");
+            match m.delivery_attempt {
+                1 => {
+                    assert!(first_at.insert(m.sequence, member).is_none(), "{m:?}");
+                    let r = clients[member]
+                        .nack(pb::NackRequest {
+                            subscription_id: ids[member].clone(),
+                            sequences: vec![m.sequence],
+                        })
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    assert_eq!((r.requeued, r.unknown), (1, 0));
+                }
+                2 => {
+                    assert!(second_at.insert(m.sequence, member).is_none(), "{m:?}");
+                    assert_eq!(ack(&mut clients[member], &ids[member], &[m.sequence]).await, (1, 0));
+                }
+                n => panic!("attempt {n} of {m:?}"),
+            }
+        }
+        for seq in &sent {
+            assert_ne!(
+                first_at[seq], second_at[seq],
+                "message {seq} came back to the member that nacked it: first {first_at:?}, second {second_at:?}"
+            );
+        }
+        let g = groups(&mut brokers[1].admin().await).await.remove(0);
+        assert_eq!((g.in_flight, g.redeliveries, g.backlog), (0, N as u64, 0), "{g:?}");
+    })
+    .await;
+}
+
 /// A full group backlog whose every message is with a member has nothing
 /// older to drop for a new message: the new one is dropped, and counted
 /// (docs/contract.md, Cluster mode). Once the member acks, the group takes

@@ -18,9 +18,11 @@
 //!   messages as its members have room for (`max_in_flight`), hands them
 //!   out round-robin, and holds each JetStream message until it is done:
 //!   acked when an AUTO member's stream takes it, or by a MANUAL member's
-//!   Ack; nacked (redelivered at once, to any member) on Nack, at the
-//!   member's ack deadline, or when the member's stream closes. A replica
-//!   that dies leaves its messages to the consumer's `ack_wait`.
+//!   Ack; on Nack handed to another member with room, here or on another
+//!   replica (src/cluster/handover.rs), else nacked (redelivered at once, to
+//!   any member); nacked at the member's ack deadline, or when the member's
+//!   stream closes. A replica that dies leaves its messages to the
+//!   consumer's `ack_wait`.
 //! - A message whose attempt fails after `max_delivery_attempts` is
 //!   published to `_dlq.<group>` by the replica holding it, then acked.
 //! - A group without members on any live replica for its idle TTL is
@@ -72,6 +74,10 @@ const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
 /// (a large message in a backlog full of bytes needs several); beyond it,
 /// the new message is the one dropped.
 const MAKE_ROOM_AT_MOST: usize = 64;
+/// How long offering nacked messages to other replicas may take in all
+/// (then the rest is nacked through JetStream): well within the shortest
+/// `ack_wait` (2 s), which no one renews meanwhile.
+const OFFERS_FOR_AT_MOST: Duration = Duration::from_millis(600);
 
 /// What this replica knows of the cluster's groups.
 #[derive(Default)]
@@ -613,6 +619,7 @@ impl ClusterEngine {
             redeliveries: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
             acked: AtomicU64::new(0),
+            offers: Default::default(),
         });
         hubs.insert(name.to_owned(), hub.clone());
         tokio::spawn(hub.clone().pull());
@@ -675,6 +682,13 @@ impl ClusterEngine {
             .await
             .map_err(|e| unavailable(&e))?;
         Ok(consumer)
+    }
+
+    /// Takes a nacked message offered by another replica into this
+    /// replica's hub of `group`, if it has one with room for it.
+    pub(super) fn take_offered(&self, group: &str, message: jetstream::Message, attempt: u32) -> bool {
+        let hub = self.inner.groups.hubs.lock().get(group).cloned();
+        hub.is_some_and(|hub| hub.take(message, attempt))
     }
 
     /// The hub holding member `id`, if it is on this replica.
@@ -872,6 +886,8 @@ pub(super) struct Hub {
     redeliveries: AtomicU64,
     dead_lettered: AtomicU64,
     acked: AtomicU64,
+    /// Turns the replica a nacked message is offered to first.
+    offers: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Default)]
@@ -1167,9 +1183,10 @@ impl Hub {
         result
     }
 
-    pub(super) fn nack(&self, member: &str, sequences: &[u64]) -> Nacked {
+    pub(super) fn nack(self: &Arc<Self>, member: &str, sequences: &[u64]) -> Nacked {
         let mut result = Nacked::default();
         let mut failed = Vec::new();
+        let mut elsewhere = Vec::new();
         let max = self.engine.inner.local.limits().max_delivery_attempts;
         for &seq in sequences {
             let mut state = self.state.lock();
@@ -1195,7 +1212,11 @@ impl Hub {
                 .any(|m| &*m.id != member && m.holds < m.settings.max_in_flight);
             if exhausted || !other_has_room {
                 state.dispatch();
-                failed.push((seq, held));
+                if exhausted {
+                    failed.push((seq, held));
+                } else {
+                    elsewhere.push((seq, held));
+                }
                 continue;
             }
             let avoid = state.members[index].id.clone();
@@ -1209,8 +1230,84 @@ impl Hub {
             self.redeliveries.fetch_add(1, Ordering::Relaxed);
         }
         self.retry(failed);
+        if !elsewhere.is_empty() {
+            tokio::spawn(self.clone().offer_elsewhere(elsewhere));
+        }
         self.room.notify_one();
         result
+    }
+
+    /// Nacked messages no other member here has room for: offered to the
+    /// other live replicas in turn (a member there with room takes the
+    /// JetStream message itself, [`ClusterEngine::take_offered`]); what none
+    /// takes goes back through JetStream, to whichever member pulls first,
+    /// the one that nacked it included.
+    async fn offer_elsewhere(self: Arc<Self>, mut held: Vec<(u64, Held)>) {
+        held.sort_unstable_by_key(|(seq, _)| *seq);
+        let engine = &self.engine;
+        let me = &engine.inner.config.replica_id;
+        let ready = engine.inner.ready.lock().clone();
+        let mut others = match &ready {
+            Some(ready) => engine.live_replicas(ready).await,
+            None => Vec::new(),
+        };
+        others.retain(|r| r != me);
+        let until = Instant::now() + OFFERS_FOR_AT_MOST;
+        let mut left = Vec::new();
+        for (seq, h) in held {
+            let first = self.offers.fetch_add(1, Ordering::Relaxed);
+            let mut taken = false;
+            for i in 0..others.len() {
+                if Instant::now() >= until || engine.inner.groups.closing.is_cancelled() {
+                    break;
+                }
+                let replica = &others[(first + i) % others.len()];
+                let wait = until.saturating_duration_since(Instant::now());
+                if engine.offer(replica, &self.name, &h.message, h.attempt + 1, wait).await {
+                    taken = true;
+                    break;
+                }
+            }
+            if taken {
+                self.redeliveries.fetch_add(1, Ordering::Relaxed);
+            } else {
+                left.push((seq, h));
+            }
+        }
+        self.retry(left);
+    }
+
+    /// A message another replica offers (nacked there, no other member
+    /// there had room): taken when a member here has room, and handed to
+    /// it first. This replica holds the JetStream message from then on.
+    fn take(&self, message: jetstream::Message, attempt: u32) -> bool {
+        let has_room = |state: &HubState| {
+            !self.stop.is_cancelled() && !self.engine.inner.groups.closing.is_cancelled() && state.room() > 0
+        };
+        if !has_room(&self.state.lock()) {
+            return false;
+        }
+        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+            return false;
+        };
+        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
+        let published = self
+            .engine
+            .inner
+            .local
+            .published_elsewhere(new_message, sequence, publish_time);
+        let mut state = self.state.lock();
+        if !has_room(&state) {
+            return false;
+        }
+        state.waiting.push_front(Waiting {
+            message,
+            published,
+            attempt,
+            avoid: None,
+        });
+        state.dispatch();
+        true
     }
 
     /// Deliveries failed: each redelivered, or dead-lettered after its

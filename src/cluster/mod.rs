@@ -33,6 +33,7 @@
 
 mod fanout;
 mod groups;
+mod handover;
 mod registry;
 mod rpc;
 
@@ -309,6 +310,10 @@ impl ClusterEngine {
             .subscribe(rpc::subject(prefix, &inner.config.replica_id))
             .await
             .map_err(|e| retry(&e))?;
+        let offers = client
+            .subscribe(handover::subject(prefix, &inner.config.replica_id))
+            .await
+            .map_err(|e| retry(&e))?;
         // Every server knows of the fan-out subscription before this
         // replica says it serves: a round trip through each other replica
         // (their servers) proves it (docs/cluster-notes.md).
@@ -325,6 +330,7 @@ impl ClusterEngine {
         // as this one pings it, and when each answered only after its own
         // pings, both waited RPC_TIMEOUT.
         tokio::spawn(self.clone().answer(calls));
+        tokio::spawn(self.clone().answer_offers(offers, ready.js.clone()));
         for replica in self.live_replicas(&ready).await {
             if replica != inner.config.replica_id {
                 let _ = rpc::call(client, prefix, &replica, &rpc::Call::Ping).await;
