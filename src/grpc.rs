@@ -5,8 +5,8 @@
 
 use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
 use crate::engine::{
-    AckMode, BrokerError, Delivery, DeliveryMode, DeliveryStream, Engine, NewMessage, PublishOutcome, PublishTime,
-    SubscribeRequest,
+    AckMode, BrokerError, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine, NewMessage, PublishOutcome,
+    PublishTime, SubscribeRequest,
 };
 use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
@@ -73,18 +73,7 @@ impl<E: Engine> BrokerService<E> {
         publisher: &mut E::Publisher,
         at: PublishTime,
     ) -> Result<PublishOutcome, Status> {
-        let span = tracing::info_span!(
-            "publish",
-            otel.kind = "producer",
-            messaging.system = "tinybroker",
-            messaging.operation.type = "publish",
-            messaging.destination.name = %request.topic,
-            messaging.message.id = tracing::field::Empty,
-        );
-        let _ = span.set_parent(parent.clone());
-        if !request.headers.contains_key(TRACEPARENT) {
-            telemetry::inject(&span.context(), &mut request.headers);
-        }
+        let span = publish_span(&mut request, parent);
         let outcome = self
             .engine
             .publish(new_message(request), publisher, at)
@@ -97,12 +86,52 @@ impl<E: Engine> BrokerService<E> {
         outcome
     }
 
+    /// [`BrokerService::publish_traced`] for a stream's message
+    /// ([`Engine::publish_routed`]).
+    async fn publish_routed_traced(
+        &self,
+        mut request: pb::PublishRequest,
+        parent: &opentelemetry::Context,
+        publisher: &mut E::Publisher,
+        at: PublishTime,
+    ) -> Result<(PublishOutcome, Option<Confirmation>), Status> {
+        let span = publish_span(&mut request, parent);
+        let routed = self
+            .engine
+            .publish_routed(new_message(request), publisher, at)
+            .instrument(span.clone())
+            .await
+            .map_err(status);
+        if let Ok((o, _)) = &routed {
+            span.record("messaging.message.id", o.sequence);
+        }
+        routed
+    }
+
     /// The tonic server for this service, with the decoding limit derived
     /// from `max_message_bytes` so no request can make it allocate more.
     pub fn into_server(self) -> pb::broker_server::BrokerServer<Self> {
         let limit = decoding_limit(self.engine.limits().max_message_bytes);
         pb::broker_server::BrokerServer::new(self).max_decoding_message_size(limit)
     }
+}
+
+/// A `publish` span whose parent is the caller's `traceparent`; its own
+/// context goes into the message's headers, unless the publisher set one.
+fn publish_span(request: &mut pb::PublishRequest, parent: &opentelemetry::Context) -> tracing::Span {
+    let span = tracing::info_span!(
+        "publish",
+        otel.kind = "producer",
+        messaging.system = "tinybroker",
+        messaging.operation.type = "publish",
+        messaging.destination.name = %request.topic,
+        messaging.message.id = tracing::field::Empty,
+    );
+    let _ = span.set_parent(parent.clone());
+    if !request.headers.contains_key(TRACEPARENT) {
+        telemetry::inject(&span.context(), &mut request.headers);
+    }
+    span
 }
 
 /// Largest encoded `PublishRequest` that can still hold a valid message:
@@ -178,31 +207,35 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             let at = PublishTime::now();
             let burst = self.engine.burst();
             let mut routed = 0;
-            // Set when the stream ends inside the batch (its last message, or
-            // an error): returned once the batch is accounted for.
+            // Set when the stream ends inside the batch (Ok: its last
+            // message; or an error): returned once the batch is accounted for.
             let mut ended = None;
+            // Routed, and waiting for what the engine confirms later (a
+            // cluster group's store), oldest first: confirmed at the end of
+            // the batch, so the batch's stores overlap.
+            let mut unconfirmed: Vec<(u64, Option<Confirmation>)> = Vec::new();
             loop {
                 // Untraced, the engine is called here, with no future of
                 // our own per message (see `publish_traced`).
                 let outcome = match &parent {
                     None => self
                         .engine
-                        .publish(new_message(next), &mut publisher, at)
+                        .publish_routed(new_message(next), &mut publisher, at)
                         .await
                         .map_err(status),
-                    Some(parent) => self.publish_traced(next, parent, &mut publisher, at).await,
+                    Some(parent) => self.publish_routed_traced(next, parent, &mut publisher, at).await,
                 };
                 match outcome {
-                    Ok(outcome) => {
-                        if response.accepted == 0 {
-                            response.first_sequence = outcome.sequence;
-                        }
-                        response.last_sequence = outcome.sequence;
-                        response.accepted += 1;
+                    Ok((outcome, None)) if unconfirmed.is_empty() => {
+                        accept(&mut response, outcome.sequence);
+                        routed += 1;
+                    }
+                    Ok((outcome, confirmation)) => {
+                        unconfirmed.push((outcome.sequence, confirmation));
                         routed += 1;
                     }
                     Err(error) => {
-                        ended = Some(Err(with_accepted(error, response.accepted)));
+                        ended = Some(Err(error));
                         break;
                     }
                 }
@@ -212,11 +245,11 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
                 next = match stream.message().now_or_never() {
                     Some(Ok(Some(request))) => request,
                     Some(Ok(None)) => {
-                        ended = Some(Ok(Response::new(response)));
+                        ended = Some(Ok(()));
                         break;
                     }
                     Some(Err(error)) => {
-                        ended = Some(Err(with_accepted(oversized_to_exhausted(error), response.accepted)));
+                        ended = Some(Err(oversized_to_exhausted(error)));
                         break;
                     }
                     // Nothing more buffered: end the batch and wait.
@@ -224,12 +257,34 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
                 };
             }
             drop(burst);
+            let mut waiting = unconfirmed.len();
+            for (sequence, confirmation) in unconfirmed {
+                waiting -= 1;
+                if let Some(confirmation) = confirmation
+                    && let Err(error) = confirmation.await
+                {
+                    // The first that failed ends the stream; those after it
+                    // were published (routed) already.
+                    let error = status(error);
+                    ended = Some(Err(Status::new(
+                        error.code(),
+                        format!(
+                            "{}; the {waiting} messages sent after it on this stream reached subscribers too, and may have reached groups",
+                            error.message()
+                        ),
+                    )));
+                    break;
+                }
+                accept(&mut response, sequence);
+            }
             if routed > 0 {
                 timer.observe_many(at.monotonic.elapsed().as_secs_f64() / routed as f64, routed);
                 timer.flush();
             }
-            if let Some(result) = ended {
-                return result;
+            match ended {
+                Some(Ok(())) => return Ok(Response::new(response)),
+                Some(Err(error)) => return Err(with_accepted(error, response.accepted)),
+                None => {}
             }
             if routed == PUBLISH_BATCH {
                 // Let the subscribers just woken (queued behind this task on
@@ -306,6 +361,15 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             unknown: nacked.unknown,
         }))
     }
+}
+
+/// Counts a message of a stream as accepted.
+fn accept(response: &mut pb::PublishStreamResponse, sequence: u64) {
+    if response.accepted == 0 {
+        response.first_sequence = sequence;
+    }
+    response.last_sequence = sequence;
+    response.accepted += 1;
 }
 
 fn with_accepted(error: Status, accepted: u64) -> Status {

@@ -274,6 +274,21 @@ async fn publish_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
     sequences
 }
 
+/// Publishes `n` messages to `topic` on one PublishStream through
+/// `broker` (whose group stores overlap); their sequences.
+async fn publish_stream_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
+    let requests: Vec<_> = (0..n).map(|i| publish_request(topic, &format!("s{i}"))).collect();
+    let r = broker
+        .client()
+        .await
+        .publish_stream(futures::stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.accepted, n as u64);
+    (r.first_sequence..=r.last_sequence).collect()
+}
+
 /// The next message of `stream`, within 10 s.
 async fn next_message(stream: &mut tonic::Streaming<pb::Message>, what: &str) -> pb::Message {
     tokio::time::timeout(Duration::from_secs(10), stream.message())
@@ -1689,8 +1704,14 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
         })
         .await;
 
-        // Two replicas publish 20 each at the same time into a backlog of 4.
-        let (a, b) = tokio::join!(publish_n(&brokers[0], "work", 20), publish_n(&brokers[1], "work", 20));
+        // Two replicas publish 20 each at the same time into a backlog of 4:
+        // one a message at a time, the other on a PublishStream (its
+        // stores overlap, and each refused one is retried after the others
+        // were sent).
+        let (a, b) = tokio::join!(
+            publish_n(&brokers[0], "work", 20),
+            publish_stream_n(&brokers[1], "work", 20)
+        );
         // The backlog is read from the consumer, whose server may apply the
         // last stored messages a moment after the publish was acked.
         wait_until("the backlog to read 4", || {

@@ -3,14 +3,17 @@
 //! publish comes in on `<prefix>.m.>` and goes to the local subscribers with
 //! the publisher's sequence and time.
 
-use super::{ClusterEngine, REMOTE_BURST};
+use super::groups::{GroupRoute, backlog_full};
+use super::{ClusterEngine, REMOTE_BURST, Ready};
 use crate::broker::{RouteCache, WakeBatch};
 use crate::engine::validate::truncate;
-use crate::engine::{BrokerError, NewMessage, PublishOutcome, PublishTime};
+use crate::engine::{BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
 use crate::pb;
-use bytes::{BufMut, BytesMut};
+use async_nats::jetstream;
+use bytes::{BufMut, Bytes, BytesMut};
 use futures::{FutureExt, StreamExt};
 use prost::Message as _;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 impl ClusterEngine {
@@ -54,6 +57,70 @@ impl ClusterEngine {
         publisher: &mut RouteCache,
         at: PublishTime,
     ) -> Result<PublishOutcome, BrokerError> {
+        let (mut outcome, routed) = self.route_cluster(message, publisher, at).await?;
+        // Each matching group's stream stores it (with an ack), once.
+        for route in &routed.groups {
+            let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
+            if self
+                .publish_to_group(&routed.ready, route, routed.body.clone(), id, None)
+                .await?
+            {
+                outcome.matched_groups += 1;
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// [`ClusterEngine::publish_cluster`] for a stream's message: the
+    /// stores to the matching groups are sent before this returns, their
+    /// acks awaited by the confirmation (with the same retries, and the
+    /// same room made in a full backlog, as one at a time).
+    pub(super) async fn publish_cluster_routed(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> Result<(PublishOutcome, Option<Confirmation>), BrokerError> {
+        let (outcome, routed) = self.route_cluster(message, publisher, at).await?;
+        if routed.groups.is_empty() {
+            return Ok((outcome, None));
+        }
+        let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
+        let mut sent = Vec::with_capacity(routed.groups.len());
+        for route in routed.groups {
+            let message = jetstream::message::PublishMessage::build()
+                .payload(routed.body.clone())
+                .message_id(id.clone());
+            let ack = routed.ready.js.send_publish(route.subject.clone(), message).await;
+            sent.push((route, ack));
+        }
+        let engine = self.clone();
+        let confirmation = async move {
+            for (route, ack) in sent {
+                let first = match ack {
+                    Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
+                    Err(e) => Err((false, e.to_string())),
+                };
+                if first.is_err() {
+                    engine
+                        .publish_to_group(&routed.ready, &route, routed.body.clone(), id.clone(), Some(first))
+                        .await?;
+                }
+            }
+            Ok(())
+        };
+        Ok((outcome, Some(Box::pin(confirmation))))
+    }
+
+    /// A publish's work up to the group stores, in order: validated, given
+    /// its sequence, delivered to this replica's subscribers, sent to the
+    /// other replicas over core NATS, and encoded for the groups it matches.
+    async fn route_cluster(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> Result<(PublishOutcome, Routed), BrokerError> {
         let ready = self.serving()?;
         crate::engine::validate::message(&message, self.inner.local.limits().max_message_bytes)?;
         let subject = format!("{}{}", self.inner.message_prefix, message.topic);
@@ -89,16 +156,16 @@ impl ClusterEngine {
                 "NATS is unreachable ({e}): the message reached this replica's subscribers only"
             ))
         })?;
-        // Each matching group's stream stores it (with an ack), once.
-        let mut outcome = outcome;
-        for route in &groups {
-            let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
-            if self.publish_to_group(&ready, route, body.clone(), id).await? {
-                outcome.matched_groups += 1;
-            }
-        }
-        Ok(outcome)
+        Ok((outcome, Routed { ready, groups, body }))
     }
+}
+
+/// A routed cluster publish: what its group stores need.
+pub(super) struct Routed {
+    ready: Arc<Ready>,
+    groups: Vec<Arc<GroupRoute>>,
+    /// The envelope, sequence included.
+    body: Bytes,
 }
 
 /// What a message the cluster carries (a `Message` envelope, encoded by the

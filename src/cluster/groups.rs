@@ -120,7 +120,7 @@ pub(super) struct GroupRoute {
 
 /// Whether JetStream refused a message because the group's stream is full
 /// (`max_msgs` or `max_bytes`, discard new).
-fn backlog_full(error: &jetstream::context::PublishError) -> bool {
+pub(super) fn backlog_full(error: &jetstream::context::PublishError) -> bool {
     std::error::Error::source(error)
         .and_then(|e| e.downcast_ref::<jetstream::Error>())
         .is_some_and(|e| {
@@ -271,12 +271,16 @@ impl ClusterEngine {
     /// Stores `body` in a group's stream, with an ack; retried over a
     /// leader election. `id` makes retries idempotent. False when the group
     /// was removed meanwhile (its idle TTL): the message matched no group.
+    /// `first`: how an attempt already made ended (a stream's pipelined
+    /// store, [`ClusterEngine::publish_cluster_routed`]): (whether the
+    /// backlog was full, JetStream's error).
     pub(super) async fn publish_to_group(
         &self,
         ready: &Ready,
         route: &GroupRoute,
         body: Bytes,
         id: String,
+        mut first: Option<Result<(), (bool, String)>>,
     ) -> Result<bool, BrokerError> {
         let started = Instant::now();
         let mut made_room = 0;
@@ -288,12 +292,17 @@ impl ClusterEngine {
                 0 => id.clone(),
                 n => format!("{id}-{n}"),
             };
-            let message = jetstream::message::PublishMessage::build()
-                .payload(body.clone())
-                .message_id(attempt_id);
-            let result = match ready.js.send_publish(route.subject.clone(), message).await {
-                Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
-                Err(e) => Err((false, e.to_string())),
+            let result = match first.take() {
+                Some(result) => result,
+                None => {
+                    let message = jetstream::message::PublishMessage::build()
+                        .payload(body.clone())
+                        .message_id(attempt_id);
+                    match ready.js.send_publish(route.subject.clone(), message).await {
+                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
+                        Err(e) => Err((false, e.to_string())),
+                    }
+                }
             };
             match result {
                 Ok(()) => return Ok(true),

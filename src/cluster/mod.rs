@@ -43,9 +43,9 @@ use crate::broker::{Broker, RouteCache, SubscriptionStream};
 use crate::config::{ClusterConfig, Limits};
 use crate::engine::validate::truncate;
 use crate::engine::{
-    Acked, BrokerError, ClusterInfo, Delivery, DeliveryMode, DeliveryStream, Engine, EngineHealth, EngineInfo,
-    EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd,
-    SubscribeRequest, SubscriptionInfo,
+    Acked, BrokerError, ClusterInfo, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine, EngineHealth,
+    EngineInfo, EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime,
+    Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
 };
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -516,6 +516,15 @@ impl Engine for ClusterEngine {
         at: PublishTime,
     ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send {
         self.publish_cluster(message, publisher, at)
+    }
+
+    fn publish_routed(
+        &self,
+        message: NewMessage,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> impl Future<Output = Result<(PublishOutcome, Option<Confirmation>), BrokerError>> + Send {
+        self.publish_cluster_routed(message, publisher, at)
     }
 
     fn burst(&self) {}

@@ -31,6 +31,9 @@ use std::time::{Duration, SystemTime};
 
 pub use crate::broker::{Delivery, Published};
 
+/// What a routed publish still waits for ([`Engine::publish_routed`]).
+pub type Confirmation = futures::future::BoxFuture<'static, Result<(), BrokerError>>;
+
 /// An engine behind the gRPC front. Cheap to clone (a handle).
 ///
 /// Calls that may have to ask other replicas (Ack, Nack, CloseSubscription,
@@ -60,6 +63,22 @@ pub trait Engine: Clone + Send + Sync + 'static {
         publisher: &mut Self::Publisher,
         at: PublishTime,
     ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send;
+
+    /// [`Engine::publish`] for one of a run of messages on a stream: resolves
+    /// once the message is routed (in order with the stream's others), with
+    /// what it still waits for, if anything: a cluster group's store ack,
+    /// which the caller awaits, in order, before it counts the message as
+    /// accepted. Meanwhile the next messages are routed, so a stream's
+    /// stores overlap instead of taking a round trip each.
+    fn publish_routed(
+        &self,
+        message: NewMessage,
+        publisher: &mut Self::Publisher,
+        at: PublishTime,
+    ) -> impl Future<Output = Result<(PublishOutcome, Option<Confirmation>), BrokerError>> + Send {
+        use futures::FutureExt;
+        self.publish(message, publisher, at).map(|r| r.map(|o| (o, None)))
+    }
 
     /// Starts a run of publishes (see [`Engine::Burst`]).
     fn burst(&self) -> Self::Burst;
