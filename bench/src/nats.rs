@@ -318,24 +318,31 @@ pub async fn js_group_setup(server: &Server, subject: &str, replicas: usize) -> 
     use async_nats::jetstream::{consumer, stream};
     let client = connect(server).await?;
     let js = async_nats::jetstream::new(client);
-    let stream = within(
-        NET,
-        "creating the JetStream stream",
-        js.create_stream(stream::Config {
-            name: JS_STREAM.into(),
-            subjects: vec![subject.to_owned()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::Memory,
-            num_replicas: replicas,
-            max_messages: 65_536,
-            max_bytes: 128 << 20,
-            discard: stream::DiscardPolicy::Old,
-            duplicate_window: Duration::from_secs(120),
-            ..Default::default()
-        }),
-    )
-    .await?
-    .context("creating the JetStream stream")?;
+    let config = stream::Config {
+        name: JS_STREAM.into(),
+        subjects: vec![subject.to_owned()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::Memory,
+        num_replicas: replicas,
+        max_messages: 65_536,
+        max_bytes: 128 << 20,
+        discard: stream::DiscardPolicy::Old,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    };
+    // A cluster just started may time the first request out while its
+    // stream placement settles (as tinybroker's replicas retry theirs).
+    let started = tokio::time::Instant::now();
+    let stream = loop {
+        match within(NET, "creating the JetStream stream", js.create_stream(config.clone())).await? {
+            Ok(stream) => break stream,
+            Err(e) if started.elapsed() < Duration::from_secs(30) => {
+                eprintln!("creating the JetStream stream: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e).context("creating the JetStream stream"),
+        }
+    };
     within(
         NET,
         "creating the JetStream consumer",
@@ -414,10 +421,15 @@ pub async fn js_member(server: &Server, rec: Recorder, stop: CancellationToken) 
 /// The group's publisher: every message a JetStream publish with a message
 /// id, its store ack awaited before the next (what a tinybroker replica
 /// does for each message of a PublishStream matching a group).
+/// Publishes to a JetStream stream with up to [`JsPublisher::WINDOW`]
+/// store acks outstanding, awaited in order: what tinybroker's replica does
+/// with a PublishStream's messages (it routes a batch of up to 128, then
+/// awaits their stores), so both sides overlap their round trips alike.
 pub struct JsPublisher {
     js: async_nats::jetstream::Context,
     subject: Subject,
     sent: u64,
+    pending: std::collections::VecDeque<async_nats::jetstream::context::PublishAckFuture>,
 }
 
 impl JsPublisher {
@@ -426,23 +438,47 @@ impl JsPublisher {
             js: async_nats::jetstream::new(connect(server).await?),
             subject: Subject::from(topic),
             sent: 0,
+            pending: Default::default(),
         })
     }
+
+    /// Store acks outstanding at most (tinybroker's `PUBLISH_BATCH`).
+    pub const WINDOW: usize = 128;
 
     pub async fn send(&mut self, payload: Bytes, deadline: tokio::time::Instant) -> Result<()> {
         let message = async_nats::jetstream::message::PublishMessage::build()
             .payload(payload)
             .message_id(format!("bench-{}", self.sent));
         self.sent += 1;
-        before(deadline, "publishing to JetStream", async {
-            self.js
-                .send_publish(self.subject.clone(), message)
-                .await
-                .context("JetStream publish")?
-                .await
-                .context("JetStream publish ack")
-        })
-        .await??;
+        let ack = before(
+            deadline,
+            "publishing to JetStream",
+            self.js.send_publish(self.subject.clone(), message),
+        )
+        .await?
+        .context("JetStream publish")?;
+        self.pending.push_back(ack);
+        if self.pending.len() >= Self::WINDOW {
+            self.confirm_oldest(deadline).await?;
+        }
+        Ok(())
+    }
+
+    /// Awaits every store ack still outstanding.
+    pub async fn finish(mut self) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !self.pending.is_empty() {
+            self.confirm_oldest(deadline).await?;
+        }
+        Ok(())
+    }
+
+    async fn confirm_oldest(&mut self, deadline: tokio::time::Instant) -> Result<()> {
+        if let Some(ack) = self.pending.pop_front() {
+            before(deadline, "a JetStream publish ack", ack.into_future())
+                .await?
+                .context("JetStream publish ack")?;
+        }
         Ok(())
     }
 }

@@ -421,7 +421,8 @@ fn tinybroker_env(settings: &Settings, subs: usize, per_sub_metrics: bool) -> Ti
 enum Publisher {
     Tb(tb::Publisher),
     Nats(nats::Publisher),
-    /// The NATS peer of a cluster-wide group: JetStream publish-and-await-ack.
+    /// The NATS peer of a cluster-wide group: JetStream publishes, their
+    /// acks awaited in order with a window ([`nats::JsPublisher`]).
     NatsJs(nats::JsPublisher),
     Redis(redis_pubsub::Publisher),
 }
@@ -449,8 +450,7 @@ impl Publisher {
         match self {
             Publisher::Tb(x) => x.finish(sent).await,
             Publisher::Nats(x) => x.finish(sent).await,
-            // Every message's store ack was awaited by `send`.
-            Publisher::NatsJs(_) => Ok(()),
+            Publisher::NatsJs(x) => x.finish().await,
             Publisher::Redis(x) => x.finish(sent).await,
         }
     }
