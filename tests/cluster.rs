@@ -377,6 +377,104 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
     .await;
 }
 
+/// A group's first member, on one replica, sees a message published on
+/// another replica right after its OpenSubscription answered: the new
+/// group is known cluster-wide by then, not when the table's watch brings
+/// it (docs/contract.md, Cluster mode). Eight new groups, each joined on
+/// one replica and published to at once on another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_group_takes_a_message_published_on_another_replica_right_after_its_first_join() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        // Eight groups' streams, each reserving its byte budget on every
+        // server: a small budget, so they fit the test servers' memory.
+        let mut brokers = Vec::new();
+        for i in 0..2 {
+            let mut config = replica_config(urls_from(&nats, i), &format!("r{i}"), "newgroup");
+            config.limits.group_max_bytes = 1 << 20;
+            brokers.push(start_with(config).await);
+        }
+        for broker in &brokers {
+            wait_serving(broker).await;
+        }
+        let mut joiner = brokers[0].client().await;
+        let mut publisher = brokers[1].client().await;
+        let mut missed = Vec::new();
+        for i in 0..8 {
+            let topic = format!("fresh.{i}");
+            let (mut member, _) = open(
+                &mut joiner,
+                member_request(&[topic.as_str()], &format!("g{i}"), false, 4),
+            )
+            .await;
+            let r = publisher
+                .publish(publish_request(&topic, "right away"))
+                .await
+                .unwrap()
+                .into_inner();
+            if r.matched_groups != 1 {
+                missed.push(i);
+                continue;
+            }
+            let m = next_message(&mut member, "the message published right after the join").await;
+            assert_eq!(m.sequence, r.sequence);
+        }
+        assert!(missed.is_empty(), "groups that missed the first message: {missed:?}");
+    })
+    .await;
+}
+
+/// Each group's stream reserves its byte budget on every server it is on:
+/// a group beyond what the NATS servers' JetStream memory holds is refused
+/// with RESOURCE_EXHAUSTED naming the budget's variable (not UNAVAILABLE,
+/// as for an outage), and the groups already there go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_beyond_the_nats_servers_memory_is_refused_naming_the_budget() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        // 100 MiB per group on each of the 3 servers (256 MB each): two fit.
+        let mut config = replica_config(urls_from(&nats, 0), "r0", "nomem");
+        config.limits.group_max_bytes = 100 << 20;
+        let broker = start_with(config).await;
+        wait_serving(&broker).await;
+        let mut client = broker.client().await;
+        let (mut a, _) = open(&mut client, member_request(&["mem.a"], "a", false, 4)).await;
+        let (_b, _) = open(&mut client, member_request(&["mem.b"], "b", false, 4)).await;
+        let refused = client
+            .open_subscription(member_request(&["mem.c"], "c", false, 4))
+            .await
+            .expect_err("a third group does not fit");
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+        for needed in ["\"c\"", "TINYBROKER_GROUP_MAX_BYTES=104857600", "max_memory_store"] {
+            assert!(
+                refused.message().contains(needed),
+                "{needed} in {:?}",
+                refused.message()
+            );
+        }
+        let sent = publish_n(&broker, "mem.a", 1).await;
+        assert_eq!(
+            next_message(&mut a, "a message to a group that fitted").await.sequence,
+            sent[0]
+        );
+        // The refused group is not left in the table: a publish to its
+        // topic matches no group at once (it would wait 10 s for a stream
+        // that is not there, then fail).
+        let r = tokio::time::timeout(Duration::from_secs(2), client.publish(publish_request("mem.c", "x")))
+            .await
+            .expect("a publish to the refused group's topic answers at once")
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.matched_groups, 0);
+        assert!(groups(&mut broker.admin().await).await.iter().all(|g| g.name != "c"));
+    })
+    .await;
+}
+
 /// A replica started while a group exists routes to it from its very first
 /// accepted publish: it reads the group table before it serves (a publish
 /// loop from the moment it starts takes the first one it accepts).

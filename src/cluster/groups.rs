@@ -164,6 +164,17 @@ fn placement_pending(error: &jetstream::context::CreateStreamError) -> bool {
         error.kind(),
         jetstream::context::CreateStreamErrorKind::JetStream(e)
             if e.error_code() == ErrorCode::CLUSTER_NO_PEERS || e.error_code() == ErrorCode::INSUFFICIENT_RESOURCES
+    ) || memory_exhausted(error)
+}
+
+/// Whether JetStream has no memory left to reserve for a new stream
+/// ("insufficient memory resources available": the servers'
+/// `max_memory_store` is taken by other streams' reservations).
+fn memory_exhausted(error: &jetstream::context::CreateStreamError) -> bool {
+    matches!(
+        error.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(e)
+            if e.error_code() == jetstream::ErrorCode::MEMORY_RESOURCES_EXCEEDED
     )
 }
 
@@ -229,7 +240,7 @@ impl ClusterEngine {
         }
     }
 
-    fn route_group(&self, name: &str, patterns: Vec<String>) {
+    pub(super) fn route_group(&self, name: &str, patterns: Vec<String>) {
         let groups = &self.inner.groups;
         let mut table = groups.table.lock();
         if table.get(name) == Some(&patterns) {
@@ -400,14 +411,35 @@ impl ClusterEngine {
             0 => limits.default_ack_deadline,
             ms => Duration::from_millis(ms.into()),
         };
-        self.fix_patterns(ready, &name, &patterns).await?;
+        let created = self.fix_patterns(ready, &name, &patterns).await?;
         if request.subscription_id.is_empty() {
             request.subscription_id = uuid::Uuid::new_v4().to_string();
         } else {
             validate::name_field("subscription_id", &request.subscription_id)?;
         }
         let id = request.subscription_id.clone();
-        let mut hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
+        let mut hub = match self.hub(ready, &name, &patterns, ack_deadline).await {
+            Ok(hub) => hub,
+            Err(error) => {
+                // A group this join made and could not give a stream (no
+                // JetStream memory left) must not stay in the table: every
+                // publish to its topics would wait for a stream that is not
+                // there.
+                if let Some(revision) = created
+                    && ready
+                        .groups
+                        .delete_expect_revision(key(&name), Some(revision))
+                        .await
+                        .is_ok()
+                {
+                    self.unroute_group(&name);
+                }
+                return Err(error);
+            }
+        };
+        if created.is_some() {
+            self.announce_group(ready, &name, &patterns).await;
+        }
         if let Err(error) = self.claim(ready, &id).await {
             hub.unused();
             return Err(error);
@@ -452,8 +484,9 @@ impl ClusterEngine {
     /// them against what is written. A join also writes the entry again
     /// (same value, a new revision), so that a replica about to remove the
     /// group as idle (a delete expecting the revision it saw while the group
-    /// had no members) leaves it be.
-    async fn fix_patterns(&self, ready: &Ready, name: &str, patterns: &[String]) -> Result<(), BrokerError> {
+    /// had no members) leaves it be. The entry's revision when this made it
+    /// (a new group, for [`ClusterEngine::announce_group`]).
+    async fn fix_patterns(&self, ready: &Ready, name: &str, patterns: &[String]) -> Result<Option<u64>, BrokerError> {
         let unavailable = |e: &dyn std::fmt::Display| {
             BrokerError::Unavailable(format!("the consumer-group table (NATS) did not answer: {e}"))
         };
@@ -464,9 +497,9 @@ impl ClusterEngine {
         let mut lost_race = None;
         for _ in 0..5 {
             match ready.groups.create(key(name), entry.clone().into()).await {
-                Ok(_) => {
+                Ok(revision) => {
                     self.route_group(name, patterns.to_vec());
-                    return Ok(());
+                    return Ok(Some(revision));
                 }
                 Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
                 Err(e) => return Err(unavailable(&e)),
@@ -501,7 +534,7 @@ impl ClusterEngine {
                     .is_ok()
             {
                 self.route_group(name, existing_patterns);
-                return Ok(());
+                return Ok(None);
             }
             lost_race = Some(existing.revision);
         }
@@ -509,6 +542,35 @@ impl ClusterEngine {
             "consumer group {:?}: its table entry kept changing under this join; try again",
             truncate(name)
         )))
+    }
+
+    /// Tells every other live replica of a group this one just made, and
+    /// waits for each to route it: a message published on any of them
+    /// after the first member's OpenSubscription answered reaches the
+    /// group (the table's watch would bring it a moment later). A replica
+    /// that does not confirm is logged; it learns of the group by the watch.
+    async fn announce_group(&self, ready: &Ready, name: &str, patterns: &[String]) {
+        let me = &self.inner.config.replica_id;
+        let call = super::rpc::Call::RouteGroup {
+            name: name.to_owned(),
+            patterns: patterns.to_vec(),
+        };
+        let replicas = self.live_replicas(ready).await;
+        let calls = replicas.iter().filter(|r| *r != me).map(|replica| {
+            let call = &call;
+            async move {
+                let answer = super::rpc::call(&self.inner.client, &self.inner.config.prefix, replica, call).await;
+                (replica, answer)
+            }
+        });
+        for (replica, answer) in futures::future::join_all(calls).await {
+            let error = match answer {
+                Ok(super::rpc::Answer::Routed) => continue,
+                Ok(other) => other.into_error(),
+                Err(error) => error,
+            };
+            tracing::warn!(%replica, consumer_group = name, %error, "a replica did not confirm a new consumer group; it learns of it from the group table");
+        }
     }
 
     /// Removes, cluster-wide, every group that every live replica reports
@@ -672,6 +734,16 @@ impl ClusterEngine {
                 Err(e) if placement_pending(&e) && started.elapsed() < PLACEMENT_RETRY_FOR => {
                     tracing::debug!(group = %name, error = %e, "creating a group's stream retried");
                     tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                // Every group's stream reserves its byte budget on each
+                // of its servers: a limit reached, not an outage.
+                Err(e) if placement_pending(&e) => {
+                    return Err(BrokerError::ResourceExhausted(format!(
+                        "consumer group {:?}: the NATS servers have no JetStream memory left for its stream (each group reserves TINYBROKER_GROUP_MAX_BYTES={} on each of its TINYBROKER_NATS_REPLICAS={} servers): raise max_memory_store on the NATS servers, lower TINYBROKER_GROUP_MAX_BYTES, or let unused groups expire (JetStream: {e})",
+                        truncate(name),
+                        limits.group_max_bytes,
+                        self.inner.config.nats_replicas
+                    )));
                 }
                 Err(e) => return Err(unavailable(&e)),
             }
@@ -1130,11 +1202,17 @@ impl Hub {
             return;
         };
         let healed = async {
-            self.engine.fix_patterns(&ready, &self.name, &self.patterns).await?;
-            self.engine.group_consumer(&ready, &self.name, self.ack_wait).await
+            let created = self.engine.fix_patterns(&ready, &self.name, &self.patterns).await?;
+            let consumer = self.engine.group_consumer(&ready, &self.name, self.ack_wait).await?;
+            Ok::<_, BrokerError>((created, consumer))
         };
         match healed.await {
-            Ok(consumer) => *self.consumer.lock() = consumer,
+            Ok((created, consumer)) => {
+                *self.consumer.lock() = consumer;
+                if created.is_some() {
+                    self.engine.announce_group(&ready, &self.name, &self.patterns).await;
+                }
+            }
             Err(error) => tracing::debug!(group = %self.name, %error, "group stream not checked"),
         }
     }

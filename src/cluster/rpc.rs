@@ -16,12 +16,25 @@ pub fn subject(prefix: &str, replica: &str) -> String {
 #[serde(tag = "call", rename_all = "snake_case")]
 pub enum Call {
     Ping,
-    Ack { id: String, sequences: Vec<u64> },
-    Nack { id: String, sequences: Vec<u64> },
-    Close { id: String },
+    Ack {
+        id: String,
+        sequences: Vec<u64>,
+    },
+    Nack {
+        id: String,
+        sequences: Vec<u64>,
+    },
+    Close {
+        id: String,
+    },
     ListSubscriptions,
     ListEvictions,
     ListGroups,
+    /// A group just made by the calling replica: route it now.
+    RouteGroup {
+        name: String,
+        patterns: Vec<String>,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -34,6 +47,7 @@ pub enum Answer {
     Subscriptions(Vec<SubscriptionInfo>),
     Evictions(Vec<EvictionRecord>),
     Groups(Vec<super::groups::LocalGroup>),
+    Routed,
     Error(WireError),
 }
 
@@ -144,6 +158,10 @@ impl ClusterEngine {
             Call::ListSubscriptions => Ok(Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
             Call::ListEvictions => Ok(Answer::Evictions(local.evictions())),
             Call::ListGroups => Ok(Answer::Groups(self.local_groups())),
+            Call::RouteGroup { name, patterns } => {
+                self.route_group(&name, patterns);
+                Ok(Answer::Routed)
+            }
         };
         result.unwrap_or_else(|e| Answer::Error(e.into()))
     }
@@ -243,6 +261,7 @@ mod tests {
                 unknown: 0,
             }),
             Answer::Closed,
+            Answer::Routed,
             Answer::Subscriptions(vec![info]),
             Answer::Evictions(Vec::new()),
             Answer::Error(BrokerError::NotFound("no s".into()).into()),
