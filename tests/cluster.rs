@@ -426,6 +426,71 @@ async fn a_new_group_takes_a_message_published_on_another_replica_right_after_it
     .await;
 }
 
+/// A PublishStream whose group store fails for good (the group's stream
+/// deleted under it, no member to make it again) ends with UNAVAILABLE
+/// once the store's retries run out: `accepted` counts only the messages
+/// before it, and the message says how many sent after it reached
+/// subscribers anyway (their stores overlapped with its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_group_store_fails_ends_counting_only_what_was_stored() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let mut config = replica_config(urls_from(&nats, 0), "r0", "gone");
+        if let Some(c) = config.cluster.as_mut() {
+            c.nats_replicas = 1;
+        }
+        let broker = start_with(config).await;
+        wait_serving(&broker).await;
+        let mut client = broker.client().await;
+        let (member, _) = open(&mut client, member_request(&["gone.>"], "g", false, 4)).await;
+        drop(member);
+        wait_until("the member to have left", || {
+            let broker = &broker;
+            async move {
+                groups(&mut broker.admin().await)
+                    .await
+                    .first()
+                    .is_some_and(|g| g.members == 0)
+            }
+        })
+        .await;
+        // A broadcast subscriber sees what reached subscribers.
+        let (mut watcher, _) = open(&mut client, subscribe_request(&["gone.>"])).await;
+        let js = async_nats::jetstream::new(async_nats::connect(nats.url(0).as_str()).await.unwrap());
+        let names: Vec<String> = futures::StreamExt::collect(futures::StreamExt::filter_map(
+            js.stream_names(),
+            |n| async move { n.ok() },
+        ))
+        .await;
+        let group_stream = names
+            .iter()
+            .find(|n| n.starts_with("gone_g_"))
+            .expect("the group's stream");
+        js.delete_stream(group_stream).await.unwrap();
+
+        let requests: Vec<_> = (0..3).map(|i| publish_request("gone.x", &format!("m{i}"))).collect();
+        let status = client
+            .publish_stream(futures::stream::iter(requests))
+            .await
+            .expect_err("the group's store fails");
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        for needed in [
+            "consumer group \"g\"",
+            "the 2 messages sent after it",
+            "0 earlier messages",
+        ] {
+            assert!(status.message().contains(needed), "{needed} in {:?}", status.message());
+        }
+        for i in 0..3 {
+            let m = next_message(&mut watcher, "a message routed before its store failed").await;
+            assert_eq!(m.payload, format!("m{i}").into_bytes());
+        }
+    })
+    .await;
+}
+
 /// Each group's stream reserves its byte budget on every server it is on:
 /// a group beyond what the NATS servers' JetStream memory holds is refused
 /// with RESOURCE_EXHAUSTED naming the budget's variable (not UNAVAILABLE,
