@@ -2048,6 +2048,48 @@ async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
     .await;
 }
 
+/// A message whose ack deadline passed goes to another member with room,
+/// as in single-node mode, not back through JetStream to whichever member
+/// pulls first (the late one included): four messages held by a member
+/// that never acks all reach the member that joined after them, attempt 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_deadline_hands_the_message_to_another_member() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas(&nats, 2, "deadline").await;
+        let mut client = brokers[0].client().await;
+        let mut request = member_request(&["slow"], "w", true, 4);
+        request.ack_deadline_ms = 1_000;
+        let (mut late, _) = open(&mut client, request).await;
+        let sent = publish_n(&brokers[1], "slow", 4).await;
+        for seq in &sent {
+            let m = next_message(&mut late, "a message for the member that never acks").await;
+            assert_eq!((m.sequence, m.delivery_attempt), (*seq, 1));
+        }
+        let (mut other, other_id) = open(&mut client, member_request(&["slow"], "w", true, 8)).await;
+        let mut again = Vec::new();
+        while again.len() < sent.len() {
+            let m = next_message(&mut other, "a message whose deadline passed").await;
+            assert_eq!(m.delivery_attempt, 2, "{m:?}");
+            assert_eq!(ack(&mut client, &other_id, &[m.sequence]).await, (1, 0));
+            again.push(m.sequence);
+        }
+        again.sort_unstable();
+        assert_eq!(again, sent);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), late.message())
+                .await
+                .is_err(),
+            "nothing came back to the member that let its deadlines pass"
+        );
+        let g = groups(&mut brokers[1].admin().await).await.remove(0);
+        assert_eq!((g.in_flight, g.redeliveries), (0, 4), "{g:?}");
+    })
+    .await;
+}
+
 /// A full group backlog whose every message is with a member has nothing
 /// older to drop for a new message: the new one is dropped, and counted
 /// (docs/contract.md, Cluster mode). Once the member acks, the group takes

@@ -1086,6 +1086,28 @@ impl HubState {
         }
     }
 
+    /// A failed delivery (its member's hold already released) goes to
+    /// another member here with room, passing over the one it failed with,
+    /// with its attempt one higher and the JetStream message still held
+    /// here, as in single-node mode. Given back when none here has room.
+    fn hand_over(&mut self, held: Held) -> Option<Held> {
+        let other_has_room = self
+            .members
+            .iter()
+            .any(|m| m.id != held.member && m.holds < m.settings.max_in_flight);
+        if !other_has_room {
+            return Some(held);
+        }
+        self.waiting.push_front(Waiting {
+            message: held.message,
+            published: held.published,
+            attempt: held.attempt + 1,
+            avoid: Some(held.member),
+        });
+        self.dispatch();
+        None
+    }
+
     fn release(&mut self, member: &str) {
         if let Some(m) = self.members.iter_mut().find(|m| &*m.id == member) {
             m.holds = m.holds.saturating_sub(1);
@@ -1288,33 +1310,24 @@ impl Hub {
                 continue;
             };
             state.members[index].holds = state.members[index].holds.saturating_sub(1);
-            // Another member here with room takes it at once, as in
-            // single-node mode, without a round through JetStream (which
-            // would give it to whichever replica pulls first, this member
-            // included). The JetStream message stays held by this replica.
-            let exhausted = max > 0 && held.attempt >= max;
-            let other_has_room = state
-                .members
-                .iter()
-                .any(|m| &*m.id != member && m.holds < m.settings.max_in_flight);
-            if exhausted || !other_has_room {
+            // Another member here with room takes it at once, without a
+            // round through JetStream (which would give it to whichever
+            // replica pulls first, this member included); else a member on
+            // another replica; else JetStream.
+            if max > 0 && held.attempt >= max {
                 state.dispatch();
-                if exhausted {
-                    failed.push((seq, held));
-                } else {
-                    elsewhere.push((seq, held));
-                }
+                failed.push((seq, held));
                 continue;
             }
-            let avoid = state.members[index].id.clone();
-            state.waiting.push_front(Waiting {
-                message: held.message,
-                published: held.published,
-                attempt: held.attempt + 1,
-                avoid: Some(avoid),
-            });
-            state.dispatch();
-            self.redeliveries.fetch_add(1, Ordering::Relaxed);
+            match state.hand_over(held) {
+                None => {
+                    self.redeliveries.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(held) => {
+                    state.dispatch();
+                    elsewhere.push((seq, held));
+                }
+            }
         }
         self.retry(failed);
         if !elsewhere.is_empty() {
@@ -1425,7 +1438,8 @@ impl Hub {
                 _ = self.stop.cancelled() => return,
             }
             let now = Instant::now();
-            let expired: Vec<(u64, Held)> = {
+            let max = self.engine.inner.local.limits().max_delivery_attempts;
+            let (expired, elsewhere) = {
                 let mut state = self.state.lock();
                 // Still being worked on here: JetStream must not redeliver
                 // it elsewhere (each member has its own deadline).
@@ -1444,18 +1458,29 @@ impl Hub {
                     .filter(|(_, h)| h.deadline <= now)
                     .map(|(s, _)| *s)
                     .collect();
-                let mut expired = Vec::new();
+                // As after a Nack: to another member with room, here or
+                // elsewhere, before JetStream (single-node mode offers an
+                // expired message to another member first too).
+                let (mut expired, mut elsewhere) = (Vec::new(), Vec::new());
                 for seq in seqs {
-                    if let Some(held) = state.held.remove(&seq) {
-                        let member = held.member.clone();
-                        state.release(&member);
+                    let Some(held) = state.held.remove(&seq) else { continue };
+                    let member = held.member.clone();
+                    state.release(&member);
+                    if max > 0 && held.attempt >= max {
                         expired.push((seq, held));
+                    } else if let Some(held) = state.hand_over(held) {
+                        elsewhere.push((seq, held));
+                    } else {
+                        self.redeliveries.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                expired
+                (expired, elsewhere)
             };
-            if !expired.is_empty() {
+            if !expired.is_empty() || !elsewhere.is_empty() {
                 self.retry(expired);
+                if !elsewhere.is_empty() {
+                    tokio::spawn(self.clone().offer_elsewhere(elsewhere));
+                }
                 self.room.notify_one();
             }
         }
