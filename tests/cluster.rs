@@ -67,15 +67,16 @@ async fn wait_serving(broker: &TestBroker) {
 /// `n` replicas over `nats`, replica i connected to server i first, all
 /// SERVING.
 async fn replicas(nats: &NatsCluster, n: usize, prefix: &str) -> Vec<TestBroker> {
+    replicas_with(nats, n, prefix, |_| {}).await
+}
+
+/// [`replicas`], each replica's configuration changed by `tweak` first.
+async fn replicas_with(nats: &NatsCluster, n: usize, prefix: &str, tweak: impl Fn(&mut Config)) -> Vec<TestBroker> {
     let mut brokers = Vec::new();
     for i in 0..n {
-        let broker = start_with(replica_config(
-            urls_from(nats, i % nats.len()),
-            &format!("r{i}"),
-            prefix,
-        ))
-        .await;
-        brokers.push(broker);
+        let mut config = replica_config(urls_from(nats, i % nats.len()), &format!("r{i}"), prefix);
+        tweak(&mut config);
+        brokers.push(start_with(config).await);
     }
     for broker in &brokers {
         wait_serving(broker).await;
@@ -274,19 +275,15 @@ async fn publish_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
     sequences
 }
 
-/// Publishes `n` messages to `topic` on one PublishStream through
-/// `broker` (whose group stores overlap); their sequences.
-async fn publish_stream_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
-    let requests: Vec<_> = (0..n).map(|i| publish_request(topic, &format!("s{i}"))).collect();
-    let r = broker
-        .client()
-        .await
-        .publish_stream(futures::stream::iter(requests))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(r.accepted, n as u64);
-    (r.first_sequence..=r.last_sequence).collect()
+/// Waits until `broker`'s Admin lists the one group with `n` members.
+async fn wait_members(broker: &TestBroker, n: u32) {
+    wait_until(&format!("the group to have {n} members"), || async move {
+        groups(&mut broker.admin().await)
+            .await
+            .first()
+            .is_some_and(|g| g.members == n)
+    })
+    .await;
 }
 
 /// The next message of `stream`, within 10 s.
@@ -390,15 +387,7 @@ async fn a_new_group_takes_a_message_published_on_another_replica_right_after_it
     timeout(async {
         // Eight groups' streams, each reserving its byte budget on every
         // server: a small budget, so they fit the test servers' memory.
-        let mut brokers = Vec::new();
-        for i in 0..2 {
-            let mut config = replica_config(urls_from(&nats, i), &format!("r{i}"), "newgroup");
-            config.limits.group_max_bytes = 1 << 20;
-            brokers.push(start_with(config).await);
-        }
-        for broker in &brokers {
-            wait_serving(broker).await;
-        }
+        let brokers = replicas_with(&nats, 2, "newgroup", |c| c.limits.group_max_bytes = 1 << 20).await;
         let mut joiner = brokers[0].client().await;
         let mut publisher = brokers[1].client().await;
         let mut missed = Vec::new();
@@ -446,16 +435,7 @@ async fn a_stream_whose_group_store_fails_ends_counting_only_what_was_stored() {
         let mut client = broker.client().await;
         let (member, _) = open(&mut client, member_request(&["gone.>"], "g", false, 4)).await;
         drop(member);
-        wait_until("the member to have left", || {
-            let broker = &broker;
-            async move {
-                groups(&mut broker.admin().await)
-                    .await
-                    .first()
-                    .is_some_and(|g| g.members == 0)
-            }
-        })
-        .await;
+        wait_members(&broker, 0).await;
         // A broadcast subscriber sees what reached subscribers.
         let (mut watcher, _) = open(&mut client, subscribe_request(&["gone.>"])).await;
         let js = async_nats::jetstream::new(async_nats::connect(nats.url(0).as_str()).await.unwrap());
@@ -1716,15 +1696,7 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
     };
     timeout(async {
         const TTL: Duration = Duration::from_secs(3);
-        let mut brokers = Vec::new();
-        for i in 0..2 {
-            let mut config = replica_config(urls_from(&nats, i), &format!("t{i}"), "idle");
-            config.limits.group_idle_ttl = TTL;
-            brokers.push(start_with(config).await);
-        }
-        for broker in &brokers {
-            wait_serving(broker).await;
-        }
+        let brokers = replicas_with(&nats, 2, "idle", |c| c.limits.group_idle_ttl = TTL).await;
         let mut busy = brokers[1]
             .client()
             .await
@@ -1844,15 +1816,7 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
         return;
     };
     timeout(async {
-        let mut brokers = Vec::new();
-        for i in 0..2 {
-            let mut config = replica_config(urls_from(&nats, i), &format!("r{i}"), "full");
-            config.limits.group_capacity = 4;
-            brokers.push(start_with(config).await);
-        }
-        for broker in &brokers {
-            wait_serving(broker).await;
-        }
+        let brokers = replicas_with(&nats, 2, "full", |c| c.limits.group_capacity = 4).await;
         let mut client = brokers[0].client().await;
         let first = client
             .open_subscription(member_request(&["work"], "slow", false, 1))
@@ -1860,12 +1824,8 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
             .unwrap()
             .into_inner();
         drop(first);
+        wait_members(&brokers[1], 0).await;
         let mut admin = brokers[1].admin().await;
-        wait_until("the member to have left", || {
-            let mut admin = admin.clone();
-            async move { groups(&mut admin).await.first().is_some_and(|g| g.members == 0) }
-        })
-        .await;
 
         // Two replicas publish 20 each at the same time into a backlog of 4:
         // one a message at a time, the other on a PublishStream (its
@@ -1873,7 +1833,7 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
         // were sent).
         let (a, b) = tokio::join!(
             publish_n(&brokers[0], "work", 20),
-            publish_stream_n(&brokers[1], "work", 20)
+            publish_many(&brokers[1], "work", 20)
         );
         // The backlog is read from the consumer, whose server may apply the
         // last stored messages a moment after the publish was acked.
@@ -1935,16 +1895,7 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
         let mut client = brokers[0].client().await;
         let (mut first, first_id) = open(&mut client, member_request(&["job"], "w", true, 4)).await;
         let (mut second, second_id) = open(&mut client, member_request(&["job"], "w", true, 4)).await;
-        wait_until("both members counted", || {
-            let broker = &brokers[1];
-            async move {
-                groups(&mut broker.admin().await)
-                    .await
-                    .first()
-                    .is_some_and(|g| g.members == 2)
-            }
-        })
-        .await;
+        wait_members(&brokers[1], 2).await;
         let sent = publish_n(&brokers[1], "job", 2).await;
         let a = next_message(&mut first, "the first member's message").await;
         let b = next_message(&mut second, "the second member's message").await;
@@ -1994,16 +1945,7 @@ async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
         let (mut s0, id0) = open(&mut clients[0], member_request(&["job"], "w", true, 8)).await;
         let (mut s1, id1) = open(&mut clients[1], member_request(&["job"], "w", true, 8)).await;
         let ids = [id0, id1];
-        wait_until("both members counted", || {
-            let broker = &brokers[0];
-            async move {
-                groups(&mut broker.admin().await)
-                    .await
-                    .first()
-                    .is_some_and(|g| g.members == 2)
-            }
-        })
-        .await;
+        wait_members(&brokers[0], 2).await;
         const N: usize = 6;
         let sent = publish_n(&brokers[0], "job", N).await;
         // Each first delivery is nacked by the member that got it; the

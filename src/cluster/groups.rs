@@ -1241,19 +1241,13 @@ impl Hub {
 
     fn hand_out(&self, message: jetstream::Message) {
         let attempt = message.info().map(|i| i.delivered.max(1) as u32).unwrap_or(1);
-        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+        let Some(published) = self.published(&message) else {
             tracing::warn!(group = %self.name, "undecodable group message dropped");
             tokio::spawn(async move {
                 let _ = message.ack_with(AckKind::Term).await;
             });
             return;
         };
-        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
-        let published = self
-            .engine
-            .inner
-            .local
-            .published_elsewhere(new_message, sequence, publish_time);
         let mut state = self.state.lock();
         state.waiting.push_back(Waiting {
             message,
@@ -1262,6 +1256,19 @@ impl Hub {
             avoid: None,
         });
         state.dispatch();
+    }
+
+    /// What a group message (the publishing replica's envelope) gives the
+    /// members; None when it does not decode.
+    fn published(&self, message: &jetstream::Message) -> Option<Arc<crate::broker::Published>> {
+        let m = pb::Message::decode(message.payload.clone()).ok()?;
+        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
+        Some(
+            self.engine
+                .inner
+                .local
+                .published_elsewhere(new_message, sequence, publish_time),
+        )
     }
 
     /// A message is done (an AUTO member's stream took it, or an Ack).
@@ -1387,15 +1394,9 @@ impl Hub {
         if !has_room(&self.state.lock()) {
             return false;
         }
-        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+        let Some(published) = self.published(&message) else {
             return false;
         };
-        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
-        let published = self
-            .engine
-            .inner
-            .local
-            .published_elsewhere(new_message, sequence, publish_time);
         let mut state = self.state.lock();
         if !has_room(&state) {
             return false;

@@ -384,6 +384,22 @@ pub fn publish_request(topic: &str, payload: &str) -> pb::PublishRequest {
     }
 }
 
+/// Publishes `n` messages (payloads "0", "1", ...) to `topic` on one
+/// PublishStream through `broker`, checks all were accepted, and returns
+/// their sequences.
+pub async fn publish_many(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
+    let requests: Vec<_> = (0..n).map(|i| publish_request(topic, &i.to_string())).collect();
+    let r = broker
+        .client()
+        .await
+        .publish_stream(futures::stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.accepted, n as u64);
+    (r.first_sequence..=r.last_sequence).collect()
+}
+
 pub fn subscribe_request(patterns: &[&str]) -> pb::OpenSubscriptionRequest {
     pb::OpenSubscriptionRequest {
         topic_patterns: patterns.iter().map(|p| p.to_string()).collect(),

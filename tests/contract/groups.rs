@@ -9,20 +9,6 @@ use tinybroker::pb;
 use tokio::sync::mpsc;
 use tonic::Code;
 
-/// Publishes `n` messages on one PublishStream; returns their sequences.
-async fn publish_many(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
-    let requests: Vec<_> = (0..n).map(|i| publish_request(topic, &i.to_string())).collect();
-    let r = broker
-        .client()
-        .await
-        .publish_stream(futures::stream::iter(requests))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(r.accepted, n as u64);
-    (r.first_sequence..=r.last_sequence).collect()
-}
-
 /// Waits until the group has `n` members (as the Admin API sees it).
 async fn wait_members(broker: &TestBroker, group: &str, n: u32) {
     wait_until(&format!("{group} to have {n} members"), || async {
