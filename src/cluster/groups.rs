@@ -1353,27 +1353,42 @@ impl Hub {
         held.sort_unstable_by_key(|(seq, _)| *seq);
         let engine = &self.engine;
         let me = &engine.inner.config.replica_id;
-        let ready = engine.inner.ready.lock().clone();
-        let mut others = match &ready {
-            Some(ready) => engine.live_replicas(ready).await,
-            None => Vec::new(),
-        };
+        let mut others = engine.inner.live.lock().clone();
         others.retain(|r| r != me);
+        // Alone at the last heartbeat: a replica started since is not
+        // known yet; the registry says.
+        let ready = engine.inner.ready.lock().clone();
+        if others.is_empty()
+            && let Some(ready) = ready
+        {
+            others = engine.live_replicas(&ready).await;
+            others.retain(|r| r != me);
+        }
+        // A replica that refused one has no room now: not asked again for
+        // the rest of these.
+        let mut refused = vec![false; others.len()];
         let until = Instant::now() + OFFERS_FOR_AT_MOST;
         let mut left = Vec::new();
         for (seq, h) in held {
             let first = self.offers.fetch_add(1, Ordering::Relaxed);
             let mut taken = false;
             for i in 0..others.len() {
+                let at = (first + i) % others.len();
+                if refused[at] {
+                    continue;
+                }
                 if Instant::now() >= until || engine.inner.groups.closing.is_cancelled() {
                     break;
                 }
-                let replica = &others[(first + i) % others.len()];
                 let wait = until.saturating_duration_since(Instant::now());
-                if engine.offer(replica, &self.name, &h.message, h.attempt + 1, wait).await {
+                if engine
+                    .offer(&others[at], &self.name, &h.message, h.attempt + 1, wait)
+                    .await
+                {
                     taken = true;
                     break;
                 }
+                refused[at] = true;
             }
             if taken {
                 self.redeliveries.fetch_add(1, Ordering::Relaxed);

@@ -101,6 +101,9 @@ struct Inner {
     /// Every group of the cluster as last gathered (every [`HEARTBEAT`]),
     /// for the metrics.
     groups_seen: Mutex<Vec<GroupInfo>>,
+    /// The live replicas, this one included, as of the last heartbeat
+    /// (where a nacked message is offered: no registry read per Nack).
+    live: Mutex<Vec<String>>,
 }
 
 /// What the engine has once it is set up.
@@ -174,6 +177,7 @@ impl ClusterEngine {
                 slow_consumer_dropped: AtomicU64::new(0),
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
+                live: Mutex::new(Vec::new()),
             }),
         };
         let watcher = engine.clone();
@@ -331,7 +335,9 @@ impl ClusterEngine {
         // pings, both waited RPC_TIMEOUT.
         tokio::spawn(self.clone().answer(calls));
         tokio::spawn(self.clone().answer_offers(offers, ready.js.clone()));
-        for replica in self.live_replicas(&ready).await {
+        let live = self.live_replicas(&ready).await;
+        *inner.live.lock() = live.clone();
+        for replica in live {
             if replica != inner.config.replica_id {
                 let _ = rpc::call(client, prefix, &replica, &rpc::Call::Ping).await;
             }

@@ -26,6 +26,8 @@ impl ClusterEngine {
             if let Err(error) = self.beat(&ready).await {
                 tracing::debug!(%error, "heartbeat not written");
             }
+            let live = self.live_replicas(&ready).await;
+            *self.inner.live.lock() = live;
             // The metrics' group gauges are cluster-wide: refreshed here,
             // and groups memberless for their idle TTL removed.
             if let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await {
