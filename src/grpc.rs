@@ -266,13 +266,16 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
                     // The first that failed ends the stream; those after it
                     // were published (routed) already.
                     let error = status(error);
-                    ended = Some(Err(Status::new(
-                        error.code(),
-                        format!(
-                            "{}; the {waiting} messages sent after it on this stream reached subscribers too, and may have reached groups",
-                            error.message()
+                    ended = Some(Err(match waiting {
+                        0 => error,
+                        n => Status::new(
+                            error.code(),
+                            format!(
+                                "{}; the {n} messages sent after it on this stream reached subscribers too, and may have reached groups",
+                                error.message()
+                            ),
                         ),
-                    )));
+                    }));
                     break;
                 }
                 accept(&mut response, sequence);

@@ -57,24 +57,19 @@ impl ClusterEngine {
         publisher: &mut RouteCache,
         at: PublishTime,
     ) -> Result<PublishOutcome, BrokerError> {
-        let (mut outcome, routed) = self.route_cluster(message, publisher, at).await?;
         // Each matching group's stream stores it (with an ack), once.
-        for route in &routed.groups {
-            let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
-            if self
-                .publish_to_group(&routed.ready, route, routed.body.clone(), id, None)
-                .await?
-            {
-                outcome.matched_groups += 1;
-            }
+        let (mut outcome, confirmation) = self.publish_cluster_routed(message, publisher, at).await?;
+        if let Some(confirmation) = confirmation {
+            outcome.matched_groups += confirmation.await?;
         }
         Ok(outcome)
     }
 
-    /// [`ClusterEngine::publish_cluster`] for a stream's message: the
-    /// stores to the matching groups are sent before this returns, their
-    /// acks awaited by the confirmation (with the same retries, and the
-    /// same room made in a full backlog, as one at a time).
+    /// [`ClusterEngine::publish_cluster`] up to its group stores, which are
+    /// sent before this returns; their acks are awaited by the confirmation
+    /// (with the retries, and the room made in a full backlog, of
+    /// [`ClusterEngine::publish_to_group`]), which counts the groups that
+    /// took the message.
     pub(super) async fn publish_cluster_routed(
         &self,
         message: NewMessage,
@@ -96,18 +91,19 @@ impl ClusterEngine {
         }
         let engine = self.clone();
         let confirmation = async move {
+            let mut took = 0;
             for (route, ack) in sent {
                 let first = match ack {
                     Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
                     Err(e) => Err((false, e.to_string())),
                 };
-                if first.is_err() {
-                    engine
-                        .publish_to_group(&routed.ready, &route, routed.body.clone(), id.clone(), Some(first))
+                let stored = first.is_ok()
+                    || engine
+                        .publish_to_group(&routed.ready, &route, routed.body.clone(), id.clone(), first)
                         .await?;
-                }
+                took += u32::from(stored);
             }
-            Ok(())
+            Ok(took)
         };
         Ok((outcome, Some(Box::pin(confirmation))))
     }

@@ -279,20 +279,21 @@ impl ClusterEngine {
         self.inner.groups.routes.read().matches(topic).iter().cloned().collect()
     }
 
-    /// Stores `body` in a group's stream, with an ack; retried over a
-    /// leader election. `id` makes retries idempotent. False when the group
-    /// was removed meanwhile (its idle TTL): the message matched no group.
-    /// `first`: how an attempt already made ended (a stream's pipelined
-    /// store, [`ClusterEngine::publish_cluster_routed`]): (whether the
-    /// backlog was full, JetStream's error).
+    /// Stores `body` in a group's stream after its first store, sent by
+    /// [`ClusterEngine::publish_cluster_routed`], ended with `first`
+    /// (whether the backlog was full, JetStream's error): makes room in a
+    /// full backlog, and retries over a leader election. `id` makes retries
+    /// idempotent. False when the group was removed meanwhile (its idle
+    /// TTL): the message matched no group.
     pub(super) async fn publish_to_group(
         &self,
         ready: &Ready,
         route: &GroupRoute,
         body: Bytes,
         id: String,
-        mut first: Option<Result<(), (bool, String)>>,
+        first: Result<(), (bool, String)>,
     ) -> Result<bool, BrokerError> {
+        let mut first = Some(first);
         let started = Instant::now();
         let mut made_room = 0;
         loop {
@@ -1109,10 +1110,15 @@ impl HubState {
     }
 
     fn release(&mut self, member: &str) {
+        self.unhold(member);
+        self.dispatch();
+    }
+
+    /// One message fewer held by `member` (gone already: nothing).
+    fn unhold(&mut self, member: &str) {
         if let Some(m) = self.members.iter_mut().find(|m| &*m.id == member) {
             m.holds = m.holds.saturating_sub(1);
         }
-        self.dispatch();
     }
 }
 
@@ -1303,7 +1309,6 @@ impl Hub {
         let mut result = Nacked::default();
         let mut failed = Vec::new();
         let mut elsewhere = Vec::new();
-        let max = self.engine.inner.local.limits().max_delivery_attempts;
         for &seq in sequences {
             let mut state = self.state.lock();
             let Some(held) = state.held.remove_if(seq, member) else {
@@ -1311,37 +1316,48 @@ impl Hub {
                 continue;
             };
             result.requeued += 1;
-            let Some(index) = state.members.iter().position(|m| &*m.id == member) else {
-                state.dispatch();
-                failed.push((seq, held));
-                continue;
-            };
-            state.members[index].holds = state.members[index].holds.saturating_sub(1);
-            // Another member here with room takes it at once, without a
-            // round through JetStream (which would give it to whichever
-            // replica pulls first, this member included); else a member on
-            // another replica; else JetStream.
-            if max > 0 && held.attempt >= max {
-                state.dispatch();
-                failed.push((seq, held));
-                continue;
-            }
-            match state.hand_over(held) {
-                None => {
-                    self.redeliveries.fetch_add(1, Ordering::Relaxed);
-                }
-                Some(held) => {
-                    state.dispatch();
-                    elsewhere.push((seq, held));
-                }
-            }
+            state.unhold(member);
+            self.redirect(&mut state, seq, held, &mut failed, &mut elsewhere);
         }
+        self.settle(failed, elsewhere);
+        self.room.notify_one();
+        result
+    }
+
+    /// Where a delivery that failed (a Nack, a deadline) goes, its member's
+    /// hold taken off (`state` is this hub's, locked): dead-lettered after
+    /// its last allowed attempt (`failed`); else, ahead of what waits, to
+    /// another member here with room, without a round through JetStream
+    /// (which would give it to whichever replica pulls first, the member it
+    /// failed with included); else offered to the other replicas
+    /// (`elsewhere`).
+    fn redirect(
+        &self,
+        state: &mut HubState,
+        seq: u64,
+        held: Held,
+        failed: &mut Vec<(u64, Held)>,
+        elsewhere: &mut Vec<(u64, Held)>,
+    ) {
+        let max = self.engine.inner.local.limits().max_delivery_attempts;
+        if max > 0 && held.attempt >= max {
+            state.dispatch();
+            failed.push((seq, held));
+        } else if let Some(held) = state.hand_over(held) {
+            state.dispatch();
+            elsewhere.push((seq, held));
+        } else {
+            self.redeliveries.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// What [`Hub::redirect`] left: dead letters and JetStream naks
+    /// (`failed`), offers to other replicas (`elsewhere`).
+    fn settle(self: &Arc<Self>, failed: Vec<(u64, Held)>, elsewhere: Vec<(u64, Held)>) {
         self.retry(failed);
         if !elsewhere.is_empty() {
             tokio::spawn(self.clone().offer_elsewhere(elsewhere));
         }
-        self.room.notify_one();
-        result
     }
 
     /// Nacked messages no other member here has room for: offered to the
@@ -1454,7 +1470,6 @@ impl Hub {
                 _ = self.stop.cancelled() => return,
             }
             let now = Instant::now();
-            let max = self.engine.inner.local.limits().max_delivery_attempts;
             let (expired, elsewhere) = {
                 let mut state = self.state.lock();
                 // Still being worked on here: JetStream must not redeliver
@@ -1480,23 +1495,13 @@ impl Hub {
                 let (mut expired, mut elsewhere) = (Vec::new(), Vec::new());
                 for seq in seqs {
                     let Some(held) = state.held.remove(&seq) else { continue };
-                    let member = held.member.clone();
-                    state.release(&member);
-                    if max > 0 && held.attempt >= max {
-                        expired.push((seq, held));
-                    } else if let Some(held) = state.hand_over(held) {
-                        elsewhere.push((seq, held));
-                    } else {
-                        self.redeliveries.fetch_add(1, Ordering::Relaxed);
-                    }
+                    state.unhold(&held.member);
+                    self.redirect(&mut state, seq, held, &mut expired, &mut elsewhere);
                 }
                 (expired, elsewhere)
             };
             if !expired.is_empty() || !elsewhere.is_empty() {
-                self.retry(expired);
-                if !elsewhere.is_empty() {
-                    tokio::spawn(self.clone().offer_elsewhere(elsewhere));
-                }
+                self.settle(expired, elsewhere);
                 self.room.notify_one();
             }
         }

@@ -31,8 +31,9 @@ use std::time::{Duration, SystemTime};
 
 pub use crate::broker::{Delivery, Published};
 
-/// What a routed publish still waits for ([`Engine::publish_routed`]).
-pub type Confirmation = futures::future::BoxFuture<'static, Result<(), BrokerError>>;
+/// What a routed publish still waits for ([`Engine::publish_routed`]):
+/// resolves to the number of groups that took the message.
+pub type Confirmation = futures::future::BoxFuture<'static, Result<u32, BrokerError>>;
 
 /// An engine behind the gRPC front. Cheap to clone (a handle).
 ///
