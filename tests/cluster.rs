@@ -260,6 +260,85 @@ async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nat
 }
 
 /// Publishes `n` messages to `topic` through `broker`; their sequences.
+/// Whether a publish on `broker` to `topic` still goes out on core NATS
+/// (seen by `raw`, a plain NATS subscriber of the prefix's `m.>`).
+async fn goes_out_on_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscriber, topic: &str) -> bool {
+    use futures::StreamExt;
+    let mut client = broker.client().await;
+    client.publish(publish_request(topic, "probe")).await.unwrap();
+    let mut seen = false;
+    // Whatever earlier probes left, and this one's copy if it comes.
+    while let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(300), raw.next()).await {
+        seen = true;
+    }
+    seen
+}
+
+/// Waits (at most 20 s) until `broker`'s publishes stay off core NATS.
+async fn wait_off_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscriber, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while goes_out_on_core_nats(broker, raw, "jobs.idle").await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn core_nats_carries_publishes_only_while_another_replica_has_a_broadcast_subscriber() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas(&nats, 2, "interest").await;
+        let raw_client = async_nats::connect(nats.url(2).as_str()).await.unwrap();
+        let mut raw = raw_client.subscribe("interest.m.>").await.unwrap();
+        raw_client.flush().await.unwrap();
+        // No broadcast subscriber anywhere: once r1 said so, r0's publishes
+        // stay off core NATS.
+        wait_off_core_nats(&brokers[0], &mut raw, "r0 to stop sending on core NATS").await;
+        for round in 0..2 {
+            // The first broadcast subscriber on r1 after none: r0's next
+            // publish reaches it, sent right after the response headers.
+            let (mut stream, id) = subscribe(&mut brokers[1].client().await, &["jobs.>"]).await;
+            let r = brokers[0]
+                .client()
+                .await
+                .publish(publish_request("jobs.build", &format!("round {round}")))
+                .await
+                .unwrap()
+                .into_inner();
+            let m = next_message(
+                &mut stream,
+                &format!("round {round}: the first message after the subscription opened"),
+            )
+            .await;
+            assert_eq!(
+                (m.topic.as_str(), m.sequence),
+                ("jobs.build", r.sequence),
+                "round {round}"
+            );
+            assert!(
+                goes_out_on_core_nats(&brokers[0], &mut raw, "jobs.busy").await,
+                "round {round}: with a subscriber on r1, r0 sends on core NATS"
+            );
+            // Closed: r1 says "none" again within a few heartbeats.
+            brokers[1]
+                .admin()
+                .await
+                .close_subscription(pb::CloseSubscriptionRequest { subscription_id: id })
+                .await
+                .unwrap();
+            drop(stream);
+            wait_off_core_nats(
+                &brokers[0],
+                &mut raw,
+                &format!("round {round}: r0 to stop sending on core NATS again"),
+            )
+            .await;
+        }
+    })
+    .await;
+}
+
 async fn publish_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
     let mut client = broker.client().await;
     let mut sequences = Vec::new();

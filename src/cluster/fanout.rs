@@ -119,7 +119,6 @@ impl ClusterEngine {
     ) -> Result<(PublishOutcome, Routed), BrokerError> {
         let ready = self.serving()?;
         crate::engine::validate::message(&message, self.inner.local.limits().max_message_bytes)?;
-        let subject = format!("{}{}", self.inner.message_prefix, message.topic);
         let groups = self.group_routes(&message.topic);
         // Everything but the sequence, which routing assigns; protobuf
         // takes fields in any order, so it is appended after.
@@ -143,15 +142,20 @@ impl ClusterEngine {
                 body.len() + 11,
             )));
         }
+        // Not on core NATS when no other replica has a broadcast subscriber
+        // (interest.rs): decided as routing starts.
+        let core = (!self.inner.interest.skip()).then(|| format!("{}{}", self.inner.message_prefix, message.topic));
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
         body.put_u8(4 << 3); // field 4 (sequence), varint
         prost::encoding::encode_varint(outcome.sequence, &mut body);
         let body = body.freeze();
-        self.inner.client.publish(subject, body.clone()).await.map_err(|e| {
-            BrokerError::Unavailable(format!(
-                "NATS is unreachable ({e}): the message reached this replica's subscribers only"
-            ))
-        })?;
+        if let Some(subject) = core {
+            self.inner.client.publish(subject, body.clone()).await.map_err(|e| {
+                BrokerError::Unavailable(format!(
+                    "NATS is unreachable ({e}): the message reached this replica's subscribers only"
+                ))
+            })?;
+        }
         Ok((outcome, Routed { ready, groups, body }))
     }
 }

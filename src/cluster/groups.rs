@@ -478,6 +478,7 @@ impl ClusterEngine {
                 id: id.into(),
                 ack_mode: request.ack_mode,
             }),
+            _interested: None,
         })
     }
 

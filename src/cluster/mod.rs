@@ -34,6 +34,7 @@
 mod fanout;
 mod groups;
 mod handover;
+mod interest;
 mod registry;
 mod rpc;
 
@@ -104,6 +105,8 @@ struct Inner {
     /// The live replicas, this one included, as of the last heartbeat
     /// (where a nacked message is offered: no registry read per Nack).
     live: Mutex<Vec<String>>,
+    /// Whether other replicas need this one's publishes on core NATS.
+    interest: interest::Interest,
 }
 
 /// What the engine has once it is set up.
@@ -178,6 +181,7 @@ impl ClusterEngine {
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
                 live: Mutex::new(Vec::new()),
+                interest: interest::Interest::default(),
             }),
         };
         let watcher = engine.clone();
@@ -306,6 +310,7 @@ impl ClusterEngine {
             .await
             .map_err(|e| retry(&e))?;
         inner.local.start_sequences_after(incarnation << SEQUENCE_BITS);
+        inner.interest.set_incarnation(incarnation).await;
         let remote = client
             .subscribe(format!("{}>", inner.message_prefix))
             .await
@@ -444,11 +449,15 @@ impl ClusterEngine {
             store: ready.subscriptions.clone(),
             id: id.clone(),
         };
+        // Every replica sends its publishes on core NATS before this
+        // subscription's response headers go out.
+        let interested = self.interested().await;
         let inner = self.inner.local.subscribe(request)?;
         Ok(ClusterStream {
             inner,
             release: Some(release),
             member: None,
+            _interested: Some(interested),
         })
     }
 }
@@ -464,6 +473,8 @@ pub struct ClusterStream {
     release: Option<Release>,
     /// For group members: the group's hub on this replica.
     member: Option<groups::MemberLink>,
+    /// For broadcast subscriptions: this replica says "some" while it is held.
+    _interested: Option<interest::Interested>,
 }
 
 impl Stream for ClusterStream {

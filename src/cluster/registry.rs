@@ -28,6 +28,7 @@ impl ClusterEngine {
             }
             let live = self.live_replicas(&ready).await;
             *self.inner.live.lock() = live;
+            self.interest_beat().await;
             // The metrics' group gauges are cluster-wide: refreshed here,
             // and groups memberless for their idle TTL removed.
             if let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await {

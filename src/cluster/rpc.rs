@@ -35,6 +35,13 @@ pub enum Call {
         name: String,
         patterns: Vec<String>,
     },
+    /// Whether the calling replica has broadcast subscriptions
+    /// (`interest.rs`); answered with a pong.
+    Interest {
+        replica: String,
+        version: super::interest::Version,
+        some: bool,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -105,10 +112,19 @@ pub async fn call(
     replica: &str,
     call: &Call,
 ) -> Result<Answer, BrokerError> {
+    call_within(client, prefix, replica, call, RPC_TIMEOUT).await
+}
+
+/// [`call`], waiting at most `timeout`.
+pub async fn call_within(
+    client: &async_nats::Client,
+    prefix: &str,
+    replica: &str,
+    call: &Call,
+    timeout: std::time::Duration,
+) -> Result<Answer, BrokerError> {
     let body = serde_json::to_vec(call).map_err(|e| BrokerError::Unavailable(e.to_string()))?;
-    let request = async_nats::Request::new()
-        .payload(body.into())
-        .timeout(Some(RPC_TIMEOUT));
+    let request = async_nats::Request::new().payload(body.into()).timeout(Some(timeout));
     let reply = client
         .send_request(subject(prefix, replica), request)
         .await
@@ -161,6 +177,10 @@ impl ClusterEngine {
             Call::RouteGroup { name, patterns } => {
                 self.route_group(&name, patterns);
                 Ok(Answer::Routed)
+            }
+            Call::Interest { replica, version, some } => {
+                self.noted_interest(&replica, version, some);
+                Ok(Answer::Pong)
             }
         };
         result.unwrap_or_else(|e| Answer::Error(e.into()))
