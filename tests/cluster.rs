@@ -2149,3 +2149,79 @@ async fn a_full_backlog_held_by_members_drops_the_new_message_and_counts_it() {
     })
     .await;
 }
+
+/// A message handed to another member (a Nack) and later given back through
+/// JetStream (no member had room) keeps counting its attempts: JetStream's
+/// count is one behind, and `delivery_attempt` and
+/// `TINYBROKER_MAX_DELIVERY_ATTEMPTS` must not repeat or stretch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetstream() {
+    let Some(nats) = NatsCluster::start(3).await else {
+        return;
+    };
+    timeout(async {
+        let brokers = replicas_with(&nats, 1, "attempts", |c| c.limits.max_delivery_attempts = 3).await;
+        let mut client = brokers[0].client().await;
+        let (mut dlq, _) = subscribe(&mut client, &["_dlq.w"]).await;
+        let (mut a, a_id) = open(&mut client, member_request(&["job"], "w", true, 1)).await;
+        let (mut b, b_id) = open(&mut client, member_request(&["job"], "w", true, 1)).await;
+        wait_members(&brokers[0], 2).await;
+        let nack = |id: String, sequence: u64| {
+            let mut client = client.clone();
+            async move {
+                let r = client
+                    .nack(pb::NackRequest {
+                        subscription_id: id,
+                        sequences: vec![sequence],
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!((r.requeued, r.unknown), (1, 0));
+            }
+        };
+        let first = publish_n(&brokers[0], "job", 1).await[0];
+        // Whichever member got it first (x) nacks it: the other (y) has room.
+        let (mut x, x_id, mut y, y_id) = tokio::select! {
+            m = next_message(&mut a, "the first delivery, at a") => {
+                assert_eq!((m.sequence, m.delivery_attempt), (first, 1));
+                (a, a_id, b, b_id)
+            }
+            m = next_message(&mut b, "the first delivery, at b") => {
+                assert_eq!((m.sequence, m.delivery_attempt), (first, 1));
+                (b, b_id, a, a_id)
+            }
+        };
+        nack(x_id.clone(), first).await;
+        let m = next_message(&mut y, "the nacked message, at the other member").await;
+        assert_eq!((m.sequence, m.delivery_attempt), (first, 2), "handed over");
+        // x is busy with another message, y nacks: no member has room, so it
+        // goes back through JetStream (which delivered it once so far).
+        let second = publish_n(&brokers[0], "job", 1).await[0];
+        let m = next_message(&mut x, "the second message").await;
+        assert_eq!(m.sequence, second);
+        nack(y_id.clone(), first).await;
+        let m = next_message(&mut y, "the message, redelivered through JetStream").await;
+        assert_eq!(
+            (m.sequence, m.delivery_attempt),
+            (first, 3),
+            "the third attempt, not JetStream's second delivery"
+        );
+        // That was the last allowed attempt: a Nack dead-letters it.
+        nack(y_id.clone(), first).await;
+        let letter = next_message(&mut dlq, "the dead letter").await;
+        assert_eq!(
+            letter.headers.get("tinybroker-delivery-attempts").map(String::as_str),
+            Some("3"),
+            "{letter:?}"
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), y.message())
+                .await
+                .is_err(),
+            "no fourth attempt"
+        );
+        assert_eq!(ack(&mut client, &x_id, &[second]).await, (1, 0));
+    })
+    .await;
+}

@@ -871,14 +871,16 @@ impl ClusterEngine {
             let mut held: Vec<(u64, Held)> = state.held.drain().collect();
             held.sort_unstable_by_key(|(seq, _)| *seq);
             hub.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
-            messages.extend(held.into_iter().map(|(_, h)| h.message));
-            messages.extend(state.waiting.drain(..).map(|w| w.message));
+            messages.extend(held.into_iter().map(|(_, h)| (h.message, h.attempt)));
+            messages.extend(state.waiting.drain(..).map(|w| (w.message, w.attempt)));
             for member in &mut state.members {
                 member.holds = 0;
             }
         }
         let count = messages.len();
-        for message in messages {
+        self.remember_attempts(messages.iter().map(|(m, attempt)| (m, *attempt)))
+            .await;
+        for (message, _) in messages {
             let _ = message.ack_with(AckKind::Nak(None)).await;
         }
         if count > 0 {
@@ -918,6 +920,9 @@ impl ClusterEngine {
             return;
         }
         let _ = message.double_ack().await;
+        if attempts > super::attempts::delivered(message) {
+            self.forget_attempts(message);
+        }
     }
 }
 
@@ -991,6 +996,9 @@ struct Waiting {
     attempt: u32,
     /// The member that nacked it: passed over while another has room.
     avoid: Option<Arc<str>>,
+    /// Its attempts beyond JetStream's count were read from the
+    /// `<prefix>_attempts` bucket (removed there once it is done).
+    remembered: bool,
 }
 
 struct Member {
@@ -1009,6 +1017,8 @@ struct Held {
     deadline: Instant,
     /// When JetStream was last told this replica still works on it.
     progress_at: Instant,
+    /// As [`Waiting::remembered`].
+    remembered: bool,
 }
 
 /// What a member's stream needs of its hub.
@@ -1083,6 +1093,7 @@ impl HubState {
                 progress_at: Instant::now(),
                 message: w.message,
                 attempt: w.attempt,
+                remembered: w.remembered,
             };
             self.held.insert(sequence, held);
         }
@@ -1105,6 +1116,7 @@ impl HubState {
             published: held.published,
             attempt: held.attempt + 1,
             avoid: Some(held.member),
+            remembered: held.remembered,
         });
         self.dispatch();
         None
@@ -1194,7 +1206,7 @@ impl Hub {
                         Ok(message) if self.stop.is_cancelled() || closing.is_cancelled() => {
                             let _ = message.ack_with(AckKind::Nak(None)).await;
                         }
-                        Ok(message) => self.hand_out(message),
+                        Ok(message) => self.hand_out(message).await,
                         Err(error) => {
                             tracing::debug!(group = %self.name, %error, "pull interrupted");
                             self.heal().await;
@@ -1246,8 +1258,11 @@ impl Hub {
         }
     }
 
-    fn hand_out(&self, message: jetstream::Message) {
-        let attempt = message.info().map(|i| i.delivered.max(1) as u32).unwrap_or(1);
+    /// A pulled message, to a member with room (or to wait for one). A
+    /// redelivery's attempts beyond JetStream's count are read first, in
+    /// the pull's order (a round trip, only for redeliveries).
+    async fn hand_out(&self, message: jetstream::Message) {
+        let delivered = super::attempts::delivered(&message);
         let Some(published) = self.published(&message) else {
             tracing::warn!(group = %self.name, "undecodable group message dropped");
             tokio::spawn(async move {
@@ -1255,12 +1270,28 @@ impl Hub {
             });
             return;
         };
+        let ahead = if delivered > 1 {
+            self.engine.recall_attempts(&message).await
+        } else {
+            0
+        };
+        self.wait_for_member(message, published, delivered.saturating_add(ahead), ahead > 0);
+    }
+
+    fn wait_for_member(
+        &self,
+        message: jetstream::Message,
+        published: Arc<crate::broker::Published>,
+        attempt: u32,
+        remembered: bool,
+    ) {
         let mut state = self.state.lock();
         state.waiting.push_back(Waiting {
             message,
             published,
             attempt,
             avoid: None,
+            remembered,
         });
         state.dispatch();
     }
@@ -1288,6 +1319,9 @@ impl Hub {
         drop(state);
         self.acked.fetch_add(1, Ordering::Relaxed);
         self.room.notify_one();
+        if held.remembered {
+            self.engine.forget_attempts(&held.message);
+        }
         tokio::spawn(async move {
             let _ = held.message.ack().await;
         });
@@ -1438,6 +1472,7 @@ impl Hub {
             published,
             attempt,
             avoid: None,
+            remembered: false,
         });
         state.dispatch();
         true
@@ -1459,7 +1494,7 @@ impl Hub {
             }
         }
         self.redeliveries.fetch_add(redeliver.len() as u64, Ordering::Relaxed);
-        nak_in_order(redeliver, std::future::ready(()));
+        nak_in_order(&self.engine, redeliver, std::future::ready(()));
     }
 
     /// Retries what is held past its member's ack deadline.
@@ -1538,7 +1573,7 @@ impl Hub {
             // are sent), or a redelivery would come back to this hub with
             // no member to take it.
             let mut pulling = self.pulling.subscribe();
-            nak_in_order(held, async move {
+            nak_in_order(&self.engine, held, async move {
                 let _ = tokio::time::timeout(2 * PULL_EXPIRES, pulling.wait_for(|p| !*p)).await;
             });
             let hub = self.clone();
@@ -1556,12 +1591,15 @@ impl Hub {
                     hub.stop.cancel();
                     std::mem::take(&mut state.waiting)
                 };
+                hub.engine
+                    .remember_attempts(waiting.iter().map(|w| (&w.message, w.attempt)))
+                    .await;
                 for w in waiting {
                     let _ = w.message.ack_with(AckKind::Nak(None)).await;
                 }
             });
         } else {
-            nak_in_order(held, std::future::ready(()));
+            nak_in_order(&self.engine, held, std::future::ready(()));
         }
         self.room.notify_one();
     }
@@ -1572,13 +1610,21 @@ impl Hub {
 /// JetStream redelivers in the order of the naks, so the backlog's front is
 /// in sequence order as the contract says (one task per nak, as before,
 /// reordered them).
-fn nak_in_order(mut held: Vec<(u64, Held)>, first: impl std::future::Future<Output = ()> + Send + 'static) {
+fn nak_in_order(
+    engine: &ClusterEngine,
+    mut held: Vec<(u64, Held)>,
+    first: impl std::future::Future<Output = ()> + Send + 'static,
+) {
     if held.is_empty() {
         return;
     }
     held.sort_unstable_by_key(|(seq, _)| *seq);
+    let engine = engine.clone();
     tokio::spawn(async move {
         first.await;
+        engine
+            .remember_attempts(held.iter().map(|(_, h)| (&h.message, h.attempt)))
+            .await;
         for (_, h) in held {
             let _ = h.message.ack_with(AckKind::Nak(None)).await;
         }

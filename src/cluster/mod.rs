@@ -31,6 +31,7 @@
 //! `registry.rs` live replicas and subscription ids; `rpc.rs` calls
 //! between replicas, both ends.
 
+mod attempts;
 mod fanout;
 mod groups;
 mod handover;
@@ -117,6 +118,8 @@ struct Ready {
     replicas: kv::Store,
     /// The consumer-group table.
     groups: kv::Store,
+    /// Delivery attempts JetStream does not count (`attempts.rs`).
+    attempts: kv::Store,
 }
 
 impl ClusterEngine {
@@ -301,6 +304,10 @@ impl ClusterEngine {
             .create_key_value(bucket("groups", Duration::ZERO))
             .await
             .map_err(|e| retry(&e))?;
+        let attempts = js
+            .create_key_value(bucket("attempts", attempts::REMEMBERED_FOR))
+            .await
+            .map_err(|e| retry(&e))?;
         let incarnations = js
             .create_key_value(bucket("incarnations", Duration::ZERO))
             .await
@@ -332,6 +339,7 @@ impl ClusterEngine {
             subscriptions,
             replicas,
             groups,
+            attempts,
         };
         self.beat(&ready).await.map_err(|e| retry(&e))?;
         // Calls are answered from here on (nothing below fails and retries

@@ -1,0 +1,104 @@
+//! Delivery attempts JetStream does not count. A Nack or an expired
+//! deadline hands a message to another member without a round through
+//! JetStream (`groups.rs` `HubState::hand_over`, `handover.rs`), so its
+//! `delivery_attempt` runs ahead of JetStream's delivery count. When such a
+//! message then goes back through JetStream (no member anywhere had room,
+//! its member left, its replica shut down), how far ahead it was is written
+//! to the `<prefix>_attempts` bucket first, keyed by the message's place in
+//! its group's stream; a replica that gets it redelivered reads it back and
+//! adds it to JetStream's count. So `delivery_attempt` keeps counting up
+//! and `TINYBROKER_MAX_DELIVERY_ATTEMPTS` holds across replicas.
+//!
+//! Entries are rare (only messages handed over *and* given back), removed
+//! when the message is acked or dead-lettered, and expire after
+//! [`REMEMBERED_FOR`] otherwise. Not covered: a replica killed (SIGKILL)
+//! while it held a handed-over message writes nothing; its redelivery
+//! shows JetStream's count.
+
+use super::ClusterEngine;
+use async_nats::jetstream;
+use bytes::Bytes;
+use std::time::Duration;
+
+/// How long an entry is kept (the bucket's `max_age`).
+pub const REMEMBERED_FOR: Duration = Duration::from_secs(3600);
+/// How long a write or a read may take before the message goes on without.
+const STORE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// JetStream's delivery count of `message` (1 when it cannot be read).
+pub(super) fn delivered(message: &jetstream::Message) -> u32 {
+    message
+        .info()
+        .map(|i| u32::try_from(i.delivered.max(1)).unwrap_or(u32::MAX))
+        .unwrap_or(1)
+}
+
+/// The bucket key of `message`: its stream, its place there and when it
+/// was stored (a group made again restarts its stream's sequence).
+fn key(message: &jetstream::Message) -> Option<String> {
+    let info = message.info().ok()?;
+    Some(format!(
+        "{}.{}.{}",
+        info.stream,
+        info.stream_sequence,
+        info.published.unix_timestamp_nanos()
+    ))
+}
+
+impl ClusterEngine {
+    /// Before `messages` (each with the attempt its last delivery had) go
+    /// back through JetStream: how far each ran ahead of JetStream's count,
+    /// for the replica that gets it next. Written together; a write that
+    /// fails is logged and the message goes back without it.
+    pub(super) async fn remember_attempts<'a>(&self, messages: impl Iterator<Item = (&'a jetstream::Message, u32)>) {
+        let Some(ready) = self.inner.ready.lock().clone() else {
+            return;
+        };
+        let writes = messages.filter_map(|(message, attempt)| {
+            // The next delivery is one more than both counts.
+            let ahead = attempt.checked_sub(delivered(message)).filter(|&a| a > 0)?;
+            let key = key(message)?;
+            let store = &ready.attempts;
+            Some(async move {
+                match tokio::time::timeout(STORE_TIMEOUT, store.put(&key, Bytes::from(ahead.to_string()))).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => {
+                        tracing::warn!(%key, %error, "delivery attempts not written: the redelivery shows JetStream's count")
+                    }
+                    Err(_) => tracing::warn!(%key, "delivery attempts not written in time: the redelivery shows JetStream's count"),
+                }
+            })
+        });
+        futures::future::join_all(writes).await;
+    }
+
+    /// How many attempts a redelivered `message` had beyond JetStream's
+    /// count (0 when none were written, or the bucket does not answer).
+    pub(super) async fn recall_attempts(&self, message: &jetstream::Message) -> u32 {
+        let (Some(ready), Some(key)) = (self.inner.ready.lock().clone(), key(message)) else {
+            return 0;
+        };
+        match tokio::time::timeout(STORE_TIMEOUT, ready.attempts.get(&key)).await {
+            Ok(Ok(Some(value))) => std::str::from_utf8(&value)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            Ok(Ok(None)) => 0,
+            Ok(Err(error)) => {
+                tracing::debug!(%key, %error, "delivery attempts not read: JetStream's count is shown");
+                0
+            }
+            Err(_) => 0,
+        }
+    }
+
+    /// `message` is done (acked or dead-lettered): its entry goes.
+    pub(super) fn forget_attempts(&self, message: &jetstream::Message) {
+        let (Some(ready), Some(key)) = (self.inner.ready.lock().clone(), key(message)) else {
+            return;
+        };
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(STORE_TIMEOUT, ready.attempts.purge(&key)).await;
+        });
+    }
+}
