@@ -142,8 +142,9 @@ impl Broker {
         sequence: u64,
         publish_time: std::time::SystemTime,
         arrived: PublishTime,
+        cache: &mut RouteCache,
     ) {
-        let routes = self.shared.routes.read().matches(&message.topic);
+        let routes = self.routes_cached(&message.topic, cache);
         let published = self.published_elsewhere(message, sequence, publish_time);
         self.fan_out(published, &routes, arrived);
     }

@@ -20,15 +20,17 @@ impl ClusterEngine {
     /// Hands messages other replicas published to this replica's fan-out.
     pub(super) async fn receive(self, mut remote: async_nats::Subscriber) {
         let local = &self.inner.local;
+        // The routes of recent topics, as a publisher keeps them.
+        let mut routes = RouteCache::default();
         while let Some(first) = remote.next().await {
             let _burst = WakeBatch::begin();
             // One reading of the clocks for what arrived together (two
             // readings per message were 5 % of a receiving replica's CPU).
             let arrived = PublishTime::now();
-            self.deliver(first, arrived);
+            self.deliver(first, arrived, &mut routes);
             for _ in 1..REMOTE_BURST {
                 match remote.next().now_or_never() {
-                    Some(Some(message)) => self.deliver(message, arrived),
+                    Some(Some(message)) => self.deliver(message, arrived, &mut routes),
                     _ => break,
                 }
             }
@@ -39,13 +41,13 @@ impl ClusterEngine {
         }
     }
 
-    pub(super) fn deliver(&self, message: async_nats::Message, arrived: PublishTime) {
+    pub(super) fn deliver(&self, message: async_nats::Message, arrived: PublishTime, routes: &mut RouteCache) {
         match pb::Message::decode(message.payload) {
             Ok(m) => {
                 let (message, sequence, publish_time) = from_envelope(m);
                 self.inner
                     .local
-                    .deliver_remote(message, sequence, publish_time, arrived);
+                    .deliver_remote(message, sequence, publish_time, arrived, routes);
             }
             Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
         }
