@@ -88,6 +88,15 @@ impl Interest {
         self.own.lock().await.version = Version { incarnation, n: 0 };
     }
 
+    /// Forgets what the other replicas said: every one counts as "some"
+    /// until it says otherwise again. When this replica's NATS connection
+    /// drops or comes back: what others announced meanwhile did not reach
+    /// it.
+    pub(super) fn forget(&self) {
+        self.others.lock().clear();
+        self.skip.store(false, Ordering::Release);
+    }
+
     /// Takes replica `replica`'s word if it is newer than what was heard.
     pub(super) fn note(&self, replica: &str, version: Version, some: bool, live: &[String], me: &str) {
         {
@@ -252,5 +261,14 @@ mod tests {
         interest.note("e", v(1, 1), true, &more, "a");
         interest.note("d", v(1, 0), false, &more, "a");
         assert!(!interest.skip(), "e is not live yet as far as a knows, but said some");
+        interest.note("e", v(1, 2), false, &more, "a");
+        assert!(interest.skip(), "every one said none");
+        interest.forget();
+        assert!(!interest.skip(), "after a reconnection nothing is known");
+        interest.recompute(&more, "a");
+        assert!(
+            !interest.skip(),
+            "and every live replica counts as some until it speaks again"
+        );
     }
 }

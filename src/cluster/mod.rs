@@ -207,6 +207,9 @@ impl ClusterEngine {
                 if inner.connected.swap(true, Ordering::AcqRel) {
                     return;
                 }
+                // What other replicas announced while this one was away
+                // did not reach it.
+                inner.interest.forget();
                 if inner.ready.lock().is_some() {
                     inner.reconnects.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
@@ -215,6 +218,7 @@ impl ClusterEngine {
             }
             async_nats::Event::Disconnected => {
                 inner.connected.store(false, Ordering::Release);
+                inner.interest.forget();
                 tracing::warn!("NATS connection lost: NOT_SERVING until it is back");
                 inner.health.send_replace(EngineHealth::NotServing(
                     "the NATS connection is lost (reconnecting)".into(),
