@@ -189,13 +189,18 @@ impl ClusterEngine {
         interest.recompute(&live, &self.inner.config.replica_id);
     }
 
-    /// Tells every other live replica (as of the last heartbeat) this
-    /// replica's word and waits for their answers, each at most
-    /// [`ANNOUNCE_TIMEOUT`].
+    /// Tells every other live replica (as of the last heartbeat), and every
+    /// replica heard from lately, this replica's word and waits for their
+    /// answers, each at most [`ANNOUNCE_TIMEOUT`].
     async fn announce(&self, version: Version, some: bool) {
         let inner = &self.inner;
         let me = &inner.config.replica_id;
-        let live = inner.live.lock().clone();
+        let mut live = inner.live.lock().clone();
+        for heard in inner.interest.others.lock().keys() {
+            if !live.contains(heard) {
+                live.push(heard.clone());
+            }
+        }
         let call = rpc::Call::Interest {
             replica: me.clone(),
             version,

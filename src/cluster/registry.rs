@@ -26,8 +26,12 @@ impl ClusterEngine {
             if let Err(error) = self.beat(&ready).await {
                 tracing::debug!(%error, "heartbeat not written");
             }
-            let live = self.live_replicas(&ready).await;
-            *self.inner.live.lock() = live;
+            // Kept as it was when the registry does not answer: a list of
+            // this replica alone would leave the others out of its offers
+            // and its broadcast-interest announcements.
+            if let Some(live) = self.read_live_replicas(&ready).await {
+                *self.inner.live.lock() = live;
+            }
             self.interest_beat().await;
             // The metrics' group gauges are cluster-wide: refreshed here,
             // and groups memberless for their idle TTL removed.
@@ -43,10 +47,20 @@ impl ClusterEngine {
         ready.replicas.put(key(id), Bytes::from(id.clone())).await
     }
 
-    /// Replicas heard from within [`REPLICA_TTL`], this one included.
+    /// Replicas heard from within [`REPLICA_TTL`], this one included (only
+    /// this one when the registry does not answer).
     pub(super) async fn live_replicas(&self, ready: &Ready) -> Vec<String> {
+        match self.read_live_replicas(ready).await {
+            Some(replicas) => replicas,
+            None => vec![self.inner.config.replica_id.clone()],
+        }
+    }
+
+    /// [`ClusterEngine::live_replicas`]; None when the registry does not
+    /// answer.
+    pub(super) async fn read_live_replicas(&self, ready: &Ready) -> Option<Vec<String>> {
         let Ok(keys) = ready.replicas.keys().await else {
-            return vec![self.inner.config.replica_id.clone()];
+            return None;
         };
         let mut replicas: Vec<String> = keys
             .filter_map(|k| async move { k.ok().and_then(|k| unkey(&k)) })
@@ -56,7 +70,7 @@ impl ClusterEngine {
             replicas.push(self.inner.config.replica_id.clone());
         }
         replicas.sort();
-        replicas
+        Some(replicas)
     }
 
     pub(super) async fn is_live(&self, ready: &Ready, replica: &str) -> bool {
