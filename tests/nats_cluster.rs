@@ -301,17 +301,32 @@ const GROUP_STREAM: &str = "TBT_GROUPS";
 /// A replicated memory work-queue stream for groups (`tbt.g.<group>.<topic>`).
 async fn create_group_stream(context: &jetstream::Context) -> stream::Stream {
     let started = Instant::now();
-    let stream = context
-        .create_stream(stream::Config {
-            name: GROUP_STREAM.into(),
-            subjects: vec!["tbt.g.>".into()],
-            retention: RetentionPolicy::WorkQueue,
-            storage: StorageType::Memory,
-            num_replicas: 3,
-            ..Default::default()
-        })
-        .await
-        .expect("create the group stream");
+    let config = stream::Config {
+        name: GROUP_STREAM.into(),
+        subjects: vec!["tbt.g.>".into()],
+        retention: RetentionPolicy::WorkQueue,
+        storage: StorageType::Memory,
+        num_replicas: 3,
+        ..Default::default()
+    };
+    // A cluster just formed can time the first JetStream request out while
+    // its meta leader settles (seen once in CI); the engine retries its
+    // set-up the same way. The same config again is not an error.
+    let stream = loop {
+        match context.create_stream(config.clone()).await {
+            Ok(stream) => break stream,
+            Err(e)
+                if e.kind() == jetstream::context::CreateStreamErrorKind::TimedOut
+                    && started.elapsed() < Duration::from_secs(20) =>
+            {
+                eprintln!(
+                    "js: creating the group stream timed out after {:?}; again",
+                    started.elapsed()
+                );
+            }
+            Err(e) => panic!("create the group stream: {e:?}"),
+        }
+    };
     let info = stream.cached_info();
     let cluster = info.cluster.as_ref().expect("cluster info");
     eprintln!(
