@@ -2207,6 +2207,17 @@ async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetst
             (first, 3),
             "the third attempt, not JetStream's second delivery"
         );
+        let js = async_nats::jetstream::new(async_nats::connect(nats.url(0).as_str()).await.unwrap());
+        let bucket = js.get_key_value("attempts_attempts").await.unwrap();
+        let entries = || async {
+            use futures::StreamExt;
+            bucket.keys().await.unwrap().count().await
+        };
+        assert_eq!(
+            entries().await,
+            1,
+            "what ran ahead of JetStream's count, written before the nak"
+        );
         // That was the last allowed attempt: a Nack dead-letters it.
         nack(y_id.clone(), first).await;
         let letter = next_message(&mut dlq, "the dead letter").await;
@@ -2215,6 +2226,10 @@ async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetst
             Some("3"),
             "{letter:?}"
         );
+        wait_until("the dead-lettered message's entry to be removed", || async {
+            entries().await == 0
+        })
+        .await;
         assert!(
             tokio::time::timeout(Duration::from_millis(500), y.message())
                 .await

@@ -892,7 +892,9 @@ impl ClusterEngine {
     }
 
     /// Publishes a message that used its last attempt to `_dlq.<group>`.
-    async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32) {
+    /// `remembered`: its attempts were read from the `<prefix>_attempts`
+    /// bucket, where its entry goes once it is dead-lettered.
+    async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32, remembered: bool) {
         let Ok(m) = pb::Message::decode(message.payload.clone()) else {
             return;
         };
@@ -920,7 +922,7 @@ impl ClusterEngine {
             return;
         }
         let _ = message.double_ack().await;
-        if attempts > super::attempts::delivered(message) {
+        if remembered {
             self.forget_attempts(message);
         }
     }
@@ -1488,7 +1490,11 @@ impl Hub {
                 self.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 let engine = self.engine.clone();
                 let group = self.name.clone();
-                tokio::spawn(async move { engine.dead_letter(&group, &held.message, held.attempt).await });
+                tokio::spawn(async move {
+                    engine
+                        .dead_letter(&group, &held.message, held.attempt, held.remembered)
+                        .await
+                });
             } else {
                 redeliver.push((seq, held));
             }

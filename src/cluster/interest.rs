@@ -73,8 +73,8 @@ pub(super) struct Interest {
     open: AtomicUsize,
     /// What every other replica said, the newest word of each.
     others: Mutex<HashMap<String, Said>>,
-    /// Whether a publish goes out on core NATS; until the first
-    /// recomputation, yes.
+    /// Whether publishes may skip core NATS: false (they go out) until
+    /// every other replica said "none".
     skip: AtomicBool,
 }
 
