@@ -3,6 +3,7 @@
 //! proto↔engine conversion is written once, at the end of this file), maps
 //! [`BrokerError`]s to status codes, and turns deliveries into messages.
 
+use crate::broker::WakeBatch;
 use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
 use crate::engine::{
     AckMode, BrokerError, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine, NewMessage, PublishOutcome,
@@ -205,7 +206,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             // clocks for the batch, its duration shared among its messages
             // (decoding included) for tinybroker_publish_duration_seconds.
             let at = PublishTime::now();
-            let burst = self.engine.burst();
+            let burst = WakeBatch::begin();
             let mut routed = 0;
             // Set when the stream ends inside the batch (Ok: its last
             // message; or an error): returned once the batch is accounted for.
@@ -216,15 +217,19 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             let mut unconfirmed: Vec<(u64, Option<Confirmation>)> = Vec::new();
             loop {
                 // Untraced, the engine is called here, with no future of
-                // our own per message (see `publish_traced`).
-                let outcome = match &parent {
-                    None => self
-                        .engine
-                        .publish_routed(new_message(next), &mut publisher, at)
-                        .await
-                        .map_err(status),
-                    Some(parent) => self.publish_routed_traced(next, parent, &mut publisher, at).await,
-                };
+                // our own per message (see `publish_traced`). The batch is
+                // not held across a wait of the engine's.
+                let outcome = WakeBatch::across_waits(async {
+                    match &parent {
+                        None => self
+                            .engine
+                            .publish_routed(new_message(next), &mut publisher, at)
+                            .await
+                            .map_err(status),
+                        Some(parent) => self.publish_routed_traced(next, parent, &mut publisher, at).await,
+                    }
+                })
+                .await;
                 match outcome {
                     Ok((outcome, None)) if unconfirmed.is_empty() => {
                         accept(&mut response, outcome.sequence);

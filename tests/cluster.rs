@@ -431,6 +431,12 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
                 .await
                 .is_err()
         );
+        // And JetStream was told: every message acked, so the work-queue
+        // stream holds none (unacked, they would come again after ack_wait).
+        wait_until("JetStream to have every delivered message acked", || async {
+            group_stream_state(&nats, 0, "share").await == Some((0, 0))
+        })
+        .await;
         let groups = groups(&mut brokers[1].admin().await).await;
         assert_eq!(groups.len(), 1, "{groups:?}");
         assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 3));
@@ -1329,6 +1335,24 @@ async fn group_stream(nats: &NatsCluster, i: usize, prefix: &str) -> Option<Grou
         }
     }
     None
+}
+
+/// The group stream of `prefix` as server `i`'s /jsz reports it: the
+/// messages it holds, and its consumer's messages delivered and not acked.
+async fn group_stream_state(nats: &NatsCluster, i: usize, prefix: &str) -> Option<(u64, u64)> {
+    let jsz = nats.monitor(i, "/jsz?streams=true&consumers=true").await?;
+    let group_prefix = format!("{prefix}_g_");
+    let stream = jsz["account_details"]
+        .as_array()?
+        .iter()
+        .flat_map(|a| a["stream_detail"].as_array().into_iter().flatten())
+        .find(|s| s["name"].as_str().unwrap_or_default().starts_with(&group_prefix))?;
+    let unacked = stream["consumer_detail"]
+        .as_array()?
+        .iter()
+        .find(|c| c["name"] == "members")?["num_ack_pending"]
+        .as_u64()?;
+    Some((stream["state"]["messages"].as_u64()?, unacked))
 }
 
 /// A group's stream as /jsz shows it (name and consumer leader are only

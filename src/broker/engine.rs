@@ -2,7 +2,7 @@
 //! process, so each future is ready when returned.
 
 use super::subscription::SubscriptionStream;
-use super::{Broker, RouteCache, WakeBatch};
+use super::{Broker, RouteCache};
 use crate::config::Limits;
 use crate::engine::{
     Acked, BrokerError, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord, GroupInfo, Nacked,
@@ -12,10 +12,6 @@ use std::future::{Future, ready};
 
 impl Engine for Broker {
     type Publisher = RouteCache;
-    /// Wake-ups of the streams a run of publishes filled wait for its end.
-    /// Sound across the `.await` of [`Engine::publish`] because its future
-    /// is ready: the task never yields (or moves threads) in between.
-    type Burst = WakeBatch;
     type Stream = SubscriptionStream;
 
     fn limits(&self) -> &Limits {
@@ -29,10 +25,6 @@ impl Engine for Broker {
         at: PublishTime,
     ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send {
         ready(self.publish_at(message, Some(publisher), at))
-    }
-
-    fn burst(&self) -> WakeBatch {
-        WakeBatch::begin()
     }
 
     fn subscribe(

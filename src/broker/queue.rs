@@ -55,6 +55,39 @@ impl Drop for WakeBatch {
     }
 }
 
+impl WakeBatch {
+    /// Runs `future` inside the open batch of the task polling it, without
+    /// holding the batch across a wait: whenever `future` is pending, the
+    /// wake-ups deferred so far on this thread are made and the batch is
+    /// closed (the task may resume on another worker, and another task may
+    /// run here meanwhile); when it is polled again, a batch is open again
+    /// on the thread it then runs on, for the outermost [`WakeBatch`] to
+    /// end. Nothing changes when no batch is open, or `future` never waits.
+    pub async fn across_waits<F: Future>(future: F) -> F::Output {
+        let mut future = std::pin::pin!(future);
+        let mut paused = false;
+        std::future::poll_fn(move |cx| {
+            if std::mem::take(&mut paused) {
+                DEFERRED_WAKES.with(|d| {
+                    d.borrow_mut().get_or_insert_with(Vec::new);
+                });
+            }
+            let poll = future.as_mut().poll(cx);
+            if poll.is_pending() {
+                let deferred = DEFERRED_WAKES.with(|d| d.borrow_mut().take());
+                if let Some(wakers) = deferred {
+                    paused = true;
+                    for waker in wakers {
+                        waker.wake();
+                    }
+                }
+            }
+            poll
+        })
+        .await
+    }
+}
+
 /// Wakes `waker` now, or at the end of the open [`WakeBatch`].
 fn wake(waker: Waker) {
     let deferred = DEFERRED_WAKES.with(|d| match d.borrow_mut().as_mut() {
@@ -337,6 +370,55 @@ mod tests {
         assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
         q.push(delivery(9));
         assert_eq!(wakes(), 3);
+    }
+
+    #[test]
+    fn a_wake_batch_is_not_held_across_a_wait_and_opens_again_where_the_task_resumes() {
+        let queues: Vec<Queue> = (0..5).map(|_| Queue::new(8, usize::MAX)).collect();
+        let counter = Arc::new(CountingWaker(Default::default()));
+        let waker = Waker::from(counter.clone());
+        let wakes = || counter.0.load(std::sync::atomic::Ordering::SeqCst);
+        for q in &queues {
+            assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
+        }
+        let batch = WakeBatch::begin();
+        queues[0].push(delivery(0));
+        let mut waited = false;
+        let publish = WakeBatch::across_waits(async {
+            queues[1].push(delivery(1));
+            // A publish that has to wait once (room in a client's queue).
+            std::future::poll_fn(|_| {
+                if std::mem::replace(&mut waited, true) {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            })
+            .await;
+            queues[2].push(delivery(2));
+        });
+        let mut publish = Box::pin(publish);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(publish.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(wakes(), 2, "what the batch held is woken before the task yields");
+        // Another task running on this thread meanwhile is in no batch.
+        queues[3].push(delivery(3));
+        assert_eq!(wakes(), 3);
+        // The task resumes on another worker, and ends its batch there.
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    let mut cx = Context::from_waker(Waker::noop());
+                    assert!(publish.as_mut().poll(&mut cx).is_ready());
+                    assert_eq!(wakes(), 3, "held back again after the wait");
+                    drop(batch);
+                    assert_eq!(wakes(), 4);
+                })
+                .join()
+                .unwrap();
+        });
+        queues[4].push(delivery(4));
+        assert_eq!(wakes(), 5, "nothing left open on the first thread");
     }
 
     #[test]

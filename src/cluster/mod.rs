@@ -527,11 +527,6 @@ impl Drop for ClusterStream {
 
 impl Engine for ClusterEngine {
     type Publisher = RouteCache;
-    /// No burst: a cluster publish really waits (for NATS, and for a
-    /// group's JetStream ack), and a `WakeBatch` held across that wait would
-    /// keep the woken subscribers' wake-ups on a thread the task may leave
-    /// (found by the cluster benchmark: a subscriber stuck with 2,048 queued).
-    type Burst = ();
     type Stream = ClusterStream;
 
     fn limits(&self) -> &Limits {
@@ -555,8 +550,6 @@ impl Engine for ClusterEngine {
     ) -> impl Future<Output = Result<(PublishOutcome, Option<Confirmation>), BrokerError>> + Send {
         self.publish_cluster_routed(message, publisher, at)
     }
-
-    fn burst(&self) {}
 
     fn subscribe(&self, request: SubscribeRequest) -> impl Future<Output = Result<ClusterStream, BrokerError>> + Send {
         self.subscribe_cluster(request)

@@ -39,18 +39,16 @@ pub type Confirmation = futures::future::BoxFuture<'static, Result<u32, BrokerEr
 ///
 /// Calls that may have to ask other replicas (Ack, Nack, CloseSubscription,
 /// the Admin listings) return futures; an engine that answers at once
-/// returns a ready one. `publish` does its work before returning its future
-/// for the in-memory engine, which is what lets a [`Engine::Burst`] hold
-/// wake-ups back around a run of publishes.
+/// returns a ready one. The front publishes a run of messages received
+/// together inside one [`crate::broker::WakeBatch`], each publish under
+/// [`crate::broker::WakeBatch::across_waits`]: the subscribers the run
+/// reached are woken once, at its end, or when a publish has to wait (a
+/// cluster publish waiting for room in the NATS client's queue, a group's
+/// store), before the task yields.
 pub trait Engine: Clone + Send + Sync + 'static {
     /// A publish stream's own state, kept across its messages (the
     /// in-memory engine: its route cache).
     type Publisher: Default + Send;
-    /// Held while a run of messages received together is published; dropping
-    /// it lets the subscribers they reached run (each once for the run).
-    /// Held across `publish`'s `.await`: an engine whose publish can really
-    /// wait must not defer wake-ups to a thread (its `Burst` is then `()`).
-    type Burst: Send;
     /// The deliveries of one open subscription.
     type Stream: DeliveryStream;
 
@@ -80,9 +78,6 @@ pub trait Engine: Clone + Send + Sync + 'static {
         use futures::FutureExt;
         self.publish(message, publisher, at).map(|r| r.map(|o| (o, None)))
     }
-
-    /// Starts a run of publishes (see [`Engine::Burst`]).
-    fn burst(&self) -> Self::Burst;
 
     /// Opens a subscription: once this resolves, every matching message
     /// published afterwards reaches the stream.
