@@ -117,6 +117,11 @@ impl<T: Clone> Sublist<T> {
         self.invalidate(pattern);
     }
 
+    /// True when it holds no entry: nothing matches any topic.
+    pub fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+
     /// Removes the entry `id` of `pattern`; false when there was none.
     pub fn remove(&mut self, pattern: &TopicPattern, id: u64) -> bool {
         let tokens: Vec<&str> = pattern.tokens().collect();
@@ -281,8 +286,10 @@ mod tests {
     #[test]
     fn insert_and_remove_keep_the_cache_correct() {
         let mut s = Sublist::with_cache_capacity(16);
+        assert!(s.is_empty());
         assert!(s.matches("a.b").is_empty());
         s.insert(&p("a.*"), 1, 1);
+        assert!(!s.is_empty());
         assert_eq!(&*s.matches("a.b"), &[1]);
         s.insert(&p("a.>"), 2, 2);
         assert_eq!(&*s.matches("a.b"), &[1, 2]);
@@ -292,6 +299,7 @@ mod tests {
         assert!(s.remove(&p("a.>"), 2));
         assert!(s.matches("a.b").is_empty());
         assert_eq!(s.stats().entries, 0);
+        assert!(s.is_empty());
         assert!(s.root.is_empty(), "removal prunes empty nodes");
     }
 

@@ -123,18 +123,24 @@ impl ClusterEngine {
         crate::engine::validate::message(&message, self.inner.local.limits().max_message_bytes)?;
         let groups = self.group_routes(&message.topic);
         // Everything but the sequence, which routing assigns; protobuf
-        // takes fields in any order, so it is appended after.
+        // takes fields in any order, so it is appended after. The message's
+        // fields are moved in for the encoding and back out after it.
         let head = pb::Message {
-            topic: message.topic.clone(),
-            payload: message.payload.clone(),
-            headers: message.headers.clone(),
+            topic: message.topic,
+            payload: message.payload,
+            headers: message.headers,
             publish_time: Some(at.wall.into()),
             ..Default::default()
         };
         // Room for the sequence too: one allocation, no growing.
         let mut body = BytesMut::with_capacity(head.encoded_len() + 11);
-        head.encode(&mut body)
-            .map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
+        let encoded = head.encode(&mut body);
+        let message = NewMessage {
+            topic: head.topic,
+            payload: head.payload,
+            headers: head.headers,
+        };
+        encoded.map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
         // With its sequence (at most 11 bytes more), before anyone has it.
         let max_payload = self.inner.max_payload.load(std::sync::atomic::Ordering::Relaxed);
         if body.len() + 11 > max_payload {
@@ -146,7 +152,13 @@ impl ClusterEngine {
         }
         // Not on core NATS when no other replica has a broadcast subscriber
         // (interest.rs): decided as routing starts.
-        let core = (!self.inner.interest.skip()).then(|| format!("{}{}", self.inner.message_prefix, message.topic));
+        let core = (!self.inner.interest.skip()).then(|| {
+            let prefix = &self.inner.message_prefix;
+            let mut subject = String::with_capacity(prefix.len() + message.topic.len());
+            subject.push_str(prefix);
+            subject.push_str(&message.topic);
+            subject
+        });
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
         body.put_u8(4 << 3); // field 4 (sequence), varint
         prost::encoding::encode_varint(outcome.sequence, &mut body);
