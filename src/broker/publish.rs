@@ -145,8 +145,18 @@ impl Broker {
         cache: &mut RouteCache,
     ) {
         let routes = self.routes_cached(&message.topic, cache);
+        if routes.is_empty() {
+            return;
+        }
         let published = self.published_elsewhere(message, sequence, publish_time);
         self.fan_out(published, &routes, arrived);
+    }
+
+    /// Whether any subscription here matches `topic` (through `cache`, as
+    /// [`Broker::deliver_remote`] routes): a message from another replica
+    /// that none matches need not even be decoded.
+    pub fn routes_any(&self, topic: &str, cache: &mut RouteCache) -> bool {
+        !self.routes_cached(topic, cache).is_empty()
     }
 
     /// A message published elsewhere (another replica, or a cluster group's

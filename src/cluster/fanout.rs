@@ -42,6 +42,14 @@ impl ClusterEngine {
     }
 
     pub(super) fn deliver(&self, message: async_nats::Message, arrived: PublishTime, routes: &mut RouteCache) {
+        // The subject names the topic: what no subscription here matches
+        // is dropped undecoded (the envelope's topic, the same, routes the
+        // rest; a route cache hit the second time).
+        if let Some(topic) = message.subject.as_str().strip_prefix(&self.inner.message_prefix)
+            && !self.inner.local.routes_any(topic, routes)
+        {
+            return;
+        }
         match pb::Message::decode(message.payload) {
             Ok(m) => {
                 let (message, sequence, publish_time) = from_envelope(m);
