@@ -107,9 +107,11 @@ impl ClusterEngine {
                     Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
                     Err(e) => Err((false, e.to_string())),
                 };
+                // The retries' future is boxed only when needed: held
+                // inline, it made every message's confirmation large to
+                // allocate and copy.
                 let stored = first.is_ok()
-                    || engine
-                        .publish_to_group(&routed.ready, &route, routed.body.clone(), id.clone(), first)
+                    || Box::pin(engine.publish_to_group(&routed.ready, &route, routed.body.clone(), id.clone(), first))
                         .await?;
                 took += u32::from(stored);
             }
