@@ -269,7 +269,7 @@ impl Templates {
             dropped: IntCounterVec::new(
                 Opts::new(
                     "tinybroker_messages_dropped_total",
-                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL), dead_letter_invalid (a dead letter that the broker's two headers took over a message limit).",
+                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL), dead_letter_invalid (a dead letter that the broker's two headers took over a message limit), nats_slow_consumer (cluster mode: other replicas' messages NATS dropped on the way to this one).",
                 ),
                 &["reason"],
             )?,

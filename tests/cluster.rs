@@ -807,6 +807,10 @@ async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
     .await;
 }
 
+/// A replica whose NATS server dies moves to another and receives again, in
+/// order; what another replica published meanwhile, which core NATS kept
+/// for nobody, is counted there as dropped by NATS
+/// (`reason="nats_slow_consumer"`), exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving() {
     let Some(mut nats) = NatsCluster::start(3).await else {
@@ -816,7 +820,44 @@ async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving()
         let brokers = replicas(&nats, 2, "failover").await;
         let mut subscriber = brokers[0].client().await;
         let (mut stream, _) = subscribe(&mut subscriber, &["metrics.>"]).await;
-        // Replica 0 is connected to server 0 first.
+        let mut publisher = brokers[1].client().await;
+        // Replica 0 counts replica 1's messages from the first it gets.
+        let first = publisher
+            .publish(publish_request("metrics.cpu", "before"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            next_message(&mut stream, "the first message").await.sequence,
+            first.sequence
+        );
+        // Replica 1 publishes about 5,000 messages a second on a stream
+        // while replica 0 loses its server (it is connected to server 0
+        // first) and moves to another. Publishes through one replica have
+        // consecutive sequences: what replica 0 misses is plain to see.
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let producing = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    for _ in 0..5 {
+                        i += 1;
+                        if tx.send(publish_request("metrics.cpu", &format!("m{i}"))).await.is_err() {
+                            return;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        });
+        let publishing = tokio::spawn(async move {
+            publisher
+                .publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .map(|r| r.into_inner())
+        });
         nats.kill(0);
         wait_until("replica 0 to reconnect", || async {
             let (_, metrics) = brokers[0].http_get("/metrics").await;
@@ -825,40 +866,60 @@ async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving()
         })
         .await;
         wait_serving(&brokers[0]).await;
-        let mut publisher = brokers[1].client().await;
-        // Core NATS keeps nothing for a replica while it moves: publish until
-        // its interest is known again, then every message arrives in order.
-        let first = loop {
-            let r = publisher
-                .publish(publish_request("metrics.cpu", "probe"))
-                .await
-                .unwrap()
-                .into_inner();
-            if let Ok(Ok(Some(m))) = tokio::time::timeout(Duration::from_millis(200), stream.message()).await {
-                break m.sequence.max(r.sequence);
-            }
-        };
-        let mut sent = Vec::new();
-        for i in 0..10 {
-            let r = publisher
-                .publish(publish_request("metrics.cpu", &format!("after-{i}")))
-                .await
-                .unwrap()
-                .into_inner();
-            sent.push(r.sequence);
-        }
-        let mut got = Vec::new();
-        while got.len() < sent.len() {
+        // Core NATS keeps nothing for a replica while it moves; once its
+        // interest is known again, messages arrive: 200 of them, then the
+        // stream ends, and everything up to its last message arrives.
+        let mut received = Vec::new();
+        while received.len() < 200 {
             let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
                 .await
-                .expect("a message after the failover")
+                .expect("messages after the failover")
                 .unwrap()
                 .unwrap();
-            if m.sequence > first {
-                got.push(m.sequence);
-            }
+            received.push(m.sequence);
         }
-        assert_eq!(got, sent);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        producing.await.unwrap();
+        let sent = publishing.await.unwrap().expect("the publish stream");
+        while received.last() != Some(&sent.last_sequence) {
+            let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
+                .await
+                .expect("the stream's last message")
+                .unwrap()
+                .unwrap();
+            received.push(m.sequence);
+        }
+        assert_eq!(sent.last_sequence - sent.first_sequence + 1, sent.accepted);
+        assert!(
+            received.windows(2).all(|w| w[0] < w[1]),
+            "in order, none twice: {received:?}"
+        );
+        assert!(
+            received
+                .iter()
+                .all(|s| (sent.first_sequence..=sent.last_sequence).contains(s))
+        );
+        let lost = sent.accepted - received.len() as u64;
+        assert!(
+            lost > 0,
+            "some of the {} messages were published while replica 0 moved",
+            sent.accepted
+        );
+        // Every one of them is counted on replica 0, as NATS dropped it.
+        wait_until("replica 0 to count the messages NATS dropped on the way", || async {
+            let (_, metrics) = brokers[0].http_get("/metrics").await;
+            common::process::metric_with_label(
+                &metrics,
+                "tinybroker_messages_dropped_total",
+                "reason=\"nats_slow_consumer\"",
+            ) == Some(lost as f64)
+        })
+        .await;
+        eprintln!(
+            "failover: {} published, {} received, {lost} dropped by NATS and counted",
+            sent.accepted,
+            received.len()
+        );
     })
     .await;
 }

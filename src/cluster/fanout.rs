@@ -22,15 +22,16 @@ impl ClusterEngine {
         let local = &self.inner.local;
         // The routes of recent topics, as a publisher keeps them.
         let mut routes = RouteCache::default();
+        let mut gaps = Gaps::default();
         while let Some(first) = remote.next().await {
             let _burst = WakeBatch::begin();
             // One reading of the clocks for what arrived together (two
             // readings per message were 5 % of a receiving replica's CPU).
             let arrived = PublishTime::now();
-            self.deliver(first, arrived, &mut routes);
+            self.deliver(first, arrived, &mut routes, &mut gaps);
             for _ in 1..REMOTE_BURST {
                 match remote.next().now_or_never() {
-                    Some(Some(message)) => self.deliver(message, arrived, &mut routes),
+                    Some(Some(message)) => self.deliver(message, arrived, &mut routes, &mut gaps),
                     _ => break,
                 }
             }
@@ -41,7 +42,19 @@ impl ClusterEngine {
         }
     }
 
-    pub(super) fn deliver(&self, message: async_nats::Message, arrived: PublishTime, routes: &mut RouteCache) {
+    pub(super) fn deliver(
+        &self,
+        message: async_nats::Message,
+        arrived: PublishTime,
+        routes: &mut RouteCache,
+        gaps: &mut Gaps,
+    ) {
+        if let Some((sender, count)) = count_prefix(&message.payload) {
+            let lost = gaps.lost_before(sender, count);
+            if lost > 0 {
+                self.count_nats_drops(sender, lost);
+            }
+        }
         // The subject names the topic: what no subscription here matches
         // is dropped undecoded (the envelope's topic, the same, routes the
         // rest; a route cache hit the second time).
@@ -132,6 +145,15 @@ impl ClusterEngine {
         let ready = self.serving()?;
         crate::engine::validate::message(&message, self.inner.local.limits().max_message_bytes)?;
         let groups = self.group_routes(&message.topic);
+        // Not on core NATS when no other replica has a broadcast subscriber
+        // (interest.rs): decided as routing starts.
+        let core = (!self.inner.interest.skip()).then(|| {
+            let prefix = &self.inner.message_prefix;
+            let mut subject = String::with_capacity(prefix.len() + message.topic.len());
+            subject.push_str(prefix);
+            subject.push_str(&message.topic);
+            subject
+        });
         // Everything but the sequence, which routing assigns; protobuf
         // takes fields in any order, so it is appended after. The message's
         // fields are moved in for the encoding and back out after it.
@@ -142,8 +164,12 @@ impl ClusterEngine {
             publish_time: Some(at.wall.into()),
             ..Default::default()
         };
-        // Room for the sequence too: one allocation, no growing.
-        let mut body = BytesMut::with_capacity(head.encoded_len() + 11);
+        // Room for the count and the sequence too: one allocation, no growing.
+        let mut body = BytesMut::with_capacity(COUNT_PREFIX_MAX + head.encoded_len() + 11);
+        let count_at = core.is_some().then(|| {
+            let incarnation = self.inner.incarnation.load(std::sync::atomic::Ordering::Relaxed);
+            put_count_prefix(&mut body, incarnation)
+        });
         let encoded = head.encode(&mut body);
         let message = NewMessage {
             topic: head.topic,
@@ -160,27 +186,113 @@ impl ClusterEngine {
                 body.len() + 11,
             )));
         }
-        // Not on core NATS when no other replica has a broadcast subscriber
-        // (interest.rs): decided as routing starts.
-        let core = (!self.inner.interest.skip()).then(|| {
-            let prefix = &self.inner.message_prefix;
-            let mut subject = String::with_capacity(prefix.len() + message.topic.len());
-            subject.push_str(prefix);
-            subject.push_str(&message.topic);
-            subject
-        });
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
         body.put_u8(4 << 3); // field 4 (sequence), varint
         prost::encoding::encode_varint(outcome.sequence, &mut body);
-        let body = body.freeze();
-        if let Some(subject) = core {
-            self.inner.client.publish(subject, body.clone()).await.map_err(|e| {
-                BrokerError::Unavailable(format!(
-                    "NATS is unreachable ({e}): the message reached this replica's subscribers only"
-                ))
-            })?;
-        }
+        let body = match (core, count_at) {
+            (Some(subject), Some(count_at)) => {
+                // Numbered and queued in one go, so the numbers go out in
+                // order whichever of this replica's streams publishes.
+                let mut sent = self.inner.core_sent.lock().await;
+                *sent += 1;
+                body[count_at..count_at + 8].copy_from_slice(&sent.to_le_bytes());
+                let body = body.freeze();
+                let queued = self.inner.client.publish(subject, body.clone()).await;
+                drop(sent);
+                queued.map_err(|e| {
+                    BrokerError::Unavailable(format!(
+                        "NATS is unreachable ({e}): the message reached this replica's subscribers only"
+                    ))
+                })?;
+                body
+            }
+            _ => body.freeze(),
+        };
         Ok((outcome, Routed { ready, groups, body }))
+    }
+}
+
+impl ClusterEngine {
+    /// Counts `lost` messages of the replica incarnation `sender` that NATS
+    /// dropped on their way here, and says so when the total crosses a
+    /// power of two.
+    fn count_nats_drops(&self, sender: u64, lost: u64) {
+        let before = self
+            .inner
+            .slow_consumer_dropped
+            .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
+        let after = before + lost;
+        if before == 0 || before.ilog2() != after.ilog2() {
+            tracing::warn!(
+                dropped = lost,
+                dropped_so_far = after,
+                sender_incarnation = sender,
+                "NATS dropped messages of another replica on their way here (this replica read too slowly, or its connection was moving to another server)"
+            );
+        }
+    }
+}
+
+/// Ahead of the envelope of a message sent on core NATS: the sending
+/// replica's incarnation (field 101, varint) and its count of messages sent
+/// on core NATS (field 100, fixed64, from 1). The `Message` type has no
+/// such fields, so whoever decodes the envelope skips them (a replica of an
+/// earlier version too); a replica receiving the messages of another in
+/// order sees every gap NATS left. At most this many bytes.
+const COUNT_PREFIX_MAX: usize = 2 + 10 + 2 + 8;
+const SENDER_FIELD: u32 = 101;
+const COUNT_FIELD: u32 = 100;
+
+/// Writes the count prefix with a count of 0 (to be filled in as it is
+/// sent); where the count's 8 bytes are.
+fn put_count_prefix(body: &mut BytesMut, incarnation: u64) -> usize {
+    use prost::encoding::{WireType, encode_key, encode_varint};
+    encode_key(SENDER_FIELD, WireType::Varint, body);
+    encode_varint(incarnation, body);
+    encode_key(COUNT_FIELD, WireType::SixtyFourBit, body);
+    let at = body.len();
+    body.put_u64_le(0);
+    at
+}
+
+/// The sender and count of a message's count prefix, if it has one with a
+/// count (a replica of an earlier version sends none).
+fn count_prefix(payload: &[u8]) -> Option<(u64, u64)> {
+    use prost::encoding::{WireType, decode_key, decode_varint};
+    let mut buf = payload;
+    if decode_key(&mut buf).ok()? != (SENDER_FIELD, WireType::Varint) {
+        return None;
+    }
+    let sender = decode_varint(&mut buf).ok()?;
+    if decode_key(&mut buf).ok()? != (COUNT_FIELD, WireType::SixtyFourBit) {
+        return None;
+    }
+    let count = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?);
+    (count > 0).then_some((sender, count))
+}
+
+/// The highest count heard from each replica incarnation: a count more
+/// than one above it means NATS dropped the messages in between.
+#[derive(Default)]
+pub(super) struct Gaps {
+    last: std::collections::HashMap<u64, u64>,
+}
+
+impl Gaps {
+    /// Incarnations remembered at most (replicas restart; forgetting them
+    /// all only makes the next message of each the new starting point).
+    const SENDERS: usize = 1024;
+
+    /// How many messages of `sender` NATS dropped before the one numbered
+    /// `count`. The first heard from a sender starts its count here.
+    fn lost_before(&mut self, sender: u64, count: u64) -> u64 {
+        if self.last.len() >= Self::SENDERS && !self.last.contains_key(&sender) {
+            self.last.clear();
+        }
+        let last = self.last.entry(sender).or_insert(count);
+        let lost = count.saturating_sub(*last).saturating_sub(1);
+        *last = (*last).max(count);
+        lost
     }
 }
 
@@ -206,4 +318,43 @@ pub(super) fn from_envelope(m: pb::Message) -> (NewMessage, u64, SystemTime) {
         headers: m.headers,
     };
     (message, m.sequence, publish_time)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_count_prefix_is_read_back_and_skipped_by_the_envelope_decoder() {
+        let envelope = pb::Message {
+            topic: "a.b".into(),
+            payload: Bytes::from_static(b"hello"),
+            sequence: 42,
+            ..Default::default()
+        };
+        let mut body = BytesMut::new();
+        let at = put_count_prefix(&mut body, 300);
+        envelope.encode(&mut body).unwrap();
+        assert_eq!(count_prefix(&body), None, "a count of 0 is no count");
+        body[at..at + 8].copy_from_slice(&7u64.to_le_bytes());
+        assert!(body.len() <= COUNT_PREFIX_MAX + envelope.encoded_len());
+        assert_eq!(count_prefix(&body), Some((300, 7)));
+        // A replica of any version decodes the same message from it.
+        assert_eq!(pb::Message::decode(body.freeze()).unwrap(), envelope);
+        // An envelope without one (an earlier version's) has no count.
+        assert_eq!(count_prefix(&envelope.encode_to_vec()), None);
+        assert_eq!(count_prefix(&[]), None);
+    }
+
+    #[test]
+    fn gaps_count_what_went_missing_between_two_messages_of_a_sender() {
+        let mut gaps = Gaps::default();
+        assert_eq!(gaps.lost_before(1, 5), 0, "the first heard from starts the count");
+        assert_eq!(gaps.lost_before(1, 6), 0);
+        assert_eq!(gaps.lost_before(1, 10), 3, "7, 8 and 9 went missing");
+        assert_eq!(gaps.lost_before(2, 1), 0, "each sender has its own count");
+        assert_eq!(gaps.lost_before(1, 9), 0, "an older one changes nothing");
+        assert_eq!(gaps.lost_before(1, 11), 0);
+        assert_eq!(gaps.lost_before(2, 3), 1);
+    }
 }
