@@ -43,7 +43,7 @@ mod subscribe;
 pub mod subscription;
 
 pub use message::{Delivery, Published, message_size};
-pub use publish::RouteCache;
+pub use publish::{RemoteRoutes, RouteCache};
 pub use queue::WakeBatch;
 pub use subscription::{ExternalMember, Subscription, SubscriptionStream};
 

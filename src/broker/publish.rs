@@ -34,6 +34,17 @@ impl RouteCache {
     const CAPACITY: usize = 256;
 }
 
+/// Where a message from another cluster replica goes here
+/// ([`Broker::remote_routes`]).
+pub struct RemoteRoutes(Arc<[Route]>);
+
+impl RemoteRoutes {
+    /// No subscription here matches.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 impl Broker {
     /// Validates and routes one message to every matching subscription.
     pub fn publish(&self, message: NewMessage, cache: Option<&mut RouteCache>) -> Result<PublishOutcome, BrokerError> {
@@ -131,32 +142,31 @@ impl Broker {
         self.fan_out(published, &routes, at)
     }
 
+    /// The subscriptions here a message to `topic` from another cluster
+    /// replica goes to, through `cache` as a publisher's routes: found
+    /// before its envelope is decoded, which none needs when they are none.
+    pub fn remote_routes(&self, topic: &str, cache: &mut RouteCache) -> RemoteRoutes {
+        RemoteRoutes(self.routes_cached(topic, cache))
+    }
+
     /// A message another cluster replica published (its sequence and time
-    /// are the publisher's), to this replica's subscriptions. Charged to the
-    /// memory budget like a local one, after evicting readers far behind
-    /// when it is spent; a message already published elsewhere is never
-    /// refused here.
+    /// are the publisher's), to `routes` ([`Broker::remote_routes`] of its
+    /// topic). Charged to the memory budget like a local one, after
+    /// evicting readers far behind when it is spent; a message already
+    /// published elsewhere is never refused here.
     pub fn deliver_remote(
         &self,
         message: NewMessage,
         sequence: u64,
         publish_time: std::time::SystemTime,
         arrived: PublishTime,
-        cache: &mut RouteCache,
+        routes: &RemoteRoutes,
     ) {
-        let routes = self.routes_cached(&message.topic, cache);
         if routes.is_empty() {
             return;
         }
         let published = self.published_elsewhere(message, sequence, publish_time);
-        self.fan_out(published, &routes, arrived);
-    }
-
-    /// Whether any subscription here matches `topic` (through `cache`, as
-    /// [`Broker::deliver_remote`] routes): a message from another replica
-    /// that none matches need not even be decoded.
-    pub fn routes_any(&self, topic: &str, cache: &mut RouteCache) -> bool {
-        !self.routes_cached(topic, cache).is_empty()
+        self.fan_out(published, &routes.0, arrived);
     }
 
     /// A message published elsewhere (another replica, or a cluster group's

@@ -344,15 +344,28 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_wake_batch_wakes_each_waiting_stream_once_at_its_end() {
-        let queues = [Queue::new(8, usize::MAX), Queue::new(8, usize::MAX)];
+    impl CountingWaker {
+        fn wakes(&self) -> usize {
+            self.0.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// `n` empty queues, each with a stream waiting on it, and what counts
+    /// their wake-ups.
+    fn waiting_queues(n: usize) -> (Vec<Queue>, Arc<CountingWaker>) {
+        let queues: Vec<Queue> = (0..n).map(|_| Queue::new(8, usize::MAX)).collect();
         let counter = Arc::new(CountingWaker(Default::default()));
         let waker = Waker::from(counter.clone());
-        let wakes = || counter.0.load(std::sync::atomic::Ordering::SeqCst);
         for q in &queues {
             assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
         }
+        (queues, counter)
+    }
+
+    #[test]
+    fn a_wake_batch_wakes_each_waiting_stream_once_at_its_end() {
+        let (queues, counter) = waiting_queues(2);
+        let wakes = || counter.wakes();
         {
             let _batch = WakeBatch::begin();
             let _nested = WakeBatch::begin();
@@ -367,20 +380,18 @@ mod tests {
         assert_eq!(wakes(), 2, "one wake-up per queue");
         // Without a batch, a push wakes at once.
         let q = Queue::new(8, usize::MAX);
-        assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
+        assert!(
+            q.poll_pop(&mut Context::from_waker(&Waker::from(counter.clone())))
+                .is_pending()
+        );
         q.push(delivery(9));
         assert_eq!(wakes(), 3);
     }
 
     #[test]
     fn a_wake_batch_is_not_held_across_a_wait_and_opens_again_where_the_task_resumes() {
-        let queues: Vec<Queue> = (0..5).map(|_| Queue::new(8, usize::MAX)).collect();
-        let counter = Arc::new(CountingWaker(Default::default()));
-        let waker = Waker::from(counter.clone());
-        let wakes = || counter.0.load(std::sync::atomic::Ordering::SeqCst);
-        for q in &queues {
-            assert!(q.poll_pop(&mut Context::from_waker(&waker)).is_pending());
-        }
+        let (queues, counter) = waiting_queues(5);
+        let wakes = || counter.wakes();
         let batch = WakeBatch::begin();
         queues[0].push(delivery(0));
         let mut waited = false;

@@ -55,22 +55,48 @@ impl ClusterEngine {
                 self.count_nats_drops(sender, lost);
             }
         }
-        // The subject names the topic: what no subscription here matches
-        // is dropped undecoded (the envelope's topic, the same, routes the
-        // rest; a route cache hit the second time).
-        if let Some(topic) = message.subject.as_str().strip_prefix(&self.inner.message_prefix)
-            && !self.inner.local.routes_any(topic, routes)
-        {
+        // The subject names the topic (`<prefix>.m.<topic>`: what this
+        // replica subscribes to): what no subscription here matches is
+        // dropped undecoded.
+        let Some(topic) = message.subject.as_str().strip_prefix(&self.inner.message_prefix) else {
+            return;
+        };
+        let targets = self.inner.local.remote_routes(topic, routes);
+        if targets.is_empty() {
             return;
         }
         match pb::Message::decode(message.payload) {
-            Ok(m) => {
+            Ok(m) if m.topic == topic => {
                 let (message, sequence, publish_time) = from_envelope(m);
                 self.inner
                     .local
-                    .deliver_remote(message, sequence, publish_time, arrived, routes);
+                    .deliver_remote(message, sequence, publish_time, arrived, &targets);
             }
+            Ok(m) => tracing::warn!(
+                subject = %message.subject,
+                topic = %truncate(&m.topic),
+                "message from NATS whose envelope names another topic than its subject dropped"
+            ),
             Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
+        }
+    }
+
+    /// Counts `lost` messages of the replica incarnation `sender` that NATS
+    /// dropped on their way here, and says so when the total crosses a
+    /// power of two.
+    fn count_nats_drops(&self, sender: u64, lost: u64) {
+        let before = self
+            .inner
+            .slow_consumer_dropped
+            .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
+        let after = before + lost;
+        if before == 0 || before.ilog2() != after.ilog2() {
+            tracing::warn!(
+                dropped = lost,
+                dropped_so_far = after,
+                sender_incarnation = sender,
+                "NATS dropped messages of another replica on their way here (this replica read too slowly, or its connection was moving to another server)"
+            );
         }
     }
 
@@ -166,9 +192,10 @@ impl ClusterEngine {
         };
         // Room for the count and the sequence too: one allocation, no growing.
         let mut body = BytesMut::with_capacity(COUNT_PREFIX_MAX + head.encoded_len() + 11);
-        let count_at = core.is_some().then(|| {
+        // Where its count goes, when it goes out on core NATS.
+        let core = core.map(|subject| {
             let incarnation = self.inner.incarnation.load(std::sync::atomic::Ordering::Relaxed);
-            put_count_prefix(&mut body, incarnation)
+            (subject, put_count_prefix(&mut body, incarnation))
         });
         let encoded = head.encode(&mut body);
         let message = NewMessage {
@@ -189,8 +216,8 @@ impl ClusterEngine {
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
         body.put_u8(4 << 3); // field 4 (sequence), varint
         prost::encoding::encode_varint(outcome.sequence, &mut body);
-        let body = match (core, count_at) {
-            (Some(subject), Some(count_at)) => {
+        let body = match core {
+            Some((subject, count_at)) => {
                 // Numbered and queued in one go, so the numbers go out in
                 // order whichever of this replica's streams publishes.
                 let mut sent = self.inner.core_sent.lock().await;
@@ -206,30 +233,9 @@ impl ClusterEngine {
                 })?;
                 body
             }
-            _ => body.freeze(),
+            None => body.freeze(),
         };
         Ok((outcome, Routed { ready, groups, body }))
-    }
-}
-
-impl ClusterEngine {
-    /// Counts `lost` messages of the replica incarnation `sender` that NATS
-    /// dropped on their way here, and says so when the total crosses a
-    /// power of two.
-    fn count_nats_drops(&self, sender: u64, lost: u64) {
-        let before = self
-            .inner
-            .slow_consumer_dropped
-            .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
-        let after = before + lost;
-        if before == 0 || before.ilog2() != after.ilog2() {
-            tracing::warn!(
-                dropped = lost,
-                dropped_so_far = after,
-                sender_incarnation = sender,
-                "NATS dropped messages of another replica on their way here (this replica read too slowly, or its connection was moving to another server)"
-            );
-        }
     }
 }
 
