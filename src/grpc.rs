@@ -12,10 +12,15 @@ use crate::engine::{
 use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
 use crate::telemetry::{self, TRACEPARENT};
-use crate::wire::{EncodedMessage, SubscriberFields};
+use crate::wire::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
+use bytes::{BufMut, Bytes, BytesMut};
+use futures::task::AtomicWaker;
 use futures::{FutureExt, Stream};
+use parking_lot::Mutex;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::SystemTime;
 use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
@@ -302,7 +307,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         }
     }
 
-    type OpenSubscriptionStream = MessageStream<E::Stream>;
+    type OpenSubscriptionStream = NotInstalled;
 
     async fn open_subscription(
         &self,
@@ -327,16 +332,12 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             .await
             .map_err(status)?;
         let id = stream.id().to_owned();
-        let consumer_group = stream.consumer_group().unwrap_or_default().to_owned();
-        let mut response = Response::new(MessageStream {
-            inner: stream,
-            subscription_id: id.clone(),
-            fields: SubscriberFields::new(&id, &consumer_group),
-            lag: self.metrics.delivery_lag(!consumer_group.is_empty()),
-            consumer_group,
-            now: None,
-            ended: false,
-        });
+        let group = stream.consumer_group().is_some_and(|g| !g.is_empty());
+        let body = SubscriptionBody::new(stream, self.metrics.delivery_lag(group));
+        let mut response = Response::new(NotInstalled(false));
+        response
+            .extensions_mut()
+            .insert(PendingBody(Arc::new(Mutex::new(Some(tonic::body::Body::new(body))))));
         // Ids are printable ASCII (validated or generated), so this holds.
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
             response.metadata_mut().insert(SUBSCRIPTION_ID_METADATA, value);
@@ -425,26 +426,75 @@ pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Respo
     response
 }
 
-/// A subscription's deliveries as `Message`s for tonic (see [`crate::wire`]).
-pub struct MessageStream<S> {
+/// How much a subscription's body encodes before it hands the frame to h2,
+/// when more deliveries are ready (tonic's own threshold).
+const FRAME_THRESHOLD: usize = 32 * 1024;
+
+/// The response body of an OpenSubscription stream: each poll takes the
+/// deliveries that are ready and encodes them, framed for gRPC, into one
+/// `Bytes` (issue 16).
+///
+/// tonic's `EncodeBody` over a `Stream` of messages did the same work in
+/// more steps: the stream was polled again for every delivery (four times
+/// per delivery in the paced wide fan-out), each message was encoded into
+/// the body's buffer by a generic encoder that reserved room and wrote its
+/// length in separate passes, and its compression and size checks ran per
+/// message (BENCHMARKS.md, "A subscription's own response body").
+///
+/// The generated server still decodes the request, checks it and maps its
+/// errors: the handler makes this body and passes it to
+/// [`install_subscription_body`] in the response's extensions, in place of
+/// the stream tonic would encode ([`NotInstalled`]).
+pub struct SubscriptionBody<S> {
     inner: S,
-    subscription_id: String,
-    consumer_group: String,
+    out: Frames,
+    /// Set once the trailers saying how the stream ended were handed out.
+    ended: bool,
+    /// The waker `inner` gets: it notes that `inner` may have something
+    /// and wakes the body's task (see [`Nudge`]).
+    nudge: Arc<Nudge>,
+    nudge_waker: Waker,
+}
+
+/// Whether a subscription's stream woke its body since it last said
+/// `Pending`. hyper polls the body again after every frame it sends and
+/// whenever h2 wakes the stream's task (h2 does so as it assigns flow-control
+/// capacity, about twice per delivery); without this, each of those polls
+/// took the queue's lock to find it empty (four queue polls per delivery in
+/// the paced wide fan-out, two now).
+struct Nudge {
+    woken: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for Nudge {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+/// A subscription's deliveries being encoded.
+struct Frames {
     /// The delivery fields that are this subscription's own, encoded once.
     fields: SubscriberFields,
     /// This stream's share of `tinybroker_delivery_lag_seconds`.
     lag: LocalObserver,
-    /// The time of the current run of deliveries: read once when the stream
-    /// is woken rather than once per message.
-    now: Option<SystemTime>,
-    /// Set once the trailers saying why the stream ended were handed out.
-    ended: bool,
+    /// What is encoded and not yet handed out; its spare room is kept for
+    /// the next deliveries (empty until the first one, so an idle
+    /// subscription holds no buffer).
+    buf: BytesMut,
 }
 
-impl<S: DeliveryStream> MessageStream<S> {
-    fn encode(&mut self, delivery: Delivery) -> EncodedMessage {
+impl Frames {
+    /// Appends `delivery`, framed (a 0 for "not compressed", the length as
+    /// 4 bytes big-endian, the `Message`).
+    fn encode(&mut self, delivery: Delivery, now: SystemTime, stream: &impl DeliveryStream) {
         let m = &delivery.message;
-        let now = *self.now.get_or_insert_with(SystemTime::now);
         if let Ok(lag) = now.duration_since(m.publish_time) {
             self.lag.observe(lag.as_secs_f64());
         }
@@ -456,46 +506,165 @@ impl<S: DeliveryStream> MessageStream<S> {
                 messaging.operation.type = "deliver",
                 messaging.destination.name = %m.topic,
                 messaging.message.id = m.sequence,
-                messaging.consumer.group.name = %self.consumer_group,
-                subscription_id = %self.subscription_id,
+                messaging.consumer.group.name = %stream.consumer_group().unwrap_or_default(),
+                subscription_id = %stream.id(),
                 delivery_attempt = delivery.attempt,
             );
             let _ = span.set_parent(telemetry::extract_headers(&m.headers));
         }
-        EncodedMessage::new(delivery.message, &self.fields, delivery.attempt)
+        let message = EncodedMessage::new(delivery.message, &self.fields, delivery.attempt);
+        let len = prost::Message::encoded_len(&message);
+        let framed = GRPC_HEADER + len;
+        if self.buf.capacity() - self.buf.len() < framed {
+            // A chunk at a time, so a busy stream encodes many deliveries
+            // per allocation; what is handed out shares it.
+            self.buf.reserve(framed.max(ENCODE_CHUNK));
+        }
+        self.buf.put_u8(0);
+        // max_message_bytes is far below 4 GiB (config), so this holds.
+        self.buf.put_u32(len as u32);
+        prost::Message::encode_raw(&message, &mut self.buf);
     }
 }
 
-impl<S: DeliveryStream> Stream for MessageStream<S> {
-    type Item = Result<EncodedMessage, Status>;
+impl<S: DeliveryStream> SubscriptionBody<S> {
+    pub fn new(inner: S, lag: LocalObserver) -> Self {
+        // Woken to begin with: nothing has been asked of `inner` yet.
+        let nudge = Arc::new(Nudge {
+            woken: AtomicBool::new(true),
+            task: AtomicWaker::new(),
+        });
+        Self {
+            out: Frames {
+                fields: SubscriberFields::new(inner.id(), inner.consumer_group().unwrap_or_default()),
+                lag,
+                buf: BytesMut::new(),
+            },
+            inner,
+            ended: false,
+            nudge_waker: Waker::from(nudge.clone()),
+            nudge,
+        }
+    }
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        match Pin::new(&mut self.inner).poll_next(cx) {
-            Poll::Ready(Some(delivery)) => Poll::Ready(Some(Ok(self.encode(delivery)))),
-            Poll::Ready(None) => {
-                self.lag.flush();
-                if self.ended {
-                    return Poll::Ready(None);
+    /// The trailers of a stream the engine ended: status OK, and why, how
+    /// much it lost and where it stopped, so that a client can tell an
+    /// eviction from an admin close or a shutdown.
+    fn trailers(&self) -> http::HeaderMap {
+        let mut status = Status::ok("");
+        if let Some(end) = self.inner.end() {
+            let metadata = status.metadata_mut();
+            metadata.insert(END_REASON_METADATA, MetadataValue::from_static(end.reason.label()));
+            metadata.insert(DROPPED_METADATA, MetadataValue::from(end.dropped));
+            metadata.insert(LAST_SEQUENCE_METADATA, MetadataValue::from(end.last_sequence));
+        }
+        let mut trailers = http::HeaderMap::with_capacity(4);
+        // Only a message that is not valid in a header fails; "" is.
+        let _ = status.add_header(&mut trailers);
+        trailers
+    }
+}
+
+/// The length of gRPC's message header: the compressed flag and 4 bytes of
+/// length.
+const GRPC_HEADER: usize = 5;
+
+impl<S: DeliveryStream> http_body::Body for SubscriptionBody<S> {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        // Registered before the look at `woken`, so a wake-up after it
+        // wakes this task.
+        this.nudge.task.register(cx.waker());
+        if !this.nudge.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        let mut inner_cx = Context::from_waker(&this.nudge_waker);
+        // The time of this run of deliveries, read once rather than per message.
+        let mut now = None;
+        loop {
+            match Pin::new(&mut this.inner).poll_next(&mut inner_cx) {
+                Poll::Ready(Some(delivery)) => {
+                    let now = *now.get_or_insert_with(SystemTime::now);
+                    this.out.encode(delivery, now, &this.inner);
+                    if this.out.buf.len() >= FRAME_THRESHOLD {
+                        // More may be ready: ask again at the next poll.
+                        this.nudge.woken.store(true, Ordering::Release);
+                        break;
+                    }
                 }
-                // Say why in the trailers (status stays OK): a client can
-                // tell an eviction from an admin close or a shutdown, and
-                // how much it lost.
-                self.ended = true;
-                let mut status = Status::ok("");
-                if let Some(end) = self.inner.end() {
-                    let metadata = status.metadata_mut();
-                    metadata.insert(END_REASON_METADATA, MetadataValue::from_static(end.reason.label()));
-                    metadata.insert(DROPPED_METADATA, MetadataValue::from(end.dropped));
-                    metadata.insert(LAST_SEQUENCE_METADATA, MetadataValue::from(end.last_sequence));
+                Poll::Ready(None) => {
+                    this.out.lag.flush();
+                    if !this.out.buf.is_empty() {
+                        // The deliveries first; the stream says None again
+                        // at the next poll, which sends the trailers.
+                        this.nudge.woken.store(true, Ordering::Release);
+                        break;
+                    }
+                    this.ended = true;
+                    return Poll::Ready(Some(Ok(http_body::Frame::trailers(this.trailers()))));
                 }
-                Poll::Ready(Some(Err(status)))
-            }
-            Poll::Pending => {
-                self.now = None;
-                self.lag.flush();
-                Poll::Pending
+                Poll::Pending => {
+                    this.out.lag.flush();
+                    break;
+                }
             }
         }
+        if this.out.buf.is_empty() {
+            return Poll::Pending;
+        }
+        Poll::Ready(Some(Ok(http_body::Frame::data(this.out.buf.split().freeze()))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+}
+
+/// A subscription's body on its way from the handler to
+/// [`install_subscription_body`], in the response's extensions (which must
+/// be `Clone` and `Sync`; it is taken once).
+#[derive(Clone)]
+struct PendingBody(Arc<Mutex<Option<tonic::body::Body>>>);
+
+/// Puts a subscription's own body in place of the one tonic made
+/// ([`NotInstalled`]); a tower `map_response` layer around the services.
+pub fn install_subscription_body(mut response: http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> {
+    if let Some(PendingBody(body)) = response.extensions_mut().remove::<PendingBody>()
+        && let Some(body) = body.lock().take()
+    {
+        *response.body_mut() = body;
+    }
+    response
+}
+
+/// The body of an OpenSubscription response as the handler returned it,
+/// for callers of the service without a server (the fuzz harness, tests).
+pub fn take_subscription_body(response: &mut Response<NotInstalled>) -> Option<tonic::body::Body> {
+    let PendingBody(body) = response.extensions_mut().remove::<PendingBody>()?;
+    body.lock().take()
+}
+
+/// What tonic encodes for an OpenSubscription response: nothing, if
+/// [`install_subscription_body`] replaced it, as it always does in the
+/// server; a stream without it fails rather than ending as if closed.
+pub struct NotInstalled(bool);
+
+impl Stream for NotInstalled {
+    type Item = Result<EncodedMessage, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if std::mem::replace(&mut self.0, true) {
+            return Poll::Ready(None);
+        }
+        Poll::Ready(Some(Err(Status::internal(
+            "the subscription's body was not installed (grpc::install_subscription_body is missing from the server's layers)",
+        ))))
     }
 }
 
@@ -712,5 +881,278 @@ impl From<crate::engine::EvictionRecord> for pb::EvictionInfo {
             peer_address: peer_address(e.peer),
             replica_id: e.replica_id,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::{Broker, SubscriptionStream};
+    use crate::config::Limits;
+    use http_body::Body as _;
+    use prost::Message as _;
+    use std::task::Waker;
+
+    enum Polled {
+        Data(Vec<pb::Message>),
+        Trailers(http::HeaderMap),
+        End,
+        Pending,
+    }
+
+    /// One poll of `body`, its data frame split into gRPC messages as a
+    /// client splits it.
+    fn poll(body: &mut SubscriptionBody<SubscriptionStream>) -> Polled {
+        let mut cx = Context::from_waker(Waker::noop());
+        let frame = match Pin::new(body).poll_frame(&mut cx) {
+            Poll::Pending => return Polled::Pending,
+            Poll::Ready(None) => return Polled::End,
+            Poll::Ready(Some(frame)) => frame.expect("the body does not fail"),
+        };
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => return Polled::Trailers(frame.into_trailers().expect("data or trailers")),
+        };
+        let mut messages = Vec::new();
+        while !data.is_empty() {
+            assert!(data.len() >= GRPC_HEADER, "a whole gRPC header");
+            assert_eq!(data[0], 0, "not compressed");
+            let len = u32::from_be_bytes([data[1], data[2], data[3], data[4]]) as usize;
+            assert!(data.len() >= GRPC_HEADER + len, "a whole message in the frame");
+            messages.push(pb::Message::decode(&data[GRPC_HEADER..GRPC_HEADER + len]).unwrap());
+            data = data.slice(GRPC_HEADER + len..);
+        }
+        Polled::Data(messages)
+    }
+
+    fn publish(broker: &Broker, count: usize, payload: usize) {
+        for _ in 0..count {
+            let message = NewMessage {
+                topic: "t".into(),
+                payload: vec![b'p'; payload].into(),
+                ..Default::default()
+            };
+            broker.publish(message, None).unwrap();
+        }
+    }
+
+    /// What is ready goes out in one DATA frame, up to the threshold; the
+    /// deliveries come out whole, in order, with the subscription's fields;
+    /// a stream the engine ends gets its trailers once, after what was
+    /// queued, and then nothing.
+    #[test]
+    fn a_subscription_body_frames_what_is_ready_together_and_ends_with_its_trailers() {
+        let broker = Broker::new(Limits::default());
+        let metrics = Metrics::new(broker.clone(), false);
+        let stream = broker
+            .subscribe(SubscribeRequest {
+                topic_patterns: vec!["t".into()],
+                subscription_id: "s1".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let mut body = SubscriptionBody::new(stream, metrics.delivery_lag(false));
+        assert!(matches!(poll(&mut body), Polled::Pending), "nothing to send yet");
+        assert!(body.out.buf.capacity() == 0, "an idle subscription holds no buffer");
+
+        publish(&broker, 3, 10);
+        let Polled::Data(first) = poll(&mut body) else {
+            panic!("a DATA frame")
+        };
+        assert_eq!(
+            first.iter().map(|m| m.sequence).collect::<Vec<_>>(),
+            [1, 2, 3],
+            "all three, in one frame"
+        );
+        for m in &first {
+            assert_eq!(
+                (m.subscription_id.as_str(), m.topic.as_str(), m.payload.len()),
+                ("s1", "t", 10)
+            );
+            assert_eq!(m.delivery_attempt, 1);
+            assert!(m.publish_time.is_some());
+        }
+        assert!(matches!(poll(&mut body), Polled::Pending));
+
+        // 200 of about 1 KiB: more than one frame's threshold.
+        publish(&broker, 200, 1000);
+        let mut sequences = Vec::new();
+        let mut frames = 0;
+        // (A stream yields once after its turn of 128 deliveries, waking
+        // itself: Pending here, then the rest.)
+        for _ in 0..100 {
+            if sequences.len() == 200 {
+                break;
+            }
+            let Polled::Data(messages) = poll(&mut body) else {
+                continue;
+            };
+            frames += 1;
+            let bytes: usize = messages.iter().map(|m| GRPC_HEADER + m.encoded_len()).sum();
+            assert!(
+                bytes < FRAME_THRESHOLD + 1100,
+                "a frame stops at the threshold: {bytes} bytes"
+            );
+            sequences.extend(messages.iter().map(|m| m.sequence));
+        }
+        assert!(
+            (7..=10).contains(&frames),
+            "200 KiB in frames of about 32 KiB: {frames}"
+        );
+        assert_eq!(
+            sequences,
+            (4..204).collect::<Vec<u64>>(),
+            "every delivery once, in order"
+        );
+
+        publish(&broker, 2, 10);
+        broker.close_subscription("s1").unwrap();
+        let mut delivered = 0;
+        let trailers = loop {
+            match poll(&mut body) {
+                Polled::Data(messages) => delivered += messages.len(),
+                Polled::Trailers(trailers) => break trailers,
+                Polled::End | Polled::Pending => panic!("the trailers come before the end"),
+            }
+        };
+        let trailer = |name: &str| trailers.get(name).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(trailer("grpc-status").as_deref(), Some("0"));
+        assert_eq!(trailer(END_REASON_METADATA).as_deref(), Some("closed_by_admin"));
+        let dropped: usize = trailer(DROPPED_METADATA).unwrap().parse().unwrap();
+        assert_eq!(
+            delivered + dropped,
+            2,
+            "each of the last two delivered or counted dropped"
+        );
+        assert!(body.is_end_stream());
+        assert!(
+            matches!(poll(&mut body), Polled::End),
+            "the trailers once, then the end"
+        );
+    }
+
+    /// A stand-in for an engine's stream that counts how often it is polled.
+    #[derive(Default)]
+    struct Counted {
+        queued: std::collections::VecDeque<Delivery>,
+        polls: usize,
+        waker: Option<Waker>,
+    }
+
+    struct CountedStream(Arc<Mutex<Counted>>);
+
+    impl Stream for CountedStream {
+        type Item = Delivery;
+        fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+            let mut state = self.0.lock();
+            state.polls += 1;
+            match state.queued.pop_front() {
+                Some(delivery) => Poll::Ready(Some(delivery)),
+                None => {
+                    state.waker = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        }
+    }
+
+    impl DeliveryStream for CountedStream {
+        fn id(&self) -> &str {
+            "counted"
+        }
+        fn consumer_group(&self) -> Option<&str> {
+            None
+        }
+        fn end(&self) -> Option<crate::engine::StreamEnd> {
+            None
+        }
+    }
+
+    /// The body asks its stream again only once the stream woke it: the
+    /// polls hyper makes after every frame and h2's wake-ups find the answer
+    /// without the queue. A wake-up from the stream still wakes the body's
+    /// task, and a frame cut at the threshold is followed without one.
+    #[test]
+    fn a_subscription_body_polls_its_stream_only_after_the_stream_woke_it() {
+        use std::sync::atomic::AtomicUsize;
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let broker = Broker::new(Limits::default());
+        let metrics = Metrics::new(broker.clone(), false);
+        let state = Arc::new(Mutex::new(Counted::default()));
+        let mut body = SubscriptionBody::new(CountedStream(state.clone()), metrics.delivery_lag(false));
+        let task = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(task.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut poll = |body: &mut SubscriptionBody<CountedStream>| match Pin::new(body).poll_frame(&mut cx) {
+            Poll::Pending => None,
+            Poll::Ready(Some(Ok(frame))) => Some(frame.into_data().expect("data").len()),
+            Poll::Ready(_) => panic!("neither data nor pending"),
+        };
+        let polls = || state.lock().polls;
+        assert_eq!(poll(&mut body), None);
+        assert_eq!(polls(), 1, "asked once at first");
+        assert_eq!(poll(&mut body), None);
+        assert_eq!(poll(&mut body), None);
+        assert_eq!(polls(), 1, "not asked again before it woke the body");
+
+        let message = Arc::new(crate::broker::Published::for_test("t", 1));
+        let wake = |count: usize| {
+            let mut s = state.lock();
+            for _ in 0..count {
+                s.queued.push_back(Delivery {
+                    message: message.clone(),
+                    attempt: 1,
+                });
+            }
+            s.waker.take().expect("the stream holds a waker").wake();
+        };
+        wake(2);
+        assert_eq!(
+            task.0.load(Ordering::SeqCst),
+            1,
+            "the stream's wake-up woke the body's task"
+        );
+        assert!(poll(&mut body).is_some());
+        assert_eq!(polls(), 4, "two deliveries, then Pending");
+        assert_eq!(poll(&mut body), None);
+        assert_eq!(polls(), 4);
+
+        // Enough for more than one frame: the second poll goes on without a
+        // wake-up.
+        let one = GRPC_HEADER
+            + prost::Message::encoded_len(&EncodedMessage::new(
+                message.clone(),
+                &SubscriberFields::new("counted", ""),
+                1,
+            ));
+        let count = FRAME_THRESHOLD / one + 10;
+        wake(count);
+        let first = poll(&mut body).expect("a frame");
+        assert!(first >= FRAME_THRESHOLD);
+        let second = poll(&mut body).expect("the rest without a wake-up");
+        assert_eq!(first + second, count * one);
+        assert_eq!(poll(&mut body), None);
+    }
+
+    /// Without [`install_subscription_body`], a stream fails instead of
+    /// ending as a closed subscription would.
+    #[test]
+    fn a_subscription_whose_body_was_not_installed_fails() {
+        use futures::StreamExt;
+        let mut stream = NotInstalled(false);
+        let mut cx = Context::from_waker(Waker::noop());
+        match stream.poll_next_unpin(&mut cx) {
+            Poll::Ready(Some(Err(status))) => {
+                assert_eq!(status.code(), Code::Internal);
+                assert!(status.message().contains("install_subscription_body"));
+            }
+            _ => panic!("an error"),
+        }
+        assert!(matches!(stream.poll_next_unpin(&mut cx), Poll::Ready(None)));
     }
 }

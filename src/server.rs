@@ -144,6 +144,7 @@ async fn serve<E: Engine>(
     let service = tower::ServiceBuilder::new()
         .layer(tower::util::MapResponseLayer::new(grpc::map_oversized_response))
         .layer(AuthLayer::new(config.auth_token.as_deref()))
+        .layer(tower::util::MapResponseLayer::new(grpc::install_subscription_body))
         .service(routes);
     let stop_grpc = CancellationToken::new();
     let grpc_server = connections::serve(

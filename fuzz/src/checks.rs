@@ -17,16 +17,15 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::Bytes;
-use futures::Stream;
 use prost::Message as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
-use tinybroker::broker::{Broker, SubscriptionStream};
+use tinybroker::broker::Broker;
 use tinybroker::config::Limits;
 use tinybroker::engine::validate::{MAX_HEADER_BYTES, MAX_HEADERS, MAX_NAME_BYTES, MAX_PATTERNS_PER_SUBSCRIPTION};
-use tinybroker::grpc::{AdminService, BrokerService, MessageStream, SUBSCRIPTION_ID_METADATA};
+use tinybroker::grpc::{AdminService, BrokerService, SUBSCRIPTION_ID_METADATA, take_subscription_body};
 use tinybroker::metrics::Metrics;
 use tinybroker::pb;
 use tinybroker::pb::admin_server::Admin as _;
@@ -534,7 +533,7 @@ pub async fn run_scenario(scenario: Scenario) {
 
 struct Sub {
     id: String,
-    stream: Option<MessageStream<SubscriptionStream>>,
+    stream: Option<Deliveries>,
     /// Open as far as the broker is concerned (not dropped, evicted or closed).
     open: bool,
     kind: Kind,
@@ -608,18 +607,45 @@ fn check_status(call: &str, status: &Status, allowed: &[Code]) {
     );
 }
 
-/// The next delivery, decoded as a client would from the bytes the stream
-/// sends (`wire::EncodedMessage`).
-fn poll_once(stream: &mut MessageStream<SubscriptionStream>) -> Poll<Option<Result<pb::Message, Status>>> {
+/// A subscription's response body as a client reads it: gRPC frames, each
+/// one `Message`, several to a DATA frame, then the trailers.
+struct Deliveries {
+    body: tonic::body::Body,
+    decoded: VecDeque<pb::Message>,
+}
+
+/// The next delivery, decoded as a client would from the bytes the body
+/// sends (`grpc::SubscriptionBody`); the trailers as the stream's status.
+fn poll_once(stream: &mut Deliveries) -> Poll<Option<Result<pb::Message, Status>>> {
+    use http_body::Body as _;
     let mut cx = Context::from_waker(Waker::noop());
-    Pin::new(stream).poll_next(&mut cx).map(|next| {
-        next.map(|item| {
-            item.map(|encoded| {
-                let bytes = prost::Message::encode_to_vec(&encoded);
-                <pb::Message as prost::Message>::decode(bytes.as_slice()).expect("a delivery decodes as a Message")
-            })
-        })
-    })
+    loop {
+        if let Some(message) = stream.decoded.pop_front() {
+            return Poll::Ready(Some(Ok(message)));
+        }
+        let Some(frame) = ready!(Pin::new(&mut stream.body).poll_frame(&mut cx)) else {
+            return Poll::Ready(None);
+        };
+        let frame = frame.expect("a subscription's body does not fail");
+        let frame = match frame.into_data() {
+            Ok(mut data) => {
+                while !data.is_empty() {
+                    assert!(data.len() >= 5 && data[0] == 0, "an uncompressed gRPC frame");
+                    let len = u32::from_be_bytes([data[1], data[2], data[3], data[4]]) as usize;
+                    let message = data.slice(5..5 + len);
+                    data = data.slice(5 + len..);
+                    let message =
+                        <pb::Message as prost::Message>::decode(message).expect("a delivery decodes as a Message");
+                    stream.decoded.push_back(message);
+                }
+                continue;
+            }
+            Err(frame) => frame,
+        };
+        let trailers = frame.into_trailers().expect("a data frame or the trailers");
+        let status = Status::from_header_map(&trailers).expect("the trailers carry a status");
+        return Poll::Ready(Some(Err(status)));
+    }
 }
 
 fn publish_expectation(req: &pb::PublishRequest, max_message_bytes: usize) -> Option<Code> {
@@ -1059,7 +1085,7 @@ impl Harness {
     pub async fn open(&mut self, req: pb::OpenSubscriptionRequest) {
         let expected = self.open_expectation(&req);
         let result = self.service.open_subscription(Request::new(req.clone())).await;
-        let response = match (result, expected) {
+        let mut response = match (result, expected) {
             (Ok(response), None) => response,
             (Err(status), Some(code)) => {
                 check_status("OpenSubscription", &status, &[code]);
@@ -1117,7 +1143,10 @@ impl Harness {
         coverage::add(&coverage::OPENED, 1);
         self.subs.push(Sub {
             id,
-            stream: Some(response.into_inner()),
+            stream: Some(Deliveries {
+                body: take_subscription_body(&mut response).expect("the handler made the subscription's body"),
+                decoded: VecDeque::new(),
+            }),
             open: true,
             kind,
         });
