@@ -16,16 +16,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".tinybroker.v1.PublishRequest.payload")
         .bytes(".tinybroker.v1.Message.payload")
         .compile_fds(fds.clone())?;
-    // Servers, using the types above, except that subscription streams send
-    // `wire::EncodedMessage`: the same bytes as a `Message`, encoded by each
-    // stream straight from the shared published message into tonic's buffer.
+    // Servers, using the types above, with our codec (`wire::ServerCodec`).
+    // Subscription streams do not go through it: `grpc::SubscriptionBody`
+    // encodes their deliveries itself.
     let server_dir = out_dir.join("server");
     std::fs::create_dir_all(&server_dir)?;
     tonic_prost_build::configure()
         .build_client(false)
         .out_dir(&server_dir)
         .extern_path(".tinybroker.v1", "crate::pb")
-        .extern_path(".tinybroker.v1.Message", "crate::wire::EncodedMessage")
         .codec_path("crate::wire::ServerCodec")
         .compile_fds(fds)?;
     Ok(())

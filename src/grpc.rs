@@ -656,7 +656,7 @@ pub fn take_subscription_body(response: &mut Response<NotInstalled>) -> Option<t
 pub struct NotInstalled(bool);
 
 impl Stream for NotInstalled {
-    type Item = Result<EncodedMessage, Status>;
+    type Item = Result<pb::Message, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         if std::mem::replace(&mut self.0, true) {

@@ -4,8 +4,9 @@
 //! (topic, payload, headers, sequence, publish time), read from the one
 //! `Arc<Published>` every subscriber shares; the subscription's own fields
 //! (id, group), encoded once per subscription; and the delivery attempt.
-//! Nothing is allocated or copied per delivery before tonic's encode buffer:
-//! the payload is copied once, into that buffer.
+//! Nothing is allocated or copied per delivery before the subscription's
+//! encode buffer (`grpc::SubscriptionBody`): the payload is copied once,
+//! into that buffer.
 //!
 //! (An earlier version encoded the shared fields once per published message
 //! into their own buffer and copied that into each subscriber's. The extra
@@ -29,8 +30,8 @@ const SECONDS_KEY: u8 = 1 << 3;
 const NANOS_KEY: u8 = 2 << 3;
 
 /// One delivery on the wire, byte for byte a `tinybroker.v1.Message`. The
-/// server only sends it: the generated server code refers to it in place of
-/// `pb::Message` (see `build.rs`); clients decode [`pb::Message`].
+/// server only sends it (`grpc::SubscriptionBody` encodes it); clients
+/// decode [`pb::Message`].
 #[derive(Debug, Clone, Default)]
 pub struct EncodedMessage {
     /// `None` only for `Default` (which prost requires): an empty message.
@@ -121,10 +122,9 @@ impl SubscriberFields {
 impl prost::Message for EncodedMessage {
     /// Fields 1 to 5 as prost encodes them (the same order, the same
     /// defaults skipped), then the subscription's fields and the attempt.
-    /// This and `encoded_len` are `#[inline]`: both run once per delivery in
-    /// tonic's encoder (`encode_item`), which may be compiled in another
-    /// codegen unit, and without it `encoded_len` was a call of its own
-    /// there (BENCHMARKS.md, "Refactor to an engine seam").
+    /// This and `encoded_len` are `#[inline]`: both run once per delivery,
+    /// and as calls of their own they returned through memory
+    /// (BENCHMARKS.md, "Refactor to an engine seam").
     #[inline]
     fn encode_raw(&self, buf: &mut impl BufMut) {
         use prost::encoding::{bytes, encode_varint, hash_map, string, uint64};
@@ -205,9 +205,9 @@ impl prost::Message for EncodedMessage {
     }
 }
 
-/// How much a server stream's encode buffer takes at a time once it has
-/// something to encode: tonic's default buffer size, so that a busy stream
-/// encodes many deliveries into one allocation, as before.
+/// How much an encode buffer takes at a time once it has something to
+/// encode: tonic's default buffer size, so that a busy subscription encodes
+/// many deliveries into one allocation.
 pub const ENCODE_CHUNK: usize = 8 * 1024;
 
 /// tonic's default: a stream hands h2 what it has encoded once this much is
@@ -215,12 +215,14 @@ pub const ENCODE_CHUNK: usize = 8 * 1024;
 const YIELD_THRESHOLD: usize = 32 * 1024;
 
 /// The codec of the generated servers (`build.rs`): prost's encoding, with
-/// an encode buffer that takes no memory until the stream has something to
-/// send. tonic reserves a stream's buffer (8 KiB by default) when the
-/// response is made, so every idle subscription held 8 KiB it never used
-/// (issue 16: 7.1 KiB per idle subscription before, BENCHMARKS.md). Here
-/// the buffer starts empty and [`ServerEncoder`] reserves [`ENCODE_CHUNK`]
-/// when a message does not fit what is left. Decoding is prost's own.
+/// an encode buffer that takes no memory until the response has something
+/// to send. tonic reserves a response's buffer (8 KiB by default) when the
+/// response is made; when subscription streams went through it, every idle
+/// subscription held 8 KiB it never used (issue 16: 7.1 KiB per idle
+/// subscription, BENCHMARKS.md). Subscriptions have their own body now
+/// (`grpc::SubscriptionBody`); the other responses still start empty, and
+/// [`ServerEncoder`] reserves [`ENCODE_CHUNK`] when a message does not fit
+/// what is left. Decoding is prost's own.
 #[derive(Debug)]
 pub struct ServerCodec<T, U>(std::marker::PhantomData<(T, U)>);
 
