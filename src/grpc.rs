@@ -14,13 +14,11 @@ use crate::pb;
 use crate::telemetry::{self, TRACEPARENT};
 use crate::wire::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
-use futures::task::AtomicWaker;
 use futures::{FutureExt, Stream};
 use parking_lot::Mutex;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll};
 use std::time::SystemTime;
 use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
@@ -435,11 +433,12 @@ const FRAME_THRESHOLD: usize = 32 * 1024;
 /// `Bytes` (issue 16).
 ///
 /// tonic's `EncodeBody` over a `Stream` of messages did the same work in
-/// more steps: the stream was polled again for every delivery (four times
-/// per delivery in the paced wide fan-out), each message was encoded into
-/// the body's buffer by a generic encoder that reserved room and wrote its
-/// length in separate passes, and its compression and size checks ran per
-/// message (BENCHMARKS.md, "A subscription's own response body").
+/// more steps: each message went through a `Stream` item and a generic
+/// encoder that reserved room and wrote its length in separate passes, with
+/// compression and size checks per message. This body also encodes a
+/// stream woken for one message at a time into the same bytes each time
+/// (see `Frames::encode`), which is where the paced wide fan-out's CPU went
+/// down (BENCHMARKS.md, "A subscription's own response body").
 ///
 /// The generated server still decodes the request, checks it and maps its
 /// errors: the handler makes this body and passes it to
@@ -450,32 +449,6 @@ pub struct SubscriptionBody<S> {
     out: Frames,
     /// Set once the trailers saying how the stream ended were handed out.
     ended: bool,
-    /// The waker `inner` gets: it notes that `inner` may have something
-    /// and wakes the body's task (see [`Nudge`]).
-    nudge: Arc<Nudge>,
-    nudge_waker: Waker,
-}
-
-/// Whether a subscription's stream woke its body since it last said
-/// `Pending`. hyper polls the body again after every frame it sends and
-/// whenever h2 wakes the stream's task (h2 does so as it assigns flow-control
-/// capacity, about twice per delivery); without this, each of those polls
-/// took the queue's lock to find it empty (four queue polls per delivery in
-/// the paced wide fan-out, two now).
-struct Nudge {
-    woken: AtomicBool,
-    task: AtomicWaker,
-}
-
-impl Wake for Nudge {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::Release);
-        self.task.wake();
-    }
 }
 
 /// A subscription's deliveries being encoded.
@@ -515,6 +488,15 @@ impl Frames {
         let message = EncodedMessage::new(delivery.message, &self.fields, delivery.attempt);
         let len = prost::Message::encoded_len(&message);
         let framed = GRPC_HEADER + len;
+        if self.buf.is_empty() && self.buf.capacity() < ENCODE_CHUNK {
+            // Everything encoded so far was handed out. Once h2 has written
+            // it and dropped it, the chunk is this buffer's alone again:
+            // encode from its start rather than into the next bytes of it,
+            // so that a stream woken for one message at a time writes the
+            // same few cache lines each time instead of 8 KiB of them, cold.
+            // (Not yet, when h2 still holds some of it: then go on after it.)
+            let _ = self.buf.try_reclaim(ENCODE_CHUNK);
+        }
         if self.buf.capacity() - self.buf.len() < framed {
             // A chunk at a time, so a busy stream encodes many deliveries
             // per allocation; what is handed out shares it.
@@ -529,11 +511,6 @@ impl Frames {
 
 impl<S: DeliveryStream> SubscriptionBody<S> {
     pub fn new(inner: S, lag: LocalObserver) -> Self {
-        // Woken to begin with: nothing has been asked of `inner` yet.
-        let nudge = Arc::new(Nudge {
-            woken: AtomicBool::new(true),
-            task: AtomicWaker::new(),
-        });
         Self {
             out: Frames {
                 fields: SubscriberFields::new(inner.id(), inner.consumer_group().unwrap_or_default()),
@@ -542,8 +519,6 @@ impl<S: DeliveryStream> SubscriptionBody<S> {
             },
             inner,
             ended: false,
-            nudge_waker: Waker::from(nudge.clone()),
-            nudge,
         }
     }
 
@@ -578,23 +553,14 @@ impl<S: DeliveryStream> http_body::Body for SubscriptionBody<S> {
         if this.ended {
             return Poll::Ready(None);
         }
-        // Registered before the look at `woken`, so a wake-up after it
-        // wakes this task.
-        this.nudge.task.register(cx.waker());
-        if !this.nudge.woken.swap(false, Ordering::AcqRel) {
-            return Poll::Pending;
-        }
-        let mut inner_cx = Context::from_waker(&this.nudge_waker);
         // The time of this run of deliveries, read once rather than per message.
         let mut now = None;
         loop {
-            match Pin::new(&mut this.inner).poll_next(&mut inner_cx) {
+            match Pin::new(&mut this.inner).poll_next(cx) {
                 Poll::Ready(Some(delivery)) => {
                     let now = *now.get_or_insert_with(SystemTime::now);
                     this.out.encode(delivery, now, &this.inner);
                     if this.out.buf.len() >= FRAME_THRESHOLD {
-                        // More may be ready: ask again at the next poll.
-                        this.nudge.woken.store(true, Ordering::Release);
                         break;
                     }
                 }
@@ -603,7 +569,6 @@ impl<S: DeliveryStream> http_body::Body for SubscriptionBody<S> {
                     if !this.out.buf.is_empty() {
                         // The deliveries first; the stream says None again
                         // at the next poll, which sends the trailers.
-                        this.nudge.woken.store(true, Ordering::Release);
                         break;
                     }
                     this.ended = true;
@@ -1031,112 +996,41 @@ mod tests {
         );
     }
 
-    /// A stand-in for an engine's stream that counts how often it is polled.
-    #[derive(Default)]
-    struct Counted {
-        queued: std::collections::VecDeque<Delivery>,
-        polls: usize,
-        waker: Option<Waker>,
-    }
-
-    struct CountedStream(Arc<Mutex<Counted>>);
-
-    impl Stream for CountedStream {
-        type Item = Delivery;
-        fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
-            let mut state = self.0.lock();
-            state.polls += 1;
-            match state.queued.pop_front() {
-                Some(delivery) => Poll::Ready(Some(delivery)),
-                None => {
-                    state.waker = Some(cx.waker().clone());
-                    Poll::Pending
-                }
-            }
-        }
-    }
-
-    impl DeliveryStream for CountedStream {
-        fn id(&self) -> &str {
-            "counted"
-        }
-        fn consumer_group(&self) -> Option<&str> {
-            None
-        }
-        fn end(&self) -> Option<crate::engine::StreamEnd> {
-            None
-        }
-    }
-
-    /// The body asks its stream again only once the stream woke it: the
-    /// polls hyper makes after every frame and h2's wake-ups find the answer
-    /// without the queue. A wake-up from the stream still wakes the body's
-    /// task, and a frame cut at the threshold is followed without one.
+    /// A stream woken for one message at a time encodes each into the same
+    /// bytes once h2 has let go of the one before (the same few cache lines
+    /// every time, not 8 KiB of them), and after it while h2 still holds it.
     #[test]
-    fn a_subscription_body_polls_its_stream_only_after_the_stream_woke_it() {
-        use std::sync::atomic::AtomicUsize;
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
+    fn a_subscription_body_encodes_from_the_start_of_its_buffer_once_the_last_frame_is_gone() {
         let broker = Broker::new(Limits::default());
         let metrics = Metrics::new(broker.clone(), false);
-        let state = Arc::new(Mutex::new(Counted::default()));
-        let mut body = SubscriptionBody::new(CountedStream(state.clone()), metrics.delivery_lag(false));
-        let task = Arc::new(Count(AtomicUsize::new(0)));
-        let waker = Waker::from(task.clone());
-        let mut cx = Context::from_waker(&waker);
-        let mut poll = |body: &mut SubscriptionBody<CountedStream>| match Pin::new(body).poll_frame(&mut cx) {
-            Poll::Pending => None,
-            Poll::Ready(Some(Ok(frame))) => Some(frame.into_data().expect("data").len()),
-            Poll::Ready(_) => panic!("neither data nor pending"),
-        };
-        let polls = || state.lock().polls;
-        assert_eq!(poll(&mut body), None);
-        assert_eq!(polls(), 1, "asked once at first");
-        assert_eq!(poll(&mut body), None);
-        assert_eq!(poll(&mut body), None);
-        assert_eq!(polls(), 1, "not asked again before it woke the body");
-
-        let message = Arc::new(crate::broker::Published::for_test("t", 1));
-        let wake = |count: usize| {
-            let mut s = state.lock();
-            for _ in 0..count {
-                s.queued.push_back(Delivery {
-                    message: message.clone(),
-                    attempt: 1,
-                });
+        let stream = broker
+            .subscribe(SubscribeRequest {
+                topic_patterns: vec!["t".into()],
+                ..Default::default()
+            })
+            .unwrap();
+        let mut body = SubscriptionBody::new(stream, metrics.delivery_lag(false));
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut next = |body: &mut SubscriptionBody<SubscriptionStream>| {
+            publish(&broker, 1, 256);
+            match Pin::new(body).poll_frame(&mut cx) {
+                Poll::Ready(Some(Ok(frame))) => frame.into_data().expect("a DATA frame"),
+                _ => panic!("a frame"),
             }
-            s.waker.take().expect("the stream holds a waker").wake();
         };
-        wake(2);
+        let first = next(&mut body);
+        let at = first.as_ptr();
+        let held = next(&mut body);
         assert_eq!(
-            task.0.load(Ordering::SeqCst),
-            1,
-            "the stream's wake-up woke the body's task"
+            held.as_ptr(),
+            at.wrapping_add(first.len()),
+            "after the frame h2 still holds"
         );
-        assert!(poll(&mut body).is_some());
-        assert_eq!(polls(), 4, "two deliveries, then Pending");
-        assert_eq!(poll(&mut body), None);
-        assert_eq!(polls(), 4);
-
-        // Enough for more than one frame: the second poll goes on without a
-        // wake-up.
-        let one = GRPC_HEADER
-            + prost::Message::encoded_len(&EncodedMessage::new(
-                message.clone(),
-                &SubscriberFields::new("counted", ""),
-                1,
-            ));
-        let count = FRAME_THRESHOLD / one + 10;
-        wake(count);
-        let first = poll(&mut body).expect("a frame");
-        assert!(first >= FRAME_THRESHOLD);
-        let second = poll(&mut body).expect("the rest without a wake-up");
-        assert_eq!(first + second, count * one);
-        assert_eq!(poll(&mut body), None);
+        drop((first, held));
+        for _ in 0..100 {
+            let frame = next(&mut body);
+            assert_eq!(frame.as_ptr(), at, "from the start again once the frames are gone");
+        }
     }
 
     /// Without [`install_subscription_body`], a stream fails instead of
