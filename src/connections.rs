@@ -326,7 +326,14 @@ async fn serve_connection<S, B>(
     let per_request = hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
         request.extensions_mut().insert(info.clone());
         let request = request.map(|body| BoundedBody::new(body, incoming.clone()));
-        service.clone().oneshot(request)
+        // Boxed, so that what hyper keeps for the rest of a stream's life is
+        // sized for its response body, not for this future: hyper's stream
+        // state is an enum of the two, and this one (the request, the
+        // service stack) made every idle subscription hold about 400 bytes
+        // it no longer used (issue 16; BENCHMARKS.md).
+        let call: Pin<Box<dyn Future<Output = Result<http::Response<B>, Infallible>> + Send>> =
+            Box::pin(service.clone().oneshot(request));
+        call
     });
     let limits = &settings.limits;
     let mut requests = Requests::new();

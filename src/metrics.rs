@@ -154,7 +154,8 @@ impl Metrics {
 /// single observation was 3.5 % of the CPU of a paced wide fan-out).
 pub struct LocalObserver {
     shared: Histogram,
-    local: Option<LocalHistogram>,
+    /// Boxed: 8 bytes of every subscription instead of 56 while it has none.
+    local: Option<Box<LocalHistogram>>,
     /// The run's only observation so far.
     single: Option<f64>,
     unflushed: u32,
@@ -179,7 +180,7 @@ impl LocalObserver {
             return;
         }
         let shared = &self.shared;
-        let local = self.local.get_or_insert_with(|| shared.local());
+        let local = self.local.get_or_insert_with(|| Box::new(shared.local()));
         if let Some(first) = self.single.take() {
             local.observe(first);
         }
