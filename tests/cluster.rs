@@ -2001,11 +2001,23 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
         );
         // The backlog is read from the consumer, whose server may apply the
         // last stored messages a moment after the publish was acked.
-        wait_until("the backlog to read 4", || {
-            let mut admin = admin.clone();
-            async move { groups(&mut admin).await[0].backlog == 4 }
+        let last = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let waited = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let g = groups(&mut admin.clone()).await.remove(0);
+                if g.backlog == 4 {
+                    break;
+                }
+                *last.lock().unwrap() = Some(g);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         })
         .await;
+        assert!(
+            waited.is_ok(),
+            "timed out waiting for the backlog to read 4 (publishes: {a:?} and {b:?}); last read: {:?}",
+            last.lock().unwrap()
+        );
         let g = groups(&mut admin).await.remove(0);
         assert_eq!(g.dropped, 36, "every message dropped is counted once: {g:?}");
         let counted = dropped_total(&brokers, "group_overflow").await;
