@@ -901,22 +901,28 @@ mod tests {
         }
     }
 
+    /// A broker and the body of subscription `id` (any id when empty) to `t`.
+    fn subscribed(id: &str) -> (Broker, SubscriptionBody<SubscriptionStream>) {
+        let broker = Broker::new(Limits::default());
+        let metrics = Metrics::new(broker.clone(), false);
+        let stream = broker
+            .subscribe(SubscribeRequest {
+                topic_patterns: vec!["t".into()],
+                subscription_id: id.into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let body = SubscriptionBody::new(stream, metrics.delivery_lag(false));
+        (broker, body)
+    }
+
     /// What is ready goes out in one DATA frame, up to the threshold; the
     /// deliveries come out whole, in order, with the subscription's fields;
     /// a stream the engine ends gets its trailers once, after what was
     /// queued, and then nothing.
     #[test]
     fn a_subscription_body_frames_what_is_ready_together_and_ends_with_its_trailers() {
-        let broker = Broker::new(Limits::default());
-        let metrics = Metrics::new(broker.clone(), false);
-        let stream = broker
-            .subscribe(SubscribeRequest {
-                topic_patterns: vec!["t".into()],
-                subscription_id: "s1".into(),
-                ..Default::default()
-            })
-            .unwrap();
-        let mut body = SubscriptionBody::new(stream, metrics.delivery_lag(false));
+        let (broker, mut body) = subscribed("s1");
         assert!(matches!(poll(&mut body), Polled::Pending), "nothing to send yet");
         assert!(body.out.buf.capacity() == 0, "an idle subscription holds no buffer");
 
@@ -1001,15 +1007,7 @@ mod tests {
     /// every time, not 8 KiB of them), and after it while h2 still holds it.
     #[test]
     fn a_subscription_body_encodes_from_the_start_of_its_buffer_once_the_last_frame_is_gone() {
-        let broker = Broker::new(Limits::default());
-        let metrics = Metrics::new(broker.clone(), false);
-        let stream = broker
-            .subscribe(SubscribeRequest {
-                topic_patterns: vec!["t".into()],
-                ..Default::default()
-            })
-            .unwrap();
-        let mut body = SubscriptionBody::new(stream, metrics.delivery_lag(false));
+        let (broker, mut body) = subscribed("");
         let mut cx = Context::from_waker(Waker::noop());
         let mut next = |body: &mut SubscriptionBody<SubscriptionStream>| {
             publish(&broker, 1, 256);
