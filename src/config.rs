@@ -622,7 +622,7 @@ fn cluster(raw: &RawEnv) -> Result<Option<ClusterConfig>, ConfigError> {
 }
 
 /// This host's name (a pod's name in Kubernetes).
-fn host_name() -> Option<String> {
+pub(crate) fn host_name() -> Option<String> {
     if let Ok(name) = std::env::var("HOSTNAME")
         && !name.trim().is_empty()
     {

@@ -585,6 +585,9 @@ impl BrokerCollector {
             m.dropped
                 .with_label_values(&["nats_slow_consumer"])
                 .inc_by(nats.slow_consumer_dropped);
+            m.dropped
+                .with_label_values(&["nats_state_lost"])
+                .inc_by(nats.state_lost);
         }
 
         let (mut subs, mut queued) = ([0i64; 2], [0i64; 2]);

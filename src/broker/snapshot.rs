@@ -80,6 +80,16 @@ impl Broker {
         }
     }
 
+    /// The ids of every open subscription.
+    pub fn subscription_ids(&self) -> Vec<String> {
+        self.shared
+            .subscriptions
+            .lock()
+            .keys()
+            .map(|id| id.to_string())
+            .collect()
+    }
+
     /// Everything the metrics report.
     pub fn snapshot(&self, peaks: Peaks) -> Snapshot {
         let memory = self.shared.memory;

@@ -715,6 +715,28 @@ impl ClusterEngine {
         name: &str,
         ack_deadline: Duration,
     ) -> Result<jetstream::consumer::PullConsumer, BrokerError> {
+        let stream = self.group_stream(ready, name).await?;
+        let unavailable =
+            |e: &dyn std::fmt::Display| BrokerError::Unavailable(format!("JetStream did not answer: {e}"));
+        let consumer: jetstream::consumer::PullConsumer = stream
+            .get_or_create_consumer(
+                "members",
+                pull::Config {
+                    durable_name: Some("members".into()),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: consumer_ack_wait(ack_deadline),
+                    max_deliver: -1,
+                    max_ack_pending: -1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| unavailable(&e))?;
+        Ok(consumer)
+    }
+
+    /// The group's stream, created if missing.
+    async fn group_stream(&self, ready: &Ready, name: &str) -> Result<jetstream::stream::Stream, BrokerError> {
         let limits = self.inner.local.limits();
         let prefix = &self.inner.config.prefix;
         let unavailable =
@@ -758,21 +780,42 @@ impl ClusterEngine {
                 Err(e) => return Err(unavailable(&e)),
             }
         };
-        let consumer: jetstream::consumer::PullConsumer = stream
-            .get_or_create_consumer(
-                "members",
-                pull::Config {
-                    durable_name: Some("members".into()),
-                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                    ack_wait: consumer_ack_wait(ack_deadline),
-                    max_deliver: -1,
-                    max_ack_pending: -1,
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(|e| unavailable(&e))?;
-        Ok(consumer)
+        Ok(stream)
+    }
+
+    /// After NATS lost its state (`recovery.rs`): every group this replica
+    /// routes gets its table entry and stream again, and each hub here its
+    /// consumer. Returns what was lost: a group's last backlog, counted by
+    /// the replica whose write made its table entry again (one per group),
+    /// and the messages members here held (nothing is left to settle
+    /// their acks, or to redeliver them).
+    pub(super) async fn rebuild_groups(&self, ready: &Ready) -> Result<u64, BrokerError> {
+        let table = self.inner.groups.table.lock().clone();
+        let backlogs: HashMap<String, usize> = self
+            .inner
+            .groups_seen
+            .lock()
+            .iter()
+            .map(|g| (g.name.clone(), g.backlog))
+            .collect();
+        let hubs = self.inner.groups.hubs.lock().clone();
+        let mut lost = 0;
+        for (name, patterns) in table {
+            if self.fix_patterns(ready, &name, &patterns).await?.is_some() {
+                lost += backlogs.get(&name).copied().unwrap_or(0) as u64;
+            }
+            match hubs.get(&name) {
+                Some(hub) => {
+                    let consumer = self.group_consumer(ready, &name, hub.ack_wait).await?;
+                    *hub.consumer.lock() = consumer;
+                    lost += hub.state.lock().held.len() as u64;
+                }
+                None => {
+                    self.group_stream(ready, &name).await?;
+                }
+            }
+        }
+        Ok(lost)
     }
 
     /// Takes a nacked message offered by another replica into this

@@ -36,6 +36,7 @@ mod fanout;
 mod groups;
 mod handover;
 mod interest;
+mod recovery;
 mod registry;
 mod rpc;
 
@@ -74,6 +75,11 @@ const SEQUENCE_BITS: u32 = 44;
 pub const ENCODING_ALLOWANCE: usize = 1024;
 /// Most remote messages handed to the local fan-out in one burst.
 const REMOTE_BURST: usize = 128;
+/// How long a start waits for the NATS connection before it says there is
+/// none.
+const CONNECT_GRACE: Duration = Duration::from_secs(3);
+/// How often a reason the set-up keeps failing for is logged again.
+const REPEAT_WARNING: Duration = Duration::from_secs(60);
 
 /// The cluster engine: a handle, cheap to clone.
 #[derive(Clone)]
@@ -93,12 +99,19 @@ struct Inner {
     /// The NATS server's `max_payload`, read when connected: every publish
     /// checks it (`server_info()` copies the whole INFO each time).
     max_payload: AtomicUsize,
+    /// The warning that max_payload leaves too little margin was logged.
+    payload_margin_said: AtomicBool,
     health: watch::Sender<EngineHealth>,
     connected: AtomicBool,
     reconnects: AtomicU64,
     /// Messages from other replicas that NATS dropped on the way here:
     /// gaps in their core-NATS counts (`fanout.rs`).
     slow_consumer_dropped: AtomicU64,
+    /// Group messages lost with NATS's memory (`recovery.rs`).
+    state_lost: AtomicU64,
+    /// Held while this replica checks for lost NATS state, or rebuilds it:
+    /// one at a time (the heartbeat and a reconnection both start one).
+    recovering: tokio::sync::Mutex<()>,
     /// This replica's incarnation, once set up: names its core-NATS count.
     incarnation: AtomicU64,
     /// Messages this replica sent on core NATS. Held from taking the next
@@ -116,6 +129,11 @@ struct Inner {
     live: Mutex<Vec<String>>,
     /// Whether other replicas need this one's publishes on core NATS.
     interest: interest::Interest,
+    /// Which process this is, written under its replica id (`registry.rs`).
+    presence: registry::Presence,
+    /// The revision of this replica's last beat: the next one is written
+    /// over it (a compare-and-set), so a second holder of the id is seen.
+    beat_revision: Mutex<Option<u64>>,
 }
 
 /// What the engine has once it is set up.
@@ -185,16 +203,21 @@ impl ClusterEngine {
                 client,
                 ready: Mutex::new(None),
                 max_payload: AtomicUsize::new(usize::MAX),
+                payload_margin_said: AtomicBool::new(false),
                 health,
                 connected: AtomicBool::new(false),
                 reconnects: AtomicU64::new(0),
                 slow_consumer_dropped: AtomicU64::new(0),
+                state_lost: AtomicU64::new(0),
+                recovering: tokio::sync::Mutex::new(()),
                 incarnation: AtomicU64::new(0),
                 core_sent: tokio::sync::Mutex::new(0),
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
                 live: Mutex::new(Vec::new()),
                 interest: interest::Interest::default(),
+                presence: registry::Presence::of_this_process(),
+                beat_revision: Mutex::new(None),
             }),
         };
         let watcher = engine.clone();
@@ -220,10 +243,12 @@ impl ClusterEngine {
                 // What other replicas announced while this one was away
                 // did not reach it.
                 inner.interest.forget();
-                if inner.ready.lock().is_some() {
+                let ready = inner.ready.lock().clone();
+                if let Some(ready) = ready {
                     inner.reconnects.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
-                    inner.health.send_replace(EngineHealth::Serving);
+                    // SERVING once it is known that NATS still has this
+                    // engine's state (a server that restarted has lost it).
+                    tokio::spawn(self.clone().back_online(ready));
                 }
             }
             async_nats::Event::Disconnected => {
@@ -246,8 +271,13 @@ impl ClusterEngine {
     }
 
     /// Creates the buckets, takes an incarnation and the fan-out
-    /// subscription, then serves; retried until it works.
+    /// subscription, then serves; retried until it works. Each reason it
+    /// cannot is logged once (again only if it changes, or every
+    /// [`REPEAT_WARNING`] while it lasts); a connection still being made
+    /// in the first [`CONNECT_GRACE`] is no reason to warn.
     async fn set_up(self) {
+        let started = std::time::Instant::now();
+        let mut warned: Option<(String, std::time::Instant)> = None;
         loop {
             match self.try_set_up().await {
                 Ok(()) => return,
@@ -256,8 +286,18 @@ impl ClusterEngine {
                     self.inner.health.send_replace(EngineHealth::Failed(reason));
                     return;
                 }
-                Err(SetUpError::Retry(reason)) => {
-                    tracing::warn!(%reason, "cluster mode not ready yet; retrying in 1 s");
+                Err(SetUpError::NotConnected) if started.elapsed() < CONNECT_GRACE => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => {
+                    let reason = error.to_string();
+                    let repeat = warned
+                        .as_ref()
+                        .is_none_or(|(said, at)| *said != reason || at.elapsed() >= REPEAT_WARNING);
+                    if repeat {
+                        tracing::warn!("cluster mode cannot serve yet (retrying every second): {reason}");
+                        warned = Some((reason.clone(), std::time::Instant::now()));
+                    }
                     self.inner
                         .health
                         .send_replace(EngineHealth::NotServing(format!("NATS is unreachable: {reason}")));
@@ -271,16 +311,16 @@ impl ClusterEngine {
         let inner = &self.inner;
         let client = &inner.client;
         if client.connection_state() != async_nats::connection::State::Connected {
-            return Err(SetUpError::Retry(format!(
-                "no connection to {}",
-                inner.config.nats_urls.join(",")
-            )));
+            return Err(SetUpError::NotConnected);
         }
         inner.connected.store(true, Ordering::Release);
         let max_payload = client.server_info().max_payload;
         inner.max_payload.store(max_payload, Ordering::Relaxed);
         let max_message_bytes = inner.local.limits().max_message_bytes;
-        if max_message_bytes + ENCODING_ALLOWANCE > max_payload && max_message_bytes <= max_payload {
+        if max_message_bytes + ENCODING_ALLOWANCE > max_payload
+            && max_message_bytes <= max_payload
+            && !inner.payload_margin_said.swap(true, Ordering::Relaxed)
+        {
             tracing::warn!(
                 max_message_bytes,
                 max_payload,
@@ -294,35 +334,26 @@ impl ClusterEngine {
         }
         let js = jetstream::new(client.clone());
         let prefix = &inner.config.prefix;
-        let bucket = |name: &str, max_age: Duration| kv::Config {
-            bucket: format!("{prefix}_{name}"),
-            history: 1,
-            max_age,
-            storage: jetstream::stream::StorageType::Memory,
-            num_replicas: inner.config.nats_replicas,
-            ..Default::default()
-        };
         let retry = |e: &dyn std::fmt::Display| SetUpError::Retry(format!("JetStream: {e}"));
-        let subscriptions = js
-            .create_key_value(bucket("subscriptions", Duration::ZERO))
-            .await
-            .map_err(|e| retry(&e))?;
-        let replicas = js
-            .create_key_value(bucket("replicas", REPLICA_TTL))
-            .await
-            .map_err(|e| retry(&e))?;
-        let groups = js
-            .create_key_value(bucket("groups", Duration::ZERO))
-            .await
-            .map_err(|e| retry(&e))?;
-        let attempts = js
-            .create_key_value(bucket("attempts", attempts::REMEMBERED_FOR))
-            .await
-            .map_err(|e| retry(&e))?;
-        let incarnations = js
-            .create_key_value(bucket("incarnations", Duration::ZERO))
-            .await
-            .map_err(|e| retry(&e))?;
+        let recovery::Buckets {
+            subscriptions,
+            replicas,
+            groups,
+            attempts,
+            incarnations,
+        } = self.create_buckets(&js).await.map_err(SetUpError::from)?;
+        let ready = Ready {
+            js,
+            subscriptions,
+            replicas,
+            groups,
+            attempts,
+        };
+        // The id first: a second process with it must not answer its calls.
+        self.claim_replica_id(&ready).await.map_err(|e| match e {
+            registry::BeatError::Taken(registry::IdTaken(why)) => SetUpError::Fatal(why),
+            other => retry(&other),
+        })?;
         let incarnation = incarnations
             .put(key(&inner.config.replica_id), Bytes::new())
             .await
@@ -346,14 +377,6 @@ impl ClusterEngine {
         // replica says it serves: a round trip through each other replica
         // (their servers) proves it (docs/cluster-notes.md).
         client.flush().await.map_err(|e| retry(&e))?;
-        let ready = Ready {
-            js,
-            subscriptions,
-            replicas,
-            groups,
-            attempts,
-        };
-        self.beat(&ready).await.map_err(|e| retry(&e))?;
         // Calls are answered from here on (nothing below fails and retries
         // the set-up): a replica starting at the same time pings this one
         // as this one pings it, and when each answered only after its own
@@ -482,9 +505,24 @@ impl ClusterEngine {
     }
 }
 
+/// Why the set-up did not finish.
 enum SetUpError {
+    /// No connection to NATS (yet).
+    NotConnected,
+    /// Tried again in a second: the reason, with what to change when the
+    /// answer names it (`recovery::explain`).
     Retry(String),
+    /// Not tried again: the replica stops.
     Fatal(String),
+}
+
+impl std::fmt::Display for SetUpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotConnected => f.write_str("no connection to NATS yet"),
+            Self::Retry(why) | Self::Fatal(why) => f.write_str(why),
+        }
+    }
 }
 
 /// A subscription of this replica: the local stream, and its claim on the id.
@@ -654,6 +692,7 @@ impl Engine for ClusterEngine {
             connected: self.inner.connected.load(Ordering::Acquire),
             reconnects: self.inner.reconnects.load(Ordering::Relaxed),
             slow_consumer_dropped: self.inner.slow_consumer_dropped.load(Ordering::Relaxed),
+            state_lost: self.inner.state_lost.load(Ordering::Relaxed),
         });
         snapshot
     }

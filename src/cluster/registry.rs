@@ -2,6 +2,16 @@
 //! bucket (each replica's heartbeat, expiring after [`REPLICA_TTL`]) and the
 //! `<prefix>_subscriptions` bucket (id → serving replica, claimed with a
 //! compare-and-set).
+//!
+//! A replica id is held by one process at a time. Each process writes its
+//! [`Presence`] (a random instance id, its host and pid) under its id,
+//! always with a compare-and-set on the revision it wrote last: a second
+//! process started with the same `TINYBROKER_REPLICA_ID` finds the entry
+//! taken and, if its holder beats again within [`STALE_AFTER`], refuses to
+//! serve ([`IdTaken`]). A process whose entry was taken over while it could
+//! not beat (a holder it took for gone) finds out at its next beat and
+//! stops. An entry that is not renewed within `STALE_AFTER` (a killed
+//! replica restarting under the same name) is taken over.
 
 #[cfg(doc)]
 use super::REPLICA_TTL;
@@ -12,6 +22,77 @@ use async_nats::jetstream::kv;
 use base64::Engine as _;
 use bytes::Bytes;
 use futures::StreamExt;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How long a replica-id entry held by another process must go without a
+/// new beat before this one takes it over: a live holder beats every
+/// [`HEARTBEAT`].
+pub(super) const STALE_AFTER: Duration = Duration::from_millis(2 * HEARTBEAT.as_millis() as u64 + 1000);
+
+/// What a replica writes under its id in `<prefix>_replicas`: which process
+/// holds the id. A replica of an earlier version wrote its id alone (read
+/// as a holder with no instance).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Presence {
+    pub(super) instance: String,
+    pub(super) host: String,
+    pub(super) pid: u32,
+    /// Unix seconds the process started.
+    pub(super) started: u64,
+}
+
+impl Presence {
+    /// This process, with a fresh instance id.
+    pub(super) fn of_this_process() -> Self {
+        Self {
+            instance: uuid::Uuid::new_v4().to_string(),
+            host: crate::config::host_name().unwrap_or_else(|| "unknown host".into()),
+            pid: std::process::id(),
+            started: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        }
+    }
+
+    pub(super) fn encode(&self) -> Bytes {
+        serde_json::to_vec(self).expect("a presence encodes").into()
+    }
+
+    /// Who holds an entry, said for a person.
+    fn describe(value: &[u8]) -> String {
+        match serde_json::from_slice::<Presence>(value) {
+            Ok(p) => format!(
+                "pid {} on host {} (instance {}, started at unix {})",
+                p.pid, p.host, p.instance, p.started
+            ),
+            Err(_) => "a replica of an earlier tinybroker version".into(),
+        }
+    }
+
+    fn holds(&self, value: &[u8]) -> bool {
+        serde_json::from_slice::<Presence>(value).is_ok_and(|p| p.instance == self.instance)
+    }
+}
+
+/// This replica's id is held by another live process.
+#[derive(Debug)]
+pub(super) struct IdTaken(pub(super) String);
+
+/// Why a beat was not written.
+#[derive(Debug)]
+pub(super) enum BeatError {
+    /// Another process holds this replica's id.
+    Taken(IdTaken),
+    /// The registry did not answer.
+    Unanswered(String),
+}
+
+impl std::fmt::Display for BeatError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Taken(IdTaken(why)) => f.write_str(why),
+            Self::Unanswered(why) => write!(f, "the replica registry (NATS) did not answer: {why}"),
+        }
+    }
+}
 
 impl ClusterEngine {
     /// Says this replica is alive every [`HEARTBEAT`].
@@ -23,8 +104,15 @@ impl ClusterEngine {
             if self.inner.local.is_shutting_down() {
                 return;
             }
-            if let Err(error) = self.beat(&ready).await {
-                tracing::debug!(%error, "heartbeat not written");
+            match self.beat(&ready).await {
+                Ok(()) => {}
+                Err(BeatError::Taken(IdTaken(why))) => return self.stop_serving(why),
+                Err(BeatError::Unanswered(error)) => {
+                    tracing::debug!(%error, "heartbeat not written");
+                    if let Err(IdTaken(why)) = self.recover_if_lost(&ready).await {
+                        return self.stop_serving(why);
+                    }
+                }
             }
             // Kept as it was when the registry does not answer: a list of
             // this replica alone would leave the others out of its offers
@@ -42,9 +130,113 @@ impl ClusterEngine {
         }
     }
 
-    pub(super) async fn beat(&self, ready: &Ready) -> Result<u64, kv::PutError> {
+    /// Writes this replica's presence under its id, over the revision it
+    /// wrote last (created when it has none, or its entry expired).
+    pub(super) async fn beat(&self, ready: &Ready) -> Result<(), BeatError> {
+        let id_key = key(&self.inner.config.replica_id);
+        let presence = self.inner.presence.encode();
+        let last = *self.inner.beat_revision.lock();
+        let written = match last {
+            Some(revision) => ready
+                .replicas
+                .update(&id_key, presence.clone(), revision)
+                .await
+                .map_err(|e| (e.kind() == kv::UpdateErrorKind::WrongLastRevision, e.to_string())),
+            None => ready
+                .replicas
+                .create(&id_key, presence.clone())
+                .await
+                .map_err(|e| (e.kind() == kv::CreateErrorKind::AlreadyExists, e.to_string())),
+        };
+        let revision = match written {
+            Ok(revision) => revision,
+            Err((false, error)) => return Err(BeatError::Unanswered(error)),
+            // Written by someone else since: whose is it now?
+            Err((true, _)) => {
+                let entry = ready
+                    .replicas
+                    .entry(&id_key)
+                    .await
+                    .map_err(|e| BeatError::Unanswered(e.to_string()))?;
+                match entry {
+                    Some(e) if e.operation == kv::Operation::Put && self.inner.presence.holds(&e.value) => e.revision,
+                    Some(e) if e.operation == kv::Operation::Put => {
+                        return Err(BeatError::Taken(self.id_taken(&e.value)));
+                    }
+                    // Expired or deleted: this replica's again.
+                    _ => ready
+                        .replicas
+                        .create(&id_key, presence)
+                        .await
+                        .map_err(|e| BeatError::Unanswered(e.to_string()))?,
+                }
+            }
+        };
+        *self.inner.beat_revision.lock() = Some(revision);
+        Ok(())
+    }
+
+    fn id_taken(&self, holder: &[u8]) -> IdTaken {
         let id = &self.inner.config.replica_id;
-        ready.replicas.put(key(id), Bytes::from(id.clone())).await
+        IdTaken(format!(
+            "TINYBROKER_REPLICA_ID={id:?} is already in use by another live replica ({}): this one does not serve; give every replica its own TINYBROKER_REPLICA_ID (replicas on one host, or sharing one TINYBROKER_NATS_PREFIX, need distinct ids)",
+            Presence::describe(holder)
+        ))
+    }
+
+    /// Takes this replica's id in the registry before it serves: at once
+    /// when the id is free; when another process holds it, only once that
+    /// holder has not beaten for [`STALE_AFTER`] (it is gone), else
+    /// [`IdTaken`].
+    pub(super) async fn claim_replica_id(&self, ready: &Ready) -> Result<(), BeatError> {
+        let id_key = key(&self.inner.config.replica_id);
+        let mut seen: Option<(u64, Instant)> = None;
+        loop {
+            match self.beat(ready).await {
+                Ok(()) => return Ok(()),
+                Err(BeatError::Taken(taken)) => {
+                    let entry = ready
+                        .replicas
+                        .entry(&id_key)
+                        .await
+                        .map_err(|e| BeatError::Unanswered(e.to_string()))?;
+                    let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+                        continue;
+                    };
+                    match seen {
+                        // Beaten again: its holder is alive.
+                        Some((revision, _)) if revision != entry.revision => return Err(BeatError::Taken(taken)),
+                        Some((_, since)) if since.elapsed() >= STALE_AFTER => {
+                            // Not renewed: the holder is gone; take it over.
+                            if let Ok(revision) = ready
+                                .replicas
+                                .update(&id_key, self.inner.presence.encode(), entry.revision)
+                                .await
+                            {
+                                tracing::info!(
+                                    replica_id = %self.inner.config.replica_id,
+                                    previous = %Presence::describe(&entry.value),
+                                    "replica id taken over from a holder not heard from for {STALE_AFTER:?}"
+                                );
+                                *self.inner.beat_revision.lock() = Some(revision);
+                                return Ok(());
+                            }
+                        }
+                        Some(_) => {}
+                        None => {
+                            tracing::info!(
+                                replica_id = %self.inner.config.replica_id,
+                                holder = %Presence::describe(&entry.value),
+                                "replica id held by another process: waiting up to {STALE_AFTER:?} to see whether it is alive"
+                            );
+                            seen = Some((entry.revision, Instant::now()));
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(other) => return Err(other),
+            }
+        }
     }
 
     /// Replicas heard from within [`REPLICA_TTL`], this one included (only

@@ -441,6 +441,8 @@ pub struct NatsStatus {
     /// Messages NATS (or the client) dropped on their way to this replica
     /// because it did not read fast enough.
     pub slow_consumer_dropped: u64,
+    /// Consumer-group messages lost when NATS lost what it kept in memory.
+    pub state_lost: u64,
 }
 
 impl Snapshot {

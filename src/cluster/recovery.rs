@@ -1,0 +1,333 @@
+//! The cluster engine's buckets, and what it does when NATS has lost them:
+//! JetStream with memory storage forgets every stream when all of its
+//! servers restart (or one lone server does), while the replicas keep
+//! running.
+//!
+//! A replica notices at its next heartbeat (the beat is refused, a bucket's
+//! stream is gone) and, within a few seconds of NATS answering again:
+//! - goes NOT_SERVING with one WARN naming the streams that are missing;
+//! - creates the buckets again, keeps the incarnation count above its own
+//!   (a replica started after the loss must not take an incarnation, and so
+//!   sequences, in use), writes its presence, claims again the ids of the
+//!   subscriptions it serves, and has every group hub here make its
+//!   group's table entry, stream and consumer again (`Hub::heal`);
+//! - counts what the lost group streams held, as
+//!   `tinybroker_messages_dropped_total{reason="nats_state_lost"}`: each
+//!   group's last backlog by the replica that wrote its table entry again
+//!   (one per group, so the sum over replicas is the loss), and the messages
+//!   held by members here (their acks have nothing left to settle);
+//! - serves again. While any of this fails it stays NOT_SERVING and says
+//!   why, once.
+//!
+//! Also here: [`explain`], which turns JetStream's refusals into what the
+//! operator has to change.
+
+use super::registry::{BeatError, IdTaken, key};
+use super::{ClusterEngine, Ready};
+use crate::engine::EngineHealth;
+use async_nats::jetstream::{self, kv};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// The buckets, as made at set-up and again after a loss.
+pub(super) struct Buckets {
+    pub(super) subscriptions: kv::Store,
+    pub(super) replicas: kv::Store,
+    pub(super) groups: kv::Store,
+    pub(super) attempts: kv::Store,
+    pub(super) incarnations: kv::Store,
+}
+
+/// Each bucket's name after the prefix, and how long its entries live.
+fn bucket_ages() -> [(&'static str, Duration); 5] {
+    [
+        ("subscriptions", Duration::ZERO),
+        ("replicas", super::REPLICA_TTL),
+        ("groups", Duration::ZERO),
+        ("attempts", super::attempts::REMEMBERED_FOR),
+        ("incarnations", Duration::ZERO),
+    ]
+}
+
+/// JetStream refused or did not answer: what it said, and what to change.
+#[derive(Debug)]
+pub(super) struct Refused(pub(super) String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<Refused> for super::SetUpError {
+    fn from(refused: Refused) -> Self {
+        super::SetUpError::Retry(refused.0)
+    }
+}
+
+/// An error and its sources, one line, with a hint when JetStream's answer
+/// names a setting: the replica count, JetStream being off, its memory.
+pub(super) fn explain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = s.source();
+    }
+    let lower = text.to_ascii_lowercase();
+    let hint = if lower.contains("replicas > 1 not supported") || lower.contains("insufficient resources for replicas")
+    {
+        Some(
+            "TINYBROKER_NATS_REPLICAS is more than this NATS deployment can place (a single server, or a cluster with fewer JetStream servers): set TINYBROKER_NATS_REPLICAS=1 for one server, or at most the number of JetStream servers",
+        )
+    } else if lower.contains("no responders")
+        || lower.contains("jetstream not enabled")
+        || lower.contains("jetstream unavailable")
+        || lower.contains("not enabled for account")
+    {
+        Some(
+            "the NATS server does not answer JetStream requests: start nats-server with JetStream on (`-js`, or a `jetstream {}` block in its configuration; memory storage is enough), and give the account JetStream if accounts are configured",
+        )
+    } else if lower.contains("insufficient resources") || lower.contains("insufficient storage") {
+        Some(
+            "the NATS servers have no JetStream memory left: raise max_memory_store (jetstream block) on the NATS servers",
+        )
+    } else {
+        None
+    };
+    match hint {
+        Some(hint) => format!("{text} — {hint}"),
+        None => text,
+    }
+}
+
+impl ClusterEngine {
+    /// Creates the buckets (each a no-op when it exists with this config).
+    pub(super) async fn create_buckets(&self, js: &jetstream::Context) -> Result<Buckets, Refused> {
+        let prefix = &self.inner.config.prefix;
+        let mut made = Vec::with_capacity(5);
+        for (name, max_age) in bucket_ages() {
+            let config = kv::Config {
+                bucket: format!("{prefix}_{name}"),
+                history: 1,
+                max_age,
+                storage: jetstream::stream::StorageType::Memory,
+                num_replicas: self.inner.config.nats_replicas,
+                ..Default::default()
+            };
+            let store = js
+                .create_key_value(config)
+                .await
+                .map_err(|e| Refused(format!("JetStream: creating bucket {prefix}_{name}: {}", explain(&e))))?;
+            made.push(store);
+        }
+        let mut made = made.into_iter();
+        let mut next = || made.next().expect("five buckets");
+        Ok(Buckets {
+            subscriptions: next(),
+            replicas: next(),
+            groups: next(),
+            attempts: next(),
+            incarnations: next(),
+        })
+    }
+
+    /// The streams of this engine's buckets that JetStream no longer has;
+    /// None when it did not answer.
+    async fn missing_buckets(&self, ready: &Ready) -> Option<Vec<String>> {
+        let prefix = &self.inner.config.prefix;
+        let mut missing = Vec::new();
+        for (name, _) in bucket_ages() {
+            let stream = format!("KV_{prefix}_{name}");
+            match ready.js.get_stream(&stream).await {
+                Ok(_) => {}
+                Err(e) if stream_not_found(&e) => missing.push(stream),
+                Err(_) => return None,
+            }
+        }
+        Some(missing)
+    }
+
+    /// After a heartbeat that was not written: if NATS has lost the
+    /// buckets, rebuilds what this replica needs (module docs). Returns
+    /// once it serves again, or when the id turned out taken.
+    pub(super) async fn recover_if_lost(&self, ready: &Ready) -> Result<(), IdTaken> {
+        // One at a time: after another's rebuild, this check finds nothing
+        // missing.
+        let _recovering = self.inner.recovering.lock().await;
+        let Some(missing) = self.missing_buckets(ready).await else {
+            return Ok(());
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let what = format!(
+            "NATS lost what it kept in memory (JetStream streams {} are gone): rebuilding this replica's registry entries and group streams",
+            missing.join(", ")
+        );
+        tracing::warn!("{what}");
+        self.inner.health.send_replace(EngineHealth::NotServing(what));
+        let mut said = String::new();
+        loop {
+            match self.rebuild(ready).await {
+                Ok(lost) => {
+                    tracing::info!(
+                        dropped = lost,
+                        "NATS state rebuilt; SERVING (messages the lost group streams held are counted as dropped, reason nats_state_lost)"
+                    );
+                    self.inner.health.send_replace(EngineHealth::Serving);
+                    return Ok(());
+                }
+                Err(RebuildError::Taken(taken)) => return Err(taken),
+                Err(RebuildError::Failed(why)) => {
+                    if why != said {
+                        tracing::warn!("rebuilding after NATS lost its state: not done yet, retrying: {why}");
+                        said = why.clone();
+                    }
+                    self.inner.health.send_replace(EngineHealth::NotServing(format!(
+                        "NATS lost its state and it is not rebuilt yet: {why}"
+                    )));
+                    if self.inner.local.is_shutting_down() {
+                        return Ok(());
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+    }
+
+    /// The NATS connection is back: SERVING once NATS is seen to still
+    /// have this engine's buckets, or once they are rebuilt. While
+    /// JetStream does not answer yet, asked again for a few seconds; then
+    /// SERVING anyway (the heartbeat goes on checking).
+    pub(super) async fn back_online(self, ready: std::sync::Arc<Ready>) {
+        for _ in 0..20 {
+            if !self.inner.connected.load(Ordering::Acquire) {
+                return;
+            }
+            let Some(missing) = self.missing_buckets(&ready).await else {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                continue;
+            };
+            if !missing.is_empty()
+                && let Err(IdTaken(why)) = self.recover_if_lost(&ready).await
+            {
+                return self.stop_serving(why);
+            }
+            break;
+        }
+        if self.inner.connected.load(Ordering::Acquire) {
+            tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
+            self.inner.health.send_replace(EngineHealth::Serving);
+        }
+    }
+
+    /// This replica's id is held by another live process: it stops (the
+    /// line names the variable, the id and the other holder).
+    pub(super) fn stop_serving(&self, why: String) {
+        tracing::error!("{why}");
+        self.inner.health.send_replace(EngineHealth::Failed(why));
+    }
+
+    /// One attempt at [`ClusterEngine::recover_if_lost`]'s rebuild; what it
+    /// counted as lost.
+    async fn rebuild(&self, ready: &Ready) -> Result<u64, RebuildError> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| RebuildError::Failed(format!("{what}: {e}"));
+        let buckets = self
+            .create_buckets(&ready.js)
+            .await
+            .map_err(|e| failed("buckets", &e))?;
+        // Keep incarnations (and so sequences) unique: the recreated count
+        // starts at 1, below this replica's own.
+        let incarnation = self.inner.incarnation.load(Ordering::Relaxed);
+        let stream = ready
+            .js
+            .get_stream(format!("KV_{}_incarnations", self.inner.config.prefix))
+            .await
+            .map_err(|e| failed("the incarnation count", &e))?;
+        if stream.cached_info().state.last_sequence < incarnation {
+            stream
+                .purge()
+                .sequence(incarnation + 1)
+                .await
+                .map_err(|e| failed("the incarnation count", &e))?;
+        }
+        drop(buckets);
+        // The old revision went with the bucket.
+        *self.inner.beat_revision.lock() = None;
+        self.beat(ready).await.map_err(|e| match e {
+            BeatError::Taken(taken) => RebuildError::Taken(taken),
+            other => failed("this replica's presence", &other),
+        })?;
+        for id in self.inner.local.subscription_ids() {
+            let me = bytes::Bytes::from(self.inner.config.replica_id.clone());
+            match ready.subscriptions.create(key(&id), me).await {
+                Ok(_) => {}
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+                Err(e) => return Err(failed("the subscription registry", &e)),
+            }
+        }
+        let lost = self
+            .rebuild_groups(ready)
+            .await
+            .map_err(|e| failed("group streams", &e))?;
+        self.inner.state_lost.fetch_add(lost, Ordering::Relaxed);
+        Ok(lost)
+    }
+}
+
+enum RebuildError {
+    Taken(IdTaken),
+    Failed(String),
+}
+
+fn stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
+    matches!(error.kind(), jetstream::context::GetStreamErrorKind::JetStream(e)
+        if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::explain;
+
+    #[derive(Debug)]
+    struct Chain(&'static str, Option<Box<Chain>>);
+
+    impl std::fmt::Display for Chain {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Chain {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|c| c as _)
+        }
+    }
+
+    #[test]
+    fn jetstream_refusals_name_what_to_change() {
+        let replicas = Chain(
+            "bucket creation failed",
+            Some(Box::new(Chain(
+                "jetstream error: replicas > 1 not supported in non-clustered mode (code 500, error code 10074)",
+                None,
+            ))),
+        );
+        let text = explain(&replicas);
+        assert!(text.contains("replicas > 1 not supported"), "{text}");
+        assert!(text.contains("TINYBROKER_NATS_REPLICAS=1"), "{text}");
+
+        let off = Chain("JetStream error", Some(Box::new(Chain("no responders", None))));
+        let text = explain(&off);
+        assert!(text.contains("-js"), "{text}");
+        assert!(!text.contains("TINYBROKER_NATS_REPLICAS"), "{text}");
+
+        let other = Chain("timed out", None);
+        assert_eq!(explain(&other), "timed out");
+    }
+}

@@ -1,0 +1,275 @@
+//! Cluster mode as a new user breaks it: two replicas under one id, a NATS
+//! server without JetStream or with too few servers for the replica count,
+//! and a NATS server that restarts and forgets everything it kept in memory.
+//! Each must fail loudly (a line naming what to change, logged once) or
+//! recover, never serve silently deaf.
+
+mod common;
+
+use common::nats::NatsCluster;
+use common::process::{BrokerProcess, ChildGuard, free_port, metric_with_label};
+use common::*;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tinybroker::config::{ClusterConfig, Config};
+use tinybroker::pb;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+async fn serving_status_at(url: &str) -> Option<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .ok()?
+        .connect()
+        .await
+        .ok()?;
+    let response = HealthClient::new(channel)
+        .check(HealthCheckRequest { service: String::new() })
+        .await
+        .ok()?;
+    ServingStatus::try_from(response.into_inner().status).ok()
+}
+
+async fn wait_serving_at(url: &str) {
+    wait_until("the replica to be SERVING", || async {
+        serving_status_at(url).await == Some(ServingStatus::Serving)
+    })
+    .await;
+}
+
+fn replica_env(nats_url: &str, id: &str, prefix: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("TINYBROKER_NATS_URL", nats_url.to_owned()),
+        ("TINYBROKER_NATS_PREFIX", prefix.to_owned()),
+        ("TINYBROKER_NATS_REPLICAS", "1".to_owned()),
+        ("TINYBROKER_REPLICA_ID", id.to_owned()),
+        ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "1".to_owned()),
+    ]
+}
+
+async fn spawn(env: Vec<(&'static str, String)>) -> BrokerProcess {
+    tokio::task::spawn_blocking(move || BrokerProcess::spawn(&env))
+        .await
+        .unwrap()
+}
+
+/// Lines of `replica`'s log that arrive within `wait`.
+async fn lines_for(replica: &BrokerProcess, wait: Duration) -> Vec<String> {
+    tokio::time::sleep(wait).await;
+    replica.drain_lines()
+}
+
+/// README's mistake: two replicas started with the same id (the host name,
+/// by default) on one NATS. The second says so, naming the variable, the id
+/// and the first's pid, and exits; the first serves on, and logged no
+/// warning at start (no "no connection" line although NATS answered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_replica_with_the_same_id_refuses_to_serve_naming_the_variable() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let first = spawn(replica_env(&nats.url(0), "same-id", "dup")).await;
+        wait_serving_at(&first.url()).await;
+        let first_pid = first.guard.pid();
+        let mut second = spawn(replica_env(&nats.url(0), "same-id", "dup")).await;
+        let line = second.line_containing("is already in use by another live replica");
+        assert!(
+            line.contains("TINYBROKER_REPLICA_ID=\\\"same-id\\\"")
+                || line.contains("TINYBROKER_REPLICA_ID=\"same-id\""),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!("pid {first_pid}")),
+            "names the other replica: {line}"
+        );
+        let status = tokio::task::spawn_blocking(move || second.wait_exit()).await.unwrap();
+        assert!(!status.success(), "{status:?}");
+
+        assert_eq!(serving_status_at(&first.url()).await, Some(ServingStatus::Serving));
+        let quiet = first.drain_lines();
+        assert!(
+            !quiet
+                .iter()
+                .chain(&first.before_start)
+                .any(|l| l.contains("WARN") && !l.contains("max_payload")),
+            "the first replica started without a warning: {quiet:#?}"
+        );
+    })
+    .await;
+}
+
+/// A replica killed outright (no goodbye) and started again under its id,
+/// as a StatefulSet pod is: its old entry is not renewed, so it is taken
+/// over and the new process serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_and_restarted_under_its_id_takes_it_over() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let mut first = spawn(replica_env(&nats.url(0), "pod-0", "restart")).await;
+        wait_serving_at(&first.url()).await;
+        first.guard.kill();
+        let again = spawn(replica_env(&nats.url(0), "pod-0", "restart")).await;
+        let started = Instant::now();
+        wait_serving_at(&again.url()).await;
+        assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+        let line = again.line_containing("replica id taken over");
+        assert!(line.contains("pod-0"), "{line}");
+    })
+    .await;
+}
+
+/// A lone nats-server, as its defaults start it: no JetStream, or JetStream
+/// and the default TINYBROKER_NATS_REPLICAS=3. The replica says what to
+/// change, once, and stays NOT_SERVING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_refusals_are_said_once_naming_what_to_change() {
+    let Some(binary) = NatsCluster::binary() else {
+        return;
+    };
+    timeout(async {
+        for (jetstream, replicas, needle) in [(false, "1", "-js"), (true, "3", "TINYBROKER_NATS_REPLICAS=1")] {
+            let port = free_port();
+            let store = std::env::temp_dir().join(format!("tb-js-{}-{port}", std::process::id()));
+            let mut command = Command::new(&binary);
+            command.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+            if jetstream {
+                command.args(["-js", "-sd", &store.display().to_string()]);
+            }
+            let _server = ChildGuard::new(
+                command
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("spawn nats-server"),
+            );
+            let url = format!("nats://127.0.0.1:{port}");
+            let mut env = replica_env(&url, "lonely", "lone");
+            env.retain(|(k, _)| *k != "TINYBROKER_NATS_REPLICAS");
+            env.push(("TINYBROKER_NATS_REPLICAS", replicas.to_owned()));
+            let replica = spawn(env).await;
+            let line = replica.line_containing(needle);
+            assert!(line.contains("WARN"), "{line}");
+            // Retried every second: said once, not at every retry.
+            let later = lines_for(&replica, Duration::from_secs(4)).await;
+            let again: Vec<&String> = later.iter().filter(|l| l.contains(needle)).collect();
+            assert!(again.is_empty(), "said again: {again:#?}");
+            assert!(
+                !later.iter().any(|l| l.contains("max_payload")),
+                "the max_payload margin is said once at most: {later:#?}"
+            );
+            assert_eq!(serving_status_at(&replica.url()).await, Some(ServingStatus::NotServing));
+            let _ = std::fs::remove_dir_all(&store);
+        }
+    })
+    .await;
+}
+
+fn config_for(url: String, id: &str, prefix: &str) -> Config {
+    Config {
+        cluster: Some(ClusterConfig {
+            nats_urls: vec![url],
+            prefix: prefix.into(),
+            nats_replicas: 1,
+            nats_token: None,
+            nats_creds: None,
+            nats_ca: None,
+            replica_id: id.into(),
+        }),
+        ..config()
+    }
+}
+
+/// The memory-storage NATS server restarts and forgets every stream and
+/// bucket: within 10 s of it answering again the replica serves every RPC
+/// (a group publish reaches a member that joins after, a broadcast
+/// subscriber keeps receiving, a subscription id still open is still
+/// ALREADY_EXISTS), and the group messages lost with NATS are counted
+/// as `nats_state_lost`: the backlog and the messages the member held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_nats_loses_its_memory_the_replica_rebuilds_and_counts_the_loss() {
+    let Some(mut nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    rejoin_timeout(async {
+        let broker = start_with(config_for(nats.url(0), "r0", "lost")).await;
+        wait_serving_at(&broker.url()).await;
+        let mut client = broker.client().await;
+        let (mut broadcast, _) = open(
+            &mut client,
+            pb::OpenSubscriptionRequest {
+                subscription_id: "watcher".into(),
+                ..subscribe_request(&["lost.>"])
+            },
+        )
+        .await;
+        let (mut member, _) = open(&mut client, member_request(&["lost.>"], "workers", true, 2)).await;
+        publish_many(&broker, "lost.a", 5).await;
+        for _ in 0..2 {
+            let m = tokio::time::timeout(TEST_TIMEOUT, member.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(m.consumer_group, "workers");
+        }
+        for _ in 0..5 {
+            tokio::time::timeout(TEST_TIMEOUT, broadcast.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+        }
+        // 2 held by the member, 3 in the backlog, as the replica sees it.
+        wait_until("the backlog gauge to read 3", || async {
+            let text = scrape(broker.metrics_addr).await;
+            metric_with_label(&text, "tinybroker_consumer_group_backlog", "consumer_group=\"workers\"") == Some(3.0)
+        })
+        .await;
+
+        nats.stop(0).await;
+        nats.restart(0).await;
+        let back = Instant::now();
+        // Serving again, and every RPC works.
+        wait_until("a group publish to succeed after the restart", || async {
+            serving_status_at(&broker.url()).await == Some(ServingStatus::Serving)
+                && broker
+                    .client()
+                    .await
+                    .publish(publish_request("lost.b", "after"))
+                    .await
+                    .is_ok()
+        })
+        .await;
+        let (mut late, _) = open(&mut client, member_request(&["lost.>"], "workers", true, 8)).await;
+        let m = tokio::time::timeout(TEST_TIMEOUT, late.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(&m.payload[..], b"after");
+        assert!(
+            back.elapsed() < Duration::from_secs(10),
+            "rebuilt in {:?}",
+            back.elapsed()
+        );
+        let m = tokio::time::timeout(TEST_TIMEOUT, broadcast.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(&m.payload[..], b"after");
+        let again = client
+            .open_subscription(pb::OpenSubscriptionRequest {
+                subscription_id: "watcher".into(),
+                ..subscribe_request(&["lost.>"])
+            })
+            .await
+            .expect_err("the id is claimed again");
+        assert_eq!(again.code(), tonic::Code::AlreadyExists, "{again:?}");
+        assert_eq!(broker.dropped_total("nats_state_lost").await, 5.0);
+    })
+    .await;
+}
