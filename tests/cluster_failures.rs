@@ -273,3 +273,76 @@ async fn after_nats_loses_its_memory_the_replica_rebuilds_and_counts_the_loss() 
     })
     .await;
 }
+
+/// Counters count what happened on their own replica, so that `sum by`
+/// over the replicas is the truth: 10 group messages to a MANUAL member on
+/// each of two replicas, each acked through the member's own replica, read
+/// 10 delivered and 10 acked in all, each replica its member's share;
+/// the gauges are the cluster's on both (2 members, nothing in flight).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_counters_summed_over_replicas_are_the_clusters_totals() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let r0 = start_with(config_for(nats.url(0), "r0", "sums")).await;
+        let r1 = start_with(config_for(nats.url(0), "r1", "sums")).await;
+        wait_serving_at(&r0.url()).await;
+        wait_serving_at(&r1.url()).await;
+        let mut c0 = r0.client().await;
+        let mut c1 = r1.client().await;
+        let (mut m0, id0) = open(&mut c0, member_request(&["sums.>"], "g", true, 64)).await;
+        let (mut m1, id1) = open(&mut c1, member_request(&["sums.>"], "g", true, 64)).await;
+        wait_until("both members to be listed", || async {
+            r0.group("g").await.is_some_and(|g| g.members == 2)
+        })
+        .await;
+        publish_many(&r0, "sums.a", 10).await;
+        // Each member acks what it gets, through its own replica.
+        let (mut got0, mut got1) = (0u32, 0u32);
+        while got0 + got1 < 10 {
+            tokio::select! {
+                m = m0.message() => {
+                    let m = m.unwrap().expect("a message");
+                    assert_eq!(ack(&mut c0, &id0, &[m.sequence]).await, (1, 0));
+                    got0 += 1;
+                }
+                m = m1.message() => {
+                    let m = m.unwrap().expect("a message");
+                    assert_eq!(ack(&mut c1, &id1, &[m.sequence]).await, (1, 0));
+                    got1 += 1;
+                }
+            }
+        }
+        let label = "consumer_group=\"g\"";
+        let read = |text: &str, name: &str| metric_with_label(text, name, label).unwrap_or(0.0);
+        wait_until("the acks to be counted", || async {
+            let (t0, t1) = (scrape(r0.metrics_addr).await, scrape(r1.metrics_addr).await);
+            read(&t0, "tinybroker_consumer_group_acked_total") + read(&t1, "tinybroker_consumer_group_acked_total")
+                == 10.0
+                && read(&t0, "tinybroker_consumer_group_in_flight") == 0.0
+                && read(&t1, "tinybroker_consumer_group_in_flight") == 0.0
+        })
+        .await;
+        let (t0, t1) = (scrape(r0.metrics_addr).await, scrape(r1.metrics_addr).await);
+        for (text, got) in [(&t0, got0), (&t1, got1)] {
+            assert_eq!(
+                read(text, "tinybroker_consumer_group_delivered_total"),
+                f64::from(got),
+                "{text}"
+            );
+            assert_eq!(
+                read(text, "tinybroker_consumer_group_acked_total"),
+                f64::from(got),
+                "{text}"
+            );
+            assert_eq!(read(text, "tinybroker_redeliveries_total"), 0.0, "{text}");
+            assert_eq!(
+                read(text, "tinybroker_consumer_group_members"),
+                2.0,
+                "cluster-wide gauge: {text}"
+            );
+        }
+    })
+    .await;
+}

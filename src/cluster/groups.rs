@@ -698,6 +698,7 @@ impl ClusterEngine {
             redeliveries: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
             acked: AtomicU64::new(0),
+            delivered: AtomicU64::new(0),
             offers: Default::default(),
             acks,
         });
@@ -850,6 +851,7 @@ impl ClusterEngine {
                     dead_lettered: h.dead_lettered.load(Ordering::Relaxed),
                     acked: h.acked.load(Ordering::Relaxed),
                     dropped: overflowed.get(&h.name).copied().unwrap_or(0),
+                    delivered: h.delivered.load(Ordering::Relaxed),
                 }
             })
             .collect();
@@ -882,6 +884,7 @@ impl ClusterEngine {
                 info.dead_lettered += part.dead_lettered;
                 info.acked += part.acked;
                 info.dropped += part.dropped;
+                info.delivered += part.delivered;
             }
             let prefix = &self.inner.config.prefix;
             if let Ok(stream) = ready.js.get_stream(stream_name(prefix, &name)).await
@@ -999,6 +1002,10 @@ pub(super) struct LocalGroup {
     /// from a replica of an earlier version).
     #[serde(default)]
     pub(super) dropped: u64,
+    /// Written to the streams of members here, redeliveries included
+    /// (absent from a replica of an earlier version).
+    #[serde(default)]
+    pub(super) delivered: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1034,6 +1041,8 @@ pub(super) struct Hub {
     redeliveries: AtomicU64,
     dead_lettered: AtomicU64,
     acked: AtomicU64,
+    /// Group messages written to the streams of members here.
+    delivered: AtomicU64,
     /// Turns the replica a nacked message is offered to first.
     offers: std::sync::atomic::AtomicUsize,
     /// What its members are done with, for [`send_acks`] to ack.
@@ -1128,6 +1137,7 @@ pub(super) struct MemberLink {
 impl MemberLink {
     /// The member's stream took `delivery`.
     pub(super) fn streamed(&self, delivery: &Delivery) {
+        self.hub.delivered.fetch_add(1, Ordering::Relaxed);
         if self.ack_mode == AckMode::Auto {
             self.hub.done(&self.id, delivery.message.sequence);
         }

@@ -687,7 +687,19 @@ impl Engine for ClusterEngine {
 
     fn snapshot(&self, peaks: Peaks) -> Snapshot {
         let mut snapshot = self.inner.local.snapshot(peaks);
-        snapshot.groups = self.inner.groups_seen.lock().clone();
+        // Gauges cluster-wide (the last gathering), counters this
+        // replica's own: summed over the replicas, they are the cluster's.
+        let mut groups = self.inner.groups_seen.lock().clone();
+        let parts = self.local_groups();
+        for group in &mut groups {
+            let part = parts.iter().find(|p| p.name == group.name);
+            group.redeliveries = part.map_or(0, |p| p.redeliveries);
+            group.dead_lettered = part.map_or(0, |p| p.dead_lettered);
+            group.acked = part.map_or(0, |p| p.acked);
+            group.delivered = part.map_or(0, |p| p.delivered);
+            group.dropped = part.map_or(0, |p| p.dropped);
+        }
+        snapshot.groups = groups;
         snapshot.nats = Some(NatsStatus {
             connected: self.inner.connected.load(Ordering::Acquire),
             reconnects: self.inner.reconnects.load(Ordering::Relaxed),
