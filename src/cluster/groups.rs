@@ -786,30 +786,28 @@ impl ClusterEngine {
 
     /// After NATS lost its state (`recovery.rs`): every group this replica
     /// routes gets its table entry and stream again, and each hub here its
-    /// consumer. Returns what was lost: a group's last backlog, counted by
-    /// the replica whose write made its table entry again (one per group),
-    /// and the messages members here held (nothing is left to settle
-    /// their acks, or to redeliver them).
+    /// consumer. Returns what was lost: the groups' last backlogs, counted
+    /// by one replica, the first of the live ones by id (a hub's repair or
+    /// another replica may write a table entry again first, so its writer
+    /// cannot be the one), and the messages members here held (nothing is
+    /// left to settle their acks, or to redeliver them).
     pub(super) async fn rebuild_groups(&self, ready: &Ready) -> Result<u64, BrokerError> {
         let table = self.inner.groups.table.lock().clone();
-        let backlogs: HashMap<String, usize> = self
-            .inner
-            .groups_seen
-            .lock()
-            .iter()
-            .map(|g| (g.name.clone(), g.backlog))
-            .collect();
+        let me = &self.inner.config.replica_id;
+        let counts_backlogs = self.inner.live.lock().iter().min().is_none_or(|first| first == me);
+        let mut lost: u64 = if counts_backlogs {
+            self.inner.groups_seen.lock().iter().map(|g| g.backlog as u64).sum()
+        } else {
+            0
+        };
         let hubs = self.inner.groups.hubs.lock().clone();
-        let mut lost = 0;
         for (name, patterns) in table {
-            if self.fix_patterns(ready, &name, &patterns).await?.is_some() {
-                lost += backlogs.get(&name).copied().unwrap_or(0) as u64;
-            }
+            self.fix_patterns(ready, &name, &patterns).await?;
             match hubs.get(&name) {
                 Some(hub) => {
                     let consumer = self.group_consumer(ready, &name, hub.ack_wait).await?;
                     *hub.consumer.lock() = consumer;
-                    lost += hub.state.lock().held.len() as u64;
+                    lost += hub.forget_held() as u64;
                 }
                 None => {
                     self.group_stream(ready, &name).await?;
@@ -1417,6 +1415,22 @@ impl Hub {
     }
 
     /// A message is done (an AUTO member's stream took it, or an Ack).
+    /// What members hold, forgotten: JetStream lost it with its state
+    /// (nothing left to ack, or to redeliver); its acks count as unknown.
+    /// How many.
+    fn forget_held(&self) -> usize {
+        let mut state = self.state.lock();
+        let held: Vec<Held> = state.held.drain().map(|(_, held)| held).collect();
+        for h in &held {
+            state.release(&h.member);
+        }
+        drop(state);
+        if !held.is_empty() {
+            self.room.notify_one();
+        }
+        held.len()
+    }
+
     fn done(&self, member: &str, sequence: u64) -> bool {
         let mut state = self.state.lock();
         let Some(held) = state.held.remove_if(sequence, member) else {

@@ -112,6 +112,9 @@ struct Inner {
     /// Held while this replica checks for lost NATS state, or rebuilds it:
     /// one at a time (the heartbeat and a reconnection both start one).
     recovering: tokio::sync::Mutex<()>,
+    /// The revision of this replica's entry in `<prefix>_incarnations`: its
+    /// incarnation, or what a rebuild wrote (`recovery.rs`).
+    witness: AtomicU64,
     /// This replica's incarnation, once set up: names its core-NATS count.
     incarnation: AtomicU64,
     /// Messages this replica sent on core NATS. Held from taking the next
@@ -146,6 +149,9 @@ struct Ready {
     groups: kv::Store,
     /// Delivery attempts JetStream does not count (`attempts.rs`).
     attempts: kv::Store,
+    /// Each replica start's incarnation (a revision); this replica's own
+    /// entry also witnesses that NATS kept its state (`recovery.rs`).
+    incarnations: kv::Store,
 }
 
 impl ClusterEngine {
@@ -211,6 +217,7 @@ impl ClusterEngine {
                 state_lost: AtomicU64::new(0),
                 recovering: tokio::sync::Mutex::new(()),
                 incarnation: AtomicU64::new(0),
+                witness: AtomicU64::new(0),
                 core_sent: tokio::sync::Mutex::new(0),
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
@@ -348,18 +355,21 @@ impl ClusterEngine {
             replicas,
             groups,
             attempts,
+            incarnations,
         };
         // The id first: a second process with it must not answer its calls.
         self.claim_replica_id(&ready).await.map_err(|e| match e {
             registry::BeatError::Taken(registry::IdTaken(why)) => SetUpError::Fatal(why),
             other => retry(&other),
         })?;
-        let incarnation = incarnations
+        let incarnation = ready
+            .incarnations
             .put(key(&inner.config.replica_id), Bytes::new())
             .await
             .map_err(|e| retry(&e))?;
         inner.local.start_sequences_after(incarnation << SEQUENCE_BITS);
         inner.incarnation.store(incarnation, Ordering::Relaxed);
+        inner.witness.store(incarnation, Ordering::Relaxed);
         inner.interest.set_incarnation(incarnation).await;
         let remote = client
             .subscribe(format!("{}>", inner.message_prefix))

@@ -3,8 +3,10 @@
 //! servers restart (or one lone server does), while the replicas keep
 //! running.
 //!
-//! A replica notices at its next heartbeat (the beat is refused, a bucket's
-//! stream is gone) and, within a few seconds of NATS answering again:
+//! A replica notices when its connection comes back, or at its next
+//! heartbeat (the incarnation count is gone or has fallen below this
+//! replica's own incarnation), and, within a few seconds of NATS answering
+//! again:
 //! - goes NOT_SERVING with one WARN naming the streams that are missing;
 //! - creates the buckets again, keeps the incarnation count above its own
 //!   (a replica started after the loss must not take an incarnation, and so
@@ -136,38 +138,56 @@ impl ClusterEngine {
         })
     }
 
-    /// The streams of this engine's buckets that JetStream no longer has;
-    /// None when it did not answer.
-    async fn missing_buckets(&self, ready: &Ready) -> Option<Vec<String>> {
+    /// What NATS has lost of this engine's state, said for a person: None
+    /// when all is there, or when JetStream did not answer (asked again at
+    /// the next beat). The witness is this replica's entry in the
+    /// incarnation bucket, whose entries never expire: it is there, at the
+    /// revision this replica wrote, unless JetStream lost it, whether the
+    /// stream is gone (a lone server restarted) or came back empty (a
+    /// cluster's meta layer keeps stream definitions, not memory-stored
+    /// messages).
+    async fn lost_state(&self, ready: &Ready) -> StateCheck {
         let prefix = &self.inner.config.prefix;
+        let witness = self.inner.witness.load(Ordering::Relaxed);
+        match ready.incarnations.entry(key(&self.inner.config.replica_id)).await {
+            Ok(Some(entry)) if entry.revision == witness => return StateCheck::Kept,
+            Ok(_) => {}
+            Err(_) => match ready.js.get_stream(format!("KV_{prefix}_incarnations")).await {
+                Err(e) if stream_not_found(&e) => {}
+                _ => return StateCheck::Unknown,
+            },
+        }
         let mut missing = Vec::new();
         for (name, _) in bucket_ages() {
             let stream = format!("KV_{prefix}_{name}");
-            match ready.js.get_stream(&stream).await {
-                Ok(_) => {}
-                Err(e) if stream_not_found(&e) => missing.push(stream),
-                Err(_) => return None,
+            if let Err(e) = ready.js.get_stream(&stream).await
+                && stream_not_found(&e)
+            {
+                missing.push(stream);
             }
         }
-        Some(missing)
+        StateCheck::Lost(if missing.is_empty() {
+            "JetStream's streams came back empty".to_owned()
+        } else {
+            format!("JetStream streams {} are gone", missing.join(", "))
+        })
     }
 
-    /// After a heartbeat that was not written: if NATS has lost the
-    /// buckets, rebuilds what this replica needs (module docs). Returns
-    /// once it serves again, or when the id turned out taken.
-    pub(super) async fn recover_if_lost(&self, ready: &Ready) -> Result<(), IdTaken> {
+    /// At each heartbeat, and when the connection comes back: if NATS has
+    /// lost this engine's state, rebuilds what this replica needs (module
+    /// docs). Returns once it serves again (whether NATS was seen to keep
+    /// its state), or when the id turned out taken.
+    pub(super) async fn recover_if_lost(&self, ready: &Ready) -> Result<bool, IdTaken> {
         // One at a time: after another's rebuild, this check finds nothing
-        // missing.
+        // lost.
         let _recovering = self.inner.recovering.lock().await;
-        let Some(missing) = self.missing_buckets(ready).await else {
-            return Ok(());
+        let lost = match self.lost_state(ready).await {
+            StateCheck::Kept => return Ok(true),
+            StateCheck::Unknown => return Ok(false),
+            StateCheck::Lost(lost) => lost,
         };
-        if missing.is_empty() {
-            return Ok(());
-        }
         let what = format!(
-            "NATS lost what it kept in memory (JetStream streams {} are gone): rebuilding this replica's registry entries and group streams",
-            missing.join(", ")
+            "NATS lost what it kept in memory ({lost}): rebuilding this replica's registry entries and group streams"
         );
         tracing::warn!("{what}");
         self.inner.health.send_replace(EngineHealth::NotServing(what));
@@ -180,7 +200,7 @@ impl ClusterEngine {
                         "NATS state rebuilt; SERVING (messages the lost group streams held are counted as dropped, reason nats_state_lost)"
                     );
                     self.inner.health.send_replace(EngineHealth::Serving);
-                    return Ok(());
+                    return Ok(false);
                 }
                 Err(RebuildError::Taken(taken)) => return Err(taken),
                 Err(RebuildError::Failed(why)) => {
@@ -192,7 +212,7 @@ impl ClusterEngine {
                         "NATS lost its state and it is not rebuilt yet: {why}"
                     )));
                     if self.inner.local.is_shutting_down() {
-                        return Ok(());
+                        return Ok(false);
                     }
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
@@ -200,30 +220,34 @@ impl ClusterEngine {
         }
     }
 
-    /// The NATS connection is back: SERVING once NATS is seen to still
-    /// have this engine's buckets, or once they are rebuilt. While
-    /// JetStream does not answer yet, asked again for a few seconds; then
-    /// SERVING anyway (the heartbeat goes on checking).
+    /// The NATS connection is back: SERVING once JetStream answers and is
+    /// seen to still have this engine's state, or once it is rebuilt;
+    /// NOT_SERVING meanwhile (group publishes and joins would fail).
     pub(super) async fn back_online(self, ready: std::sync::Arc<Ready>) {
-        for _ in 0..20 {
-            if !self.inner.connected.load(Ordering::Acquire) {
+        let back = std::time::Instant::now();
+        let mut said = false;
+        loop {
+            if !self.inner.connected.load(Ordering::Acquire) || self.inner.local.is_shutting_down() {
                 return;
             }
-            let Some(missing) = self.missing_buckets(&ready).await else {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                continue;
-            };
-            if !missing.is_empty()
-                && let Err(IdTaken(why)) = self.recover_if_lost(&ready).await
-            {
-                return self.stop_serving(why);
+            match self.recover_if_lost(&ready).await {
+                Err(IdTaken(why)) => return self.stop_serving(why),
+                // Rebuilt: SERVING already.
+                Ok(false) if matches!(*self.inner.health.borrow(), EngineHealth::Serving) => return,
+                Ok(false) => {
+                    if !said && back.elapsed() > Duration::from_secs(5) {
+                        tracing::warn!(
+                            "NATS connection back, but JetStream does not answer yet: NOT_SERVING until it does"
+                        );
+                        said = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Ok(true) => break,
             }
-            break;
         }
-        if self.inner.connected.load(Ordering::Acquire) {
-            tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
-            self.inner.health.send_replace(EngineHealth::Serving);
-        }
+        tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
+        self.inner.health.send_replace(EngineHealth::Serving);
     }
 
     /// This replica's id is held by another live process: it stops (the
@@ -249,14 +273,19 @@ impl ClusterEngine {
             .get_stream(format!("KV_{}_incarnations", self.inner.config.prefix))
             .await
             .map_err(|e| failed("the incarnation count", &e))?;
-        if stream.cached_info().state.last_sequence < incarnation {
+        if stream.cached_info().state.last_sequence <= incarnation {
             stream
                 .purge()
                 .sequence(incarnation + 1)
                 .await
                 .map_err(|e| failed("the incarnation count", &e))?;
         }
-        drop(buckets);
+        let witness = buckets
+            .incarnations
+            .put(key(&self.inner.config.replica_id), bytes::Bytes::new())
+            .await
+            .map_err(|e| failed("the incarnation count", &e))?;
+        self.inner.witness.store(witness, Ordering::Relaxed);
         // The old revision went with the bucket.
         *self.inner.beat_revision.lock() = None;
         self.beat(ready).await.map_err(|e| match e {
@@ -278,6 +307,16 @@ impl ClusterEngine {
         self.inner.state_lost.fetch_add(lost, Ordering::Relaxed);
         Ok(lost)
     }
+}
+
+/// What [`ClusterEngine::lost_state`] found.
+enum StateCheck {
+    /// NATS has this engine's state.
+    Kept,
+    /// JetStream did not answer.
+    Unknown,
+    /// Lost: what is missing.
+    Lost(String),
 }
 
 enum RebuildError {

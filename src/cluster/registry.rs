@@ -107,13 +107,12 @@ impl ClusterEngine {
             match self.beat(&ready).await {
                 Ok(()) => {}
                 Err(BeatError::Taken(IdTaken(why))) => return self.stop_serving(why),
-                Err(BeatError::Unanswered(error)) => {
-                    tracing::debug!(%error, "heartbeat not written");
-                    if let Err(IdTaken(why)) = self.recover_if_lost(&ready).await {
-                        return self.stop_serving(why);
-                    }
-                }
+                Err(BeatError::Unanswered(error)) => tracing::debug!(%error, "heartbeat not written"),
             }
+            let kept = match self.recover_if_lost(&ready).await {
+                Ok(kept) => kept,
+                Err(IdTaken(why)) => return self.stop_serving(why),
+            };
             // Kept as it was when the registry does not answer: a list of
             // this replica alone would leave the others out of its offers
             // and its broadcast-interest announcements.
@@ -122,8 +121,12 @@ impl ClusterEngine {
             }
             self.interest_beat().await;
             // The metrics' group gauges are cluster-wide: refreshed here,
-            // and groups memberless for their idle TTL removed.
-            if let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await {
+            // and groups memberless for their idle TTL removed. Only while
+            // NATS is seen to keep its state: the backlogs seen last are
+            // what a loss of it is counted as.
+            if kept
+                && let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await
+            {
                 self.expire_idle_groups(&ready, &mut groups, complete).await;
                 *self.inner.groups_seen.lock() = groups;
             }

@@ -229,6 +229,23 @@ impl NatsCluster {
         }
     }
 
+    /// Stops every server, then starts them all again together (a cluster
+    /// cannot form a meta leader while most of it is down) and waits until
+    /// they are a whole cluster: memory-stored messages are gone, while the
+    /// meta layer (in each server's store directory) keeps the definitions
+    /// of streams and consumers.
+    pub async fn restart_all(&mut self) {
+        for i in 0..self.len() {
+            self.stop(i).await;
+        }
+        for i in 0..self.len() {
+            self.spawn(i);
+        }
+        if let Err(why) = self.wait_ready(REJOIN_TIMEOUT).await {
+            panic!("the restarted cluster was not whole within {REJOIN_TIMEOUT:?}: {why}");
+        }
+    }
+
     /// Waits until every running server is healthy, routed to every other
     /// running server and agrees on a meta leader whose running peers are
     /// all current; Err says what was still missing at the deadline.
