@@ -2,7 +2,7 @@
 //! against (docs/contract.md, "Topics and patterns", "Errors", "Resource
 //! limits"). Errors name the bad value, bounded in length.
 
-use super::{BrokerError, NewMessage};
+use super::{AckMode, BrokerError, NewMessage};
 use crate::memory;
 use crate::topic::{self, TopicPattern};
 
@@ -129,6 +129,28 @@ pub fn ack_request(call: &str, id: &str, sequences: &[u64]) -> Result<(), Broker
         )));
     }
     Ok(())
+}
+
+/// A member of group `group` must ask for the ack mode its first member
+/// fixed (`fixed`): FAILED_PRECONDITION naming both otherwise.
+pub fn same_ack_mode(group: &str, fixed: AckMode, asked: AckMode) -> Result<(), BrokerError> {
+    if fixed == asked {
+        return Ok(());
+    }
+    Err(BrokerError::FailedPrecondition(format!(
+        "consumer group {:?} was opened with ack_mode {}; this member asked for {}; all members of a group must use the same ack mode (ACK_MODE_UNSPECIFIED is ACK_MODE_AUTO)",
+        truncate(group),
+        ack_mode_name(fixed),
+        ack_mode_name(asked)
+    )))
+}
+
+/// The contract's name of an ack mode.
+pub fn ack_mode_name(mode: AckMode) -> &'static str {
+    match mode {
+        AckMode::Auto => "ACK_MODE_AUTO",
+        AckMode::Manual => "ACK_MODE_MANUAL",
+    }
 }
 
 /// A pattern set for an error message, bounded so that two of them fit a
