@@ -950,6 +950,7 @@ impl ClusterEngine {
             topic: format!("{}{group}", validate::DEAD_LETTER_PREFIX),
             payload: m.payload,
             headers,
+            ..Default::default()
         };
         if let Err(error) = self
             .publish_cluster(letter, &mut RouteCache::default(), PublishTime::now())
