@@ -7,7 +7,7 @@ use crate::broker::WakeBatch;
 use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
 use crate::engine::{
     AckMode, BrokerError, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine, NewMessage, PublishOutcome,
-    PublishTime, SubscribeRequest,
+    PublishTime, SubscribeRequest, TracingHeaders,
 };
 use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
@@ -77,10 +77,10 @@ impl<E: Engine> BrokerService<E> {
         publisher: &mut E::Publisher,
         at: PublishTime,
     ) -> Result<PublishOutcome, Status> {
-        let span = publish_span(&mut request, parent);
+        let (span, tracing) = publish_span(&mut request, parent);
         let outcome = self
             .engine
-            .publish(new_message(request), publisher, at)
+            .publish(new_message(request, tracing), publisher, at)
             .instrument(span.clone())
             .await
             .map_err(status);
@@ -99,10 +99,10 @@ impl<E: Engine> BrokerService<E> {
         publisher: &mut E::Publisher,
         at: PublishTime,
     ) -> Result<(PublishOutcome, Option<Confirmation>), Status> {
-        let span = publish_span(&mut request, parent);
+        let (span, tracing) = publish_span(&mut request, parent);
         let routed = self
             .engine
-            .publish_routed(new_message(request), publisher, at)
+            .publish_routed(new_message(request, tracing), publisher, at)
             .instrument(span.clone())
             .await
             .map_err(status);
@@ -121,8 +121,10 @@ impl<E: Engine> BrokerService<E> {
 }
 
 /// A `publish` span whose parent is the caller's `traceparent`; its own
-/// context goes into the message's headers, unless the publisher set one.
-fn publish_span(request: &mut pb::PublishRequest, parent: &opentelemetry::Context) -> tracing::Span {
+/// context goes into the message's headers, unless the publisher set one
+/// ([`telemetry::inject`]: which headers it added, counted against no
+/// limit).
+fn publish_span(request: &mut pb::PublishRequest, parent: &opentelemetry::Context) -> (tracing::Span, TracingHeaders) {
     let span = tracing::info_span!(
         "publish",
         otel.kind = "producer",
@@ -132,10 +134,11 @@ fn publish_span(request: &mut pb::PublishRequest, parent: &opentelemetry::Contex
         messaging.message.id = tracing::field::Empty,
     );
     let _ = span.set_parent(parent.clone());
-    if !request.headers.contains_key(TRACEPARENT) {
-        telemetry::inject(&span.context(), &mut request.headers);
-    }
-    span
+    let tracing = match request.headers.contains_key(TRACEPARENT) {
+        true => TracingHeaders::default(),
+        false => telemetry::inject(&span.context(), &mut request.headers),
+    };
+    (span, tracing)
 }
 
 /// Largest encoded `PublishRequest` that can still hold a valid message:
@@ -145,11 +148,14 @@ pub fn decoding_limit(max_message_bytes: usize) -> usize {
     max_message_bytes.saturating_add(64 * 1024)
 }
 
-fn new_message(request: pb::PublishRequest) -> NewMessage {
+/// The message of a request; `tracing`: the headers [`publish_span`] added
+/// (none without tracing).
+fn new_message(request: pb::PublishRequest, tracing: TracingHeaders) -> NewMessage {
     NewMessage {
         topic: request.topic,
         payload: request.payload,
         headers: request.headers,
+        tracing,
     }
 }
 
@@ -163,7 +169,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         let outcome = match &parent {
             None => self
                 .engine
-                .publish(new_message(request), &mut publisher, at)
+                .publish(new_message(request, TracingHeaders::default()), &mut publisher, at)
                 .await
                 .map_err(status)?,
             Some(parent) => self.publish_traced(request, parent, &mut publisher, at).await?,
@@ -226,7 +232,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
                     match &parent {
                         None => self
                             .engine
-                            .publish_routed(new_message(next), &mut publisher, at)
+                            .publish_routed(new_message(next, TracingHeaders::default()), &mut publisher, at)
                             .await
                             .map_err(status),
                         Some(parent) => self.publish_routed_traced(next, parent, &mut publisher, at).await,

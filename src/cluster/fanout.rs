@@ -202,6 +202,7 @@ impl ClusterEngine {
             topic: head.topic,
             payload: head.payload,
             headers: head.headers,
+            tracing: message.tracing,
         };
         encoded.map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
         // With its sequence (at most 11 bytes more), before anyone has it.
@@ -322,6 +323,7 @@ pub(super) fn from_envelope(m: pb::Message) -> (NewMessage, u64, SystemTime) {
         topic: m.topic,
         payload: m.payload,
         headers: m.headers,
+        ..Default::default()
     };
     (message, m.sequence, publish_time)
 }

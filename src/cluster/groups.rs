@@ -1,7 +1,7 @@
 //! Consumer groups in cluster mode, over JetStream.
 //!
-//! - The group table, `<prefix>_groups` (name → patterns), is written by a
-//!   group's first member (a compare-and-set: the patterns are fixed then)
+//! - The group table, `<prefix>_groups` (name → patterns and ack mode), is
+//!   written by a group's first member (a compare-and-set: both are fixed then)
 //!   and watched by every replica into a local trie, so a publish knows
 //!   which groups it matches.
 //! - Each group is a WorkQueue memory stream `<prefix>_g_<hash>` on the one
@@ -178,9 +178,16 @@ fn memory_exhausted(error: &jetstream::context::CreateStreamError) -> bool {
     )
 }
 
+/// A group's record in the table, fixed by its first member.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct TableEntry {
     patterns: Vec<String>,
+    /// None in a record written by a version before the ack mode was
+    /// recorded: not fixed yet; the next member to join fixes it (a
+    /// compare-and-set, as for a new record), and every member after it
+    /// must ask for the same. Older versions ignore the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ack_mode: Option<AckMode>,
 }
 
 impl ClusterEngine {
@@ -417,7 +424,9 @@ impl ClusterEngine {
             0 => limits.default_ack_deadline,
             ms => Duration::from_millis(ms.into()),
         };
-        let created = self.fix_patterns(ready, &name, &patterns).await?;
+        let created = self
+            .fix_patterns(ready, &name, &patterns, Some(request.ack_mode))
+            .await?;
         if request.subscription_id.is_empty() {
             request.subscription_id = uuid::Uuid::new_v4().to_string();
         } else {
@@ -487,18 +496,27 @@ impl ClusterEngine {
         })
     }
 
-    /// The group's patterns are the first member's: writes them, or checks
-    /// them against what is written. A join also writes the entry again
-    /// (same value, a new revision), so that a replica about to remove the
+    /// The group's patterns and ack mode are the first member's: writes
+    /// them, or checks them against what is written (FAILED_PRECONDITION
+    /// naming both); a record without an ack mode gets `ack_mode`, and an
+    /// `ack_mode` of None (no member to take it from) fixes and checks
+    /// none. A join also writes the entry again (same value, a new revision), so that a replica about to remove the
     /// group as idle (a delete expecting the revision it saw while the group
     /// had no members) leaves it be. The entry's revision when this made it
     /// (a new group, for [`ClusterEngine::announce_group`]).
-    async fn fix_patterns(&self, ready: &Ready, name: &str, patterns: &[String]) -> Result<Option<u64>, BrokerError> {
+    async fn fix_patterns(
+        &self,
+        ready: &Ready,
+        name: &str,
+        patterns: &[String],
+        ack_mode: Option<AckMode>,
+    ) -> Result<Option<u64>, BrokerError> {
         let unavailable = |e: &dyn std::fmt::Display| {
             BrokerError::Unavailable(format!("the consumer-group table (NATS) did not answer: {e}"))
         };
         let entry = serde_json::to_vec(&TableEntry {
             patterns: patterns.to_vec(),
+            ack_mode,
         })
         .map_err(|e| unavailable(&e))?;
         let mut lost_race = None;
@@ -516,8 +534,8 @@ impl ClusterEngine {
             let Some(existing) = existing.filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put) else {
                 continue;
             };
-            let existing_patterns: Vec<String> = serde_json::from_slice::<TableEntry>(&existing.value)
-                .map(|e| e.patterns)
+            let (existing_patterns, fixed_mode) = serde_json::from_slice::<TableEntry>(&existing.value)
+                .map(|e| (e.patterns, e.ack_mode))
                 .unwrap_or_default();
             if existing_patterns != patterns {
                 let shown = |p: &[String]| {
@@ -531,14 +549,19 @@ impl ClusterEngine {
                     shown(patterns)
                 )));
             }
+            if let (Some(fixed), Some(asked)) = (fixed_mode, ack_mode) {
+                validate::same_ack_mode(name, fixed, asked)?;
+            }
+            // A record without an ack mode (an earlier version's) gets this
+            // member's.
+            let value = match (fixed_mode, ack_mode) {
+                (None, Some(_)) => entry.clone().into(),
+                _ => existing.value.clone(),
+            };
             // Written again since this join's last try: by another join,
-            // which is as good.
-            if lost_race.is_some_and(|r| r != existing.revision)
-                || ready
-                    .groups
-                    .update(key(name), existing.value.clone(), existing.revision)
-                    .await
-                    .is_ok()
+            // which is as good (unless it left the ack mode to fix).
+            if (lost_race.is_some_and(|r| r != existing.revision) && (fixed_mode.is_some() || ack_mode.is_none()))
+                || ready.groups.update(key(name), value, existing.revision).await.is_ok()
             {
                 self.route_group(name, existing_patterns);
                 return Ok(None);
@@ -971,6 +994,7 @@ impl ClusterEngine {
             topic: format!("{}{group}", validate::DEAD_LETTER_PREFIX),
             payload: m.payload,
             headers,
+            ..Default::default()
         };
         if let Err(error) = self
             .publish_cluster(letter, &mut RouteCache::default(), PublishTime::now())
@@ -1348,7 +1372,18 @@ impl Hub {
             return;
         };
         let healed = async {
-            let created = self.engine.fix_patterns(&ready, &self.name, &self.patterns).await?;
+            // The record is written again with its members' ack mode (all
+            // the same, unless they joined under an earlier version).
+            let ack_mode = self
+                .state
+                .lock()
+                .members
+                .iter()
+                .find_map(|m| m.subscription.external().map(|e| e.ack_mode));
+            let created = self
+                .engine
+                .fix_patterns(&ready, &self.name, &self.patterns, ack_mode)
+                .await?;
             let consumer = self.engine.group_consumer(&ready, &self.name, self.ack_wait).await?;
             Ok::<_, BrokerError>((created, consumer))
         };
@@ -1832,5 +1867,38 @@ impl HeldExt for HashMap<u64, Held> {
             return self.remove(&seq);
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_record_keeps_its_ack_mode_and_reads_an_earlier_versions_record() {
+        // A record written before the ack mode was recorded: not fixed yet.
+        let old: TableEntry = serde_json::from_slice(br#"{"patterns":["a.*"]}"#).unwrap();
+        assert_eq!((old.patterns, old.ack_mode), (vec!["a.*".to_owned()], None));
+        let new = TableEntry {
+            patterns: vec!["a.*".into()],
+            ack_mode: Some(AckMode::Manual),
+        };
+        let written = serde_json::to_vec(&new).unwrap();
+        assert_eq!(written, br#"{"patterns":["a.*"],"ack_mode":"Manual"}"#);
+        let read: TableEntry = serde_json::from_slice(&written).unwrap();
+        assert_eq!(read.ack_mode, Some(AckMode::Manual));
+        // An earlier version reads only the patterns (serde ignores the
+        // field it does not know), so it keeps routing the group.
+        #[derive(serde::Deserialize)]
+        struct Earlier {
+            patterns: Vec<String>,
+        }
+        assert_eq!(serde_json::from_slice::<Earlier>(&written).unwrap().patterns, ["a.*"]);
+        // None is not written: such a record stays open to the next join.
+        let unfixed = TableEntry {
+            patterns: vec!["a.*".into()],
+            ack_mode: None,
+        };
+        assert_eq!(serde_json::to_vec(&unfixed).unwrap(), br#"{"patterns":["a.*"]}"#);
     }
 }

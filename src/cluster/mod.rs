@@ -71,8 +71,10 @@ pub const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bits of a sequence left for the count within one incarnation.
 const SEQUENCE_BITS: u32 = 44;
 /// What a message's encoding on NATS adds to its payload and headers at
-/// most: topic (256), header framing (64 × 6), tags, time and sequence.
-pub const ENCODING_ALLOWANCE: usize = 1024;
+/// most: topic (256), header framing (64 × 10), tags, time and sequence
+/// (946 bytes, 1 KiB), and the headers tracing adds, which count against
+/// no limit (`telemetry::TRACING_HEADERS_MAX_ENCODED`, 602 bytes).
+pub const ENCODING_ALLOWANCE: usize = 1024 + crate::telemetry::TRACING_HEADERS_MAX_ENCODED;
 /// Most remote messages handed to the local fan-out in one burst.
 const REMOTE_BURST: usize = 128;
 /// How long a start waits for the NATS connection before it says there is
@@ -331,7 +333,7 @@ impl ClusterEngine {
             tracing::warn!(
                 max_message_bytes,
                 max_payload,
-                "messages within {ENCODING_ALLOWANCE} bytes of TINYBROKER_MAX_MESSAGE_BYTES do not fit the NATS server's max_payload once encoded, and are refused (RESOURCE_EXHAUSTED): raise max_payload by 1 KiB"
+                "messages within {ENCODING_ALLOWANCE} bytes of TINYBROKER_MAX_MESSAGE_BYTES do not fit the NATS server's max_payload once encoded, and are refused (RESOURCE_EXHAUSTED): raise max_payload by 2 KiB"
             );
         }
         if max_message_bytes > max_payload {

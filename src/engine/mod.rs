@@ -149,6 +149,17 @@ pub struct NewMessage {
     pub topic: String,
     pub payload: Bytes,
     pub headers: HashMap<String, String>,
+    /// Which of `headers` the broker added for tracing: delivered like the
+    /// others, counted against no limit (only the publisher's own are).
+    pub tracing: TracingHeaders,
+}
+
+/// The headers the broker added to a message for tracing
+/// (docs/contract.md, "Logs and tracing"); none without tracing.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TracingHeaders {
+    pub traceparent: bool,
+    pub tracestate: bool,
 }
 
 /// When a message was published: the wall clock for its `publish_time`, the

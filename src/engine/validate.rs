@@ -2,9 +2,11 @@
 //! against (docs/contract.md, "Topics and patterns", "Errors", "Resource
 //! limits"). Errors name the bad value, bounded in length.
 
-use super::{BrokerError, NewMessage};
+use super::{AckMode, BrokerError, NewMessage, TracingHeaders};
 use crate::memory;
+use crate::telemetry::{TRACEPARENT, TRACESTATE};
 use crate::topic::{self, TopicPattern};
+use std::collections::HashMap;
 
 /// Most patterns one subscription may hold.
 pub const MAX_PATTERNS_PER_SUBSCRIPTION: usize = 64;
@@ -19,14 +21,38 @@ pub const DEAD_LETTER_PREFIX: &str = "_dlq.";
 
 /// Checks a message against the limits; returns the bytes it is charged
 /// (what [`crate::broker::message_size`] says, from this one pass over its
-/// headers).
+/// headers). The headers the broker added for tracing
+/// ([`NewMessage::tracing`]) count against neither the number of headers
+/// nor `max_message_bytes`, but are charged.
 pub fn message(message: &NewMessage, max_message_bytes: usize) -> Result<usize, BrokerError> {
+    let added = message.tracing;
+    if added == TracingHeaders::default() {
+        // Without tracing: the checks with nothing left out, constants
+        // folded in (the publish path costs what it did before tracing's
+        // headers were left out).
+        return checked(message, max_message_bytes, 0, |_| 0);
+    }
+    let count = usize::from(added.traceparent) + usize::from(added.tracestate);
+    checked(message, max_message_bytes, count, |headers| {
+        tracing_bytes(headers, added)
+    })
+}
+
+/// [`message`], leaving `added_headers` headers of `added_bytes` out of
+/// the limits.
+#[inline(always)]
+fn checked(
+    message: &NewMessage,
+    max_message_bytes: usize,
+    added_headers: usize,
+    added_bytes: impl FnOnce(&HashMap<String, String>) -> usize,
+) -> Result<usize, BrokerError> {
     topic::validate_topic(&message.topic).map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
-    if message.headers.len() > MAX_HEADERS {
+    let own_headers = message.headers.len().saturating_sub(added_headers);
+    if own_headers > MAX_HEADERS {
         return Err(BrokerError::InvalidArgument(format!(
-            "message to {:?} has {} headers, the limit is {MAX_HEADERS}",
+            "message to {:?} has {own_headers} headers, the limit is {MAX_HEADERS}",
             message.topic,
-            message.headers.len()
         )));
     }
     let mut size = message.payload.len();
@@ -46,13 +72,28 @@ pub fn message(message: &NewMessage, max_message_bytes: usize) -> Result<usize, 
         }
         size += name.len() + value.len();
     }
-    if size > max_message_bytes {
+    let own_size = size - added_bytes(&message.headers);
+    if own_size > max_message_bytes {
         return Err(BrokerError::ResourceExhausted(format!(
-            "message to {:?} is {size} bytes (payload plus headers), larger than max_message_bytes {max_message_bytes} (TINYBROKER_MAX_MESSAGE_BYTES)",
+            "message to {:?} is {own_size} bytes (payload plus headers), larger than max_message_bytes {max_message_bytes} (TINYBROKER_MAX_MESSAGE_BYTES)",
             message.topic
         )));
     }
     Ok(memory::MESSAGE_OVERHEAD + message.topic.len() + size + message.headers.len() * memory::HEADER_OVERHEAD)
+}
+
+/// The bytes (names and values) of the headers the broker `added` for
+/// tracing.
+fn tracing_bytes(headers: &HashMap<String, String>, added: TracingHeaders) -> usize {
+    let bytes = |name: &str| headers.get(name).map_or(0, |value| name.len() + value.len());
+    let mut total = 0;
+    if added.traceparent {
+        total += bytes(TRACEPARENT);
+    }
+    if added.tracestate {
+        total += bytes(TRACESTATE);
+    }
+    total
 }
 
 /// A subscription's patterns: at least one, at most
@@ -131,6 +172,28 @@ pub fn ack_request(call: &str, id: &str, sequences: &[u64]) -> Result<(), Broker
     Ok(())
 }
 
+/// A member of group `group` must ask for the ack mode its first member
+/// fixed (`fixed`): FAILED_PRECONDITION naming both otherwise.
+pub fn same_ack_mode(group: &str, fixed: AckMode, asked: AckMode) -> Result<(), BrokerError> {
+    if fixed == asked {
+        return Ok(());
+    }
+    Err(BrokerError::FailedPrecondition(format!(
+        "consumer group {:?} was opened with ack_mode {}; this member asked for {}; all members of a group must use the same ack mode (ACK_MODE_UNSPECIFIED is ACK_MODE_AUTO)",
+        truncate(group),
+        ack_mode_name(fixed),
+        ack_mode_name(asked)
+    )))
+}
+
+/// The contract's name of an ack mode.
+pub fn ack_mode_name(mode: AckMode) -> &'static str {
+    match mode {
+        AckMode::Auto => "ACK_MODE_AUTO",
+        AckMode::Manual => "ACK_MODE_MANUAL",
+    }
+}
+
 /// A pattern set for an error message, bounded so that two of them fit a
 /// `grpc-message` trailer with room to spare: at most 8 patterns of at
 /// most 64 bytes each are named, then how many more there are.
@@ -168,6 +231,68 @@ pub fn truncate(value: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A message to `t` with `count` headers of its own and `payload`
+    /// bytes, plus the tracing headers `added`.
+    fn traced(count: usize, payload: usize, added: TracingHeaders) -> NewMessage {
+        let mut headers: HashMap<String, String> = (0..count).map(|i| (format!("h{i:02}"), "v".into())).collect();
+        if added.traceparent {
+            headers.insert(
+                TRACEPARENT.into(),
+                format!("00-{}-{}-01", "a".repeat(32), "b".repeat(16)),
+            );
+        }
+        if added.tracestate {
+            headers.insert(TRACESTATE.into(), "vendor=abc".into());
+        }
+        NewMessage {
+            topic: "t".into(),
+            payload: vec![b'p'; payload].into(),
+            headers,
+            tracing: added,
+        }
+    }
+
+    #[test]
+    fn tracing_headers_count_against_no_limit_but_are_charged() {
+        let both = TracingHeaders {
+            traceparent: true,
+            tracestate: true,
+        };
+        // 64 headers of 4 bytes each (name and value) and a payload to
+        // exactly max_message_bytes: valid, with or without the two added.
+        let max = 1000;
+        let own = MAX_HEADERS * 4;
+        let untraced = message(&traced(MAX_HEADERS, max - own, TracingHeaders::default()), max).unwrap();
+        let charged = message(&traced(MAX_HEADERS, max - own, both), max).unwrap();
+        let added = TRACEPARENT.len() + 55 + TRACESTATE.len() + "vendor=abc".len();
+        assert_eq!(charged, untraced + added + 2 * memory::HEADER_OVERHEAD);
+        // One header or one byte more of the publisher's own: refused,
+        // naming the publisher's count or size.
+        assert_eq!(
+            message(&traced(MAX_HEADERS + 1, 0, both), max),
+            Err(BrokerError::InvalidArgument(format!(
+                "message to \"t\" has {} headers, the limit is {MAX_HEADERS}",
+                MAX_HEADERS + 1
+            )))
+        );
+        assert_eq!(
+            message(&traced(MAX_HEADERS, max - own + 1, both), max),
+            Err(BrokerError::ResourceExhausted(format!(
+                "message to \"t\" is {} bytes (payload plus headers), larger than max_message_bytes {max} (TINYBROKER_MAX_MESSAGE_BYTES)",
+                max + 1
+            )))
+        );
+        // A traceparent the publisher set counts like any of its headers.
+        let mut own_traceparent = traced(MAX_HEADERS, 0, both);
+        own_traceparent.tracing = TracingHeaders {
+            traceparent: false,
+            tracestate: true,
+        };
+        assert!(
+            matches!(message(&own_traceparent, max), Err(BrokerError::InvalidArgument(m)) if m.contains("has 65 headers")),
+        );
+    }
 
     #[test]
     fn pattern_lists_in_errors_are_bounded() {

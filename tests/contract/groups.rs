@@ -355,9 +355,95 @@ async fn an_idle_group_is_removed_after_its_ttl() {
         .await;
         let r = client.publish(publish_request("i", "y")).await.unwrap().into_inner();
         assert_eq!(r.matched_groups, 0);
-        // The name can be used again, even with other patterns (and from
-        // the other replica in cluster mode).
-        let _again = open(&mut broker.client().await, member_request(&["other"], "idle", false, 0)).await;
+        // The name can be used again, even with other patterns and the
+        // other ack mode (and from the other replica in cluster mode):
+        // the new first member fixes them anew.
+        let mut client = broker.client().await;
+        let (mut again, again_id) = open(&mut client, member_request(&["other"], "idle", true, 0)).await;
+        let err = client
+            .open_subscription(member_request(&["other"], "idle", false, 0))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+        assert!(
+            err.message().contains("opened with ack_mode ACK_MODE_MANUAL"),
+            "{}",
+            err.message()
+        );
+        let sequence = client
+            .publish(publish_request("other", "z"))
+            .await
+            .unwrap()
+            .into_inner()
+            .sequence;
+        assert_eq!(again.message().await.unwrap().unwrap().sequence, sequence);
+        assert_eq!(ack(&mut client, &again_id, &[sequence]).await, (1, 0));
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_must_share_the_groups_ack_mode() {
+    timeout(async {
+        let broker = start().await;
+        for (first_manual, group) in [(false, "auto-first"), (true, "manual-first")] {
+            let (fixed, other) = match first_manual {
+                false => ("ACK_MODE_AUTO", "ACK_MODE_MANUAL"),
+                true => ("ACK_MODE_MANUAL", "ACK_MODE_AUTO"),
+            };
+            let topic = format!("{group}.job");
+            let pattern = format!("{group}.*");
+            let mut client = broker.client().await;
+            let (mut first, first_id) = open(&mut client, member_request(&[&pattern], group, first_manual, 0)).await;
+            // Another connection (in cluster mode, possibly another replica).
+            let mut client = broker.client().await;
+            let err = client
+                .open_subscription(member_request(&[&pattern], group, !first_manual, 0))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+            assert!(
+                err.message().contains(&format!(
+                    "consumer group {group:?} was opened with ack_mode {fixed}; this member asked for {other}"
+                )),
+                "{}",
+                err.message()
+            );
+            // The refused member changed nothing: the first still
+            // receives (and acks, when MANUAL).
+            let sequence = client
+                .publish(publish_request(&topic, "x"))
+                .await
+                .unwrap()
+                .into_inner()
+                .sequence;
+            assert_eq!(first.message().await.unwrap().unwrap().sequence, sequence);
+            if first_manual {
+                assert_eq!(ack(&mut client, &first_id, &[sequence]).await, (1, 0));
+            }
+            // UNSPECIFIED is AUTO: admitted to the AUTO group only.
+            let mut unspecified = member_request(&[&pattern], group, false, 0);
+            unspecified.ack_mode = pb::AckMode::Unspecified as i32;
+            let _unspecified = match client.open_subscription(unspecified).await {
+                Ok(stream) => {
+                    assert!(!first_manual, "an UNSPECIFIED member joined the MANUAL group");
+                    Some(stream)
+                }
+                Err(err) => {
+                    assert!(first_manual, "{}", err.message());
+                    assert_eq!(err.code(), Code::FailedPrecondition);
+                    assert!(
+                        err.message().contains("this member asked for ACK_MODE_AUTO"),
+                        "{}",
+                        err.message()
+                    );
+                    None
+                }
+            };
+            // A member with the group's own mode joins.
+            let _same = open(&mut client, member_request(&[&pattern], group, first_manual, 0)).await;
+            wait_members(&broker, group, if first_manual { 2 } else { 3 }).await;
+        }
     })
     .await
 }
