@@ -825,8 +825,10 @@ impl ClusterEngine {
         };
         let hubs = self.inner.groups.hubs.lock().clone();
         for (name, patterns) in table {
-            self.fix_patterns(ready, &name, &patterns).await?;
-            match hubs.get(&name) {
+            let hub = hubs.get(&name);
+            self.fix_patterns(ready, &name, &patterns, hub.and_then(|h| h.members_ack_mode()))
+                .await?;
+            match hub {
                 Some(hub) => {
                     let consumer = self.group_consumer(ready, &name, hub.ack_wait).await?;
                     *hub.consumer.lock() = consumer;
@@ -1372,17 +1374,9 @@ impl Hub {
             return;
         };
         let healed = async {
-            // The record is written again with its members' ack mode (all
-            // the same, unless they joined under an earlier version).
-            let ack_mode = self
-                .state
-                .lock()
-                .members
-                .iter()
-                .find_map(|m| m.subscription.external().map(|e| e.ack_mode));
             let created = self
                 .engine
-                .fix_patterns(&ready, &self.name, &self.patterns, ack_mode)
+                .fix_patterns(&ready, &self.name, &self.patterns, self.members_ack_mode())
                 .await?;
             let consumer = self.engine.group_consumer(&ready, &self.name, self.ack_wait).await?;
             Ok::<_, BrokerError>((created, consumer))
@@ -1450,6 +1444,17 @@ impl Hub {
     }
 
     /// A message is done (an AUTO member's stream took it, or an Ack).
+    /// The ack mode its members asked for, which its record is written
+    /// again with (all the same, unless they joined under an earlier
+    /// version); None without members.
+    fn members_ack_mode(&self) -> Option<AckMode> {
+        self.state
+            .lock()
+            .members
+            .iter()
+            .find_map(|m| m.subscription.external().map(|e| e.ack_mode))
+    }
+
     /// What members hold, forgotten: JetStream lost it with its state
     /// (nothing left to ack, or to redeliver); its acks count as unknown.
     /// How many.
