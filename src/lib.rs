@@ -9,7 +9,8 @@
 //! (tonic adapter over any engine) with [`wire`] (pre-encoded deliveries),
 //! [`server`] (lifecycle; picks the engine) with [`connections`] (the gRPC
 //! listener) and [`incoming`] (requests being received), [`memory`] (the byte
-//! budget), [`side`] (HTTP side server), [`metrics`], [`config`],
+//! budget), [`side`] (HTTP side server) with [`status`] (its status page), [`metrics`]
+//! with [`process_metrics`], [`config`],
 //! [`telemetry`], [`client`] and [`cli`].
 
 pub mod auth;
@@ -25,6 +26,7 @@ pub mod incoming;
 pub mod memory;
 pub mod metrics;
 pub mod pb;
+pub mod process_metrics;
 pub mod server;
 pub mod side;
 pub mod streams;
