@@ -29,6 +29,7 @@ pub mod pb;
 pub mod process_metrics;
 pub mod server;
 pub mod side;
+pub mod status;
 pub mod streams;
 pub mod sublist;
 pub mod telemetry;
