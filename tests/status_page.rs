@@ -60,12 +60,12 @@ fn authed<T>(message: T) -> tonic::Request<T> {
     request
 }
 
-/// What the tests look at on the page: a broadcast subscription, a group
-/// with a backlog and a held message, and an evicted subscriber.
+/// What the tests look at on the page: broadcast subscriptions (two that
+/// read, one that lags), a group with a backlog and a held message, and an
+/// evicted subscriber.
 struct Scene {
-    /// Kept open: the subscription and the group member.
-    _audit: tonic::Streaming<pb::Message>,
-    _markup: tonic::Streaming<pb::Message>,
+    /// Kept open: the lagging subscription and the group member.
+    _reports: (BrokerClient<Channel>, tonic::Streaming<pb::Message>),
     _member: tonic::Streaming<pb::Message>,
     _client: BrokerClient<Channel>,
     admin: AdminClient<Channel>,
@@ -75,10 +75,13 @@ const AUDIT_ID: &str = "orders-audit";
 /// A subscription id that would be markup if the page wrote it as HTML.
 const MARKUP_ID: &str = "<i>not-markup</i>";
 const GROUP: &str = "billing";
+/// A subscription whose queue holds 10 of its 16.
+const LAGGING_ID: &str = "reports-export";
 const EVICTED_ID: &str = "slow-dashboard";
 
-/// Sets the scene on a broker whose consumer capacity is small (8):
-/// `orders-audit` and `<i>not-markup</i>` open, group `billing` with `backlog` messages waiting and 1
+/// Sets the scene on a broker whose consumer capacity is small (16):
+/// `orders-audit` and `<i>not-markup</i>` open, `reports-export` with 10
+/// messages queued, group `billing` with `backlog` messages waiting and 1
 /// in flight, and `slow-dashboard` evicted.
 async fn set_scene(broker: &TestBroker, backlog: usize) -> Scene {
     let mut client = BrokerClient::new(broker.wide_channel().await);
@@ -99,6 +102,10 @@ async fn set_scene(broker: &TestBroker, backlog: usize) -> Scene {
         },
     )
     .await;
+    // Both read what they get (the page's rates come from their deliveries).
+    for mut stream in [audit, markup] {
+        tokio::spawn(async move { while let Ok(Some(_)) = stream.message().await {} });
+    }
     let (member, _) = open(&mut client, member_request(&["invoices.>"], GROUP, true, 1)).await;
     publish_many(broker, "invoices.new", backlog + 1).await;
     wait_until("the group's backlog", || async {
@@ -106,7 +113,26 @@ async fn set_scene(broker: &TestBroker, backlog: usize) -> Scene {
     })
     .await;
 
-    // A subscriber that reads nothing on a narrow connection is evicted.
+    // A subscriber that reads nothing on a narrow connection: its queue
+    // fills once the connection's window is full; it stops at 10 of 16.
+    let mut lagging = BrokerClient::new(broker.narrow_channel().await);
+    let (reports, _) = open(
+        &mut lagging,
+        pb::OpenSubscriptionRequest {
+            subscription_id: LAGGING_ID.into(),
+            ..subscribe_request(&["reports.>"])
+        },
+    )
+    .await;
+    let payload = "x".repeat(16 << 10);
+    while listed(broker.subscriptions().await, LAGGING_ID).is_none_or(|s| s.queue_depth < 10) {
+        client
+            .publish(publish_request("reports.daily", &payload))
+            .await
+            .unwrap();
+    }
+
+    // Another one is evicted.
     let mut stalled = BrokerClient::new(broker.narrow_channel().await);
     let (_stalled_stream, _) = open(
         &mut stalled,
@@ -116,7 +142,6 @@ async fn set_scene(broker: &TestBroker, backlog: usize) -> Scene {
         },
     )
     .await;
-    let payload = "x".repeat(16 << 10);
     while !evictions(&mut admin)
         .await
         .iter()
@@ -125,8 +150,7 @@ async fn set_scene(broker: &TestBroker, backlog: usize) -> Scene {
         client.publish(publish_request("metrics.cpu", &payload)).await.unwrap();
     }
     Scene {
-        _audit: audit,
-        _markup: markup,
+        _reports: (lagging, reports),
         _member: member,
         _client: client,
         admin,
@@ -143,7 +167,7 @@ fn field<'a>(value: &'a Value, path: &str) -> &'a Value {
 async fn status_page_and_status_json_over_http() {
     timeout(async {
         let broker = start_with_limits(Limits {
-            consumer_capacity: 8,
+            consumer_capacity: 16,
             ..Limits::default()
         })
         .await;
@@ -182,8 +206,12 @@ async fn status_page_and_status_json_over_http() {
         // every field the page shows.
         assert_eq!(
             field(&s, "subscription_count"),
-            3,
-            "two broadcast subscriptions and the member: {s:#}"
+            4,
+            "three broadcast subscriptions and the member: {s:#}"
+        );
+        assert_eq!(
+            s["subscriptions"][0]["subscription_id"], LAGGING_ID,
+            "the fullest queue first: {s:#}"
         );
         let audit = s["subscriptions"]
             .as_array()
@@ -194,7 +222,7 @@ async fn status_page_and_status_json_over_http() {
         assert_eq!(audit["topic_patterns"], json!(["orders.>"]));
         assert_eq!(audit["mode"], "multi");
         assert_eq!(audit["consumer_group"], "");
-        assert_eq!(audit["capacity"], 8);
+        assert_eq!(audit["capacity"], 16);
         for key in ["queue_depth", "delivered", "opened_at"] {
             assert!(audit[key].is_number(), "{key} in {audit:#}");
         }
@@ -240,7 +268,7 @@ async fn status_page_and_status_json_over_http() {
         let (status, s) = status_json(addr, "/status.json?limit=1", &[]).await;
         assert_eq!(status, 200);
         assert_eq!(s["subscriptions"].as_array().unwrap().len(), 1);
-        assert_eq!(field(&s, "subscription_count"), 3);
+        assert_eq!(field(&s, "subscription_count"), 4);
         let (status, s) = status_json(addr, "/status.json?limit=lots", &[]).await;
         assert_eq!(status, 400);
         assert!(field(&s, "error").as_str().unwrap().contains("\"lots\""), "{s}");
@@ -539,6 +567,14 @@ fn shows(view: &Value, key: &str, value: &str) -> bool {
     view[key].as_array().is_some_and(|a| a.iter().any(|v| v == value))
 }
 
+/// A rate the page shows (messages per second), NaN while it shows none.
+fn rate(view: &Value, which: &str) -> f64 {
+    view[which]
+        .as_str()
+        .and_then(|r| r.replace(',', "").parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
 fn backlog(view: &Value, group: &str) -> Option<String> {
     view["backlog"][group].as_str().map(str::to_owned)
 }
@@ -549,11 +585,22 @@ async fn status_page_in_a_browser_shows_the_broker_and_follows_it() {
     timeout(async {
         let started = Instant::now();
         let broker = start_with_limits(Limits {
-            consumer_capacity: 8,
+            consumer_capacity: 16,
             ..Limits::default()
         })
         .await;
         let mut scene = set_scene(&broker, 29).await;
+        // Traffic for the rates: 20 messages every 100 ms, each to the two
+        // orders.> subscriptions.
+        let mut publisher = broker.client().await;
+        let traffic = tokio::spawn(async move {
+            loop {
+                for _ in 0..20 {
+                    publisher.publish(publish_request("orders.created", "o")).await.unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
         let mut browser = Browser::launch(&binary).await;
         let url = format!("http://{}/status", broker.metrics_addr);
         browser.navigate(&url).await;
@@ -565,9 +612,8 @@ async fn status_page_in_a_browser_shows_the_broker_and_follows_it() {
                 shows(v, "subscriptions", AUDIT_ID)
                     && backlog(v, GROUP).as_deref() == Some("29")
                     && shows(v, "evictions", EVICTED_ID)
-                    && v["published_rate"]
-                        .as_str()
-                        .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+                    && rate(v, "published_rate") > 0.0
+                    && rate(v, "delivered_rate") > rate(v, "published_rate")
             })
             .await;
         eprintln!("the page showed the scene and its rates {took:?} after it was opened");
@@ -583,10 +629,15 @@ async fn status_page_in_a_browser_shows_the_broker_and_follows_it() {
         assert!(shows(&view, "subscriptions", MARKUP_ID), "{view:#}");
         assert_eq!(view["markup_in_rows"], 0, "{view:#}");
         assert_eq!(view["form"], false);
+        assert_eq!(
+            view["subscriptions"][0], LAGGING_ID,
+            "the fullest queue first: {view:#}"
+        );
 
         let shot = artifacts().join("status-page.png");
         browser.screenshot(&shot).await;
         eprintln!("screenshot of the status page: {}", shot.display());
+        traffic.abort();
 
         // The state changes; the same page (no reload) follows within a few
         // seconds: the backlog grows, the closed subscription goes.
