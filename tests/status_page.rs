@@ -512,14 +512,15 @@ impl Browser {
     /// A PNG of the whole page.
     async fn screenshot(&mut self, path: &std::path::Path) {
         use base64::Engine as _;
+        // As tall as what the page shows.
         let height = self
-            .eval("document.documentElement.scrollHeight")
+            .eval("Math.ceil(document.body.getBoundingClientRect().bottom) + 24")
             .await
             .as_u64()
             .unwrap_or(900);
         self.call(
             "Emulation.setDeviceMetricsOverride",
-            json!({ "width": 1280, "height": height.max(600), "deviceScaleFactor": 1, "mobile": false }),
+            json!({ "width": 1280, "height": height.max(300), "deviceScaleFactor": 1, "mobile": false }),
         )
         .await;
         let shot = self.call("Page.captureScreenshot", json!({ "format": "png" })).await;
