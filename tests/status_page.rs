@@ -367,7 +367,13 @@ impl Browser {
     async fn launch(binary: &std::path::Path) -> Self {
         use std::os::fd::{AsRawFd, OwnedFd};
         use std::os::unix::process::CommandExt;
-        let profile = artifacts().join(format!("chromium-profile-{}", std::process::id()));
+        // A profile of its own: a second chromium on the same profile hands
+        // its work to the first and exits.
+        static BROWSERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = BROWSERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let profile = artifacts().join(format!("chromium-profile-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&profile).unwrap();
+        let log = profile.join("stderr.log");
         let (browser_reads, we_write) = std::io::pipe().unwrap();
         let (we_read, browser_writes) = std::io::pipe().unwrap();
         let (r, w) = (browser_reads.as_raw_fd(), browser_writes.as_raw_fd());
@@ -388,7 +394,7 @@ impl Browser {
             .arg("about:blank")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
+            .stderr(std::fs::File::create(&log).unwrap());
         // SAFETY: between fork and exec only async-signal-safe calls (fcntl,
         // dup2, close) on descriptors this process owns. The pipe's ends go
         // first above 10, so that placing them on 3 and 4 cannot overwrite
@@ -459,7 +465,10 @@ impl Browser {
                 .await
                 .unwrap_or_else(|_| panic!("chromium did not answer {method} within 30 s"))
                 .expect("read from chromium");
-            assert!(read > 0, "chromium exited (after {method})");
+            if read == 0 {
+                let log = std::fs::read_to_string(self.profile.join("stderr.log")).unwrap_or_default();
+                panic!("chromium exited (after {method}); its stderr:\n{log}");
+            }
             reply.pop();
             let reply: Value = serde_json::from_slice(&reply).unwrap();
             if reply["id"] == id {
@@ -537,7 +546,13 @@ impl Browser {
 impl Drop for Browser {
     fn drop(&mut self) {
         self.child.kill();
-        let _ = std::fs::remove_dir_all(&self.profile);
+        // Its helper processes may still be writing there for a moment.
+        for _ in 0..20 {
+            if std::fs::remove_dir_all(&self.profile).is_ok() || !self.profile.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
