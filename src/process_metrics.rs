@@ -85,11 +85,12 @@ impl Collector for ProcessCollector {
             cpu.inc_by((stat.utime + stat.stime) as f64 / self.ticks_per_second);
             families.extend(cpu.collect());
         }
+        let [max_fds, max_address_space] = soft_limits();
         let values = [
             open_fds().map(|n| n as f64),
-            rlimit(libc::RLIMIT_NOFILE),
+            max_fds,
             stat.as_ref().map(|s| s.vsize as f64),
-            rlimit(libc::RLIMIT_AS),
+            max_address_space,
             stat.as_ref().map(|s| s.rss_pages as f64 * self.page_size),
             self.start_time,
             stat.as_ref().map(|s| s.threads as f64),
@@ -154,18 +155,17 @@ fn open_fds() -> Option<usize> {
     Some(std::fs::read_dir("/proc/self/fd").ok()?.count())
 }
 
-/// The soft limit of `resource`; unlimited is `u64::MAX`, as client_golang
-/// reports it (1.8446744073709552e+19).
-fn rlimit(resource: libc::__rlimit_resource_t) -> Option<f64> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit only writes the struct given.
-    if unsafe { libc::getrlimit(resource, &mut limit) } != 0 {
-        return None;
-    }
-    Some(limit.rlim_cur as f64)
+/// The soft limits of open descriptors and of address space; unlimited is
+/// `u64::MAX`, as client_golang reports it (1.8446744073709552e+19).
+fn soft_limits() -> [Option<f64>; 2] {
+    [libc::RLIMIT_NOFILE, libc::RLIMIT_AS].map(|resource| {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes the struct given.
+        (unsafe { libc::getrlimit(resource, &mut limit) } == 0).then_some(limit.rlim_cur as f64)
+    })
 }
 
 #[cfg(test)]
