@@ -44,8 +44,9 @@ pub struct Auth<S> {
     token: Option<Arc<[u8]>>,
 }
 
-/// Whether `request` may reach a protected service.
-fn authorized<B>(token: &[u8], request: &http::Request<B>) -> bool {
+/// Whether `request` carries `authorization: Bearer <token>` (also the side
+/// server's `/status.json`).
+pub(crate) fn authorized<B>(token: &[u8], request: &http::Request<B>) -> bool {
     let Some(value) = request.headers().get(http::header::AUTHORIZATION) else {
         return false;
     };

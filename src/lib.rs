@@ -9,8 +9,9 @@
 //! (tonic adapter over any engine) with [`wire`] (pre-encoded deliveries),
 //! [`server`] (lifecycle; picks the engine) with [`connections`] (the gRPC
 //! listener) and [`incoming`] (requests being received), [`memory`] (the byte
-//! budget), [`side`] (HTTP side server), [`metrics`], [`config`],
-//! [`telemetry`], [`client`] and [`cli`].
+//! budget), [`side`] (HTTP side server) with [`status`] (the status page's
+//! data), [`metrics`] with [`process_metrics`], [`config`], [`telemetry`],
+//! [`client`] and [`cli`].
 
 pub mod auth;
 pub mod broker;
@@ -25,8 +26,10 @@ pub mod incoming;
 pub mod memory;
 pub mod metrics;
 pub mod pb;
+pub mod process_metrics;
 pub mod server;
 pub mod side;
+pub mod status;
 pub mod streams;
 pub mod sublist;
 pub mod telemetry;

@@ -85,7 +85,7 @@ impl Metrics {
             Box::new(publish_duration.clone()),
             Box::new(delivery_lag.clone()),
             Box::new(build_info),
-            Box::new(prometheus::process_collector::ProcessCollector::for_self()),
+            Box::new(crate::process_metrics::ProcessCollector::for_self()),
             Box::new(BrokerCollector::new(source.clone(), per_subscription)),
         ];
         for collector in collectors {

@@ -165,6 +165,10 @@ async fn serve<E: Engine>(
         listeners.metrics,
         health.readiness.clone(),
         metrics,
+        side::StatusPage::new(
+            crate::status::StatusSource::new(engine.clone()),
+            config.auth_token.as_deref(),
+        ),
         async {
             let _ = side_stopped.await;
         },
