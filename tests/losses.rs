@@ -144,7 +144,11 @@ async fn an_evicted_cli_subscriber_says_what_it_lost_and_resumes() {
         // Now read: it prints what reached it, then says it was evicted.
         let stdout = cli.read_stdout();
         let (ended, before) = line_containing(stderr(&cli), "evicted", WAIT).await;
-        assert!(before.is_empty(), "nothing on stderr before the eviction: {before:?}");
+        assert_eq!(
+            before,
+            [format!("{PREFIX}subscribed: id={first_id} patterns=ev.>")],
+            "nothing on stderr before the eviction but the line saying it subscribed"
+        );
         assert!(ended.starts_with(PREFIX), "{ended}");
         assert!(ended.contains(&format!("subscription {first_id} ")), "{ended}");
         assert_eq!(
@@ -152,7 +156,17 @@ async fn an_evicted_cli_subscriber_says_what_it_lost_and_resumes() {
             CAPACITY + 1,
             "the queued messages and the one that did not fit were dropped: {ended}"
         );
-        assert!(ended.contains("messages queued for it were dropped"), "{ended}");
+        // The queue depth the broker logs and lists, and what was dropped:
+        // the queued messages and the one that did not fit.
+        assert!(
+            ended.contains(&format!(
+                ": queue depth {}; {} messages dropped: the {} queued for it and 1 that did not fit",
+                eviction.queue_depth,
+                CAPACITY + 1,
+                eviction.queue_depth
+            )),
+            "{ended}"
+        );
         assert_eq!(number_after(&ended, "last sequence delivered "), last, "{ended}");
         // stdout holds every message up to that sequence, in order, no gap.
         for expected in 1..=last {
