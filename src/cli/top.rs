@@ -508,7 +508,7 @@ fn subscriptions_list(sample: &Sample, replica: bool) -> ListWidget {
     // A generated id is 36 characters; on a narrow terminal the patterns
     // give way first, then the columns of least use.
     let mut columns = vec![
-        text("ID", Constraint::Max(36), 12, 1),
+        text("ID", Constraint::Max(36), 16, 1),
         text("GROUP", Constraint::Max(16), 8, 5),
         text("PATTERNS", Constraint::Fill(1), 8, 6),
         number("QUEUE", 13, 2),
@@ -545,7 +545,7 @@ fn subscriptions_list(sample: &Sample, replica: bool) -> ListWidget {
 
 fn groups_list(sample: &Sample) -> ListWidget {
     let columns = vec![
-        text("GROUP", Constraint::Fill(1), 8, 1),
+        text("GROUP", Constraint::Fill(1), 16, 1),
         number("MEMBERS", 7, 4),
         number("BACKLOG", 9, 2),
         number("IN FLIGHT", 9, 5),
@@ -579,7 +579,7 @@ fn groups_list(sample: &Sample) -> ListWidget {
 fn evictions_list(sample: &Sample, replica: bool, now: SystemTime) -> ListWidget {
     let mut columns = vec![
         number("EVICTED", 11, 2),
-        text("ID", Constraint::Max(36), 12, 1),
+        text("ID", Constraint::Max(36), 16, 1),
         text("PATTERNS", Constraint::Fill(1), 8, 5),
         number("QUEUE DEPTH", 11, 3),
         number("LAST SEQUENCE", 13, 4),
