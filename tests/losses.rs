@@ -230,7 +230,7 @@ async fn a_cli_subscriber_closed_by_an_admin_says_so_exits_0_and_does_not_come_b
             .await
             .unwrap();
         let (closed, before) = line_containing(stderr(&cli), "closed by an admin", WAIT).await;
-        assert!(before.is_empty(), "{before:?}");
+        assert_eq!(before, [format!("{PREFIX}subscribed: id={id} patterns=adm.>")]);
         assert!(closed.starts_with(PREFIX), "{closed}");
         assert!(closed.contains(&format!("subscription {id} ")), "{closed}");
         let status = exit_status(&mut cli, WAIT).await;
@@ -257,14 +257,14 @@ async fn a_cli_subscriber_says_the_broker_shut_down_retries_and_resubscribes_to_
         let mut cli = spawn_cli(&["subscribe", "down.>", "--addr", &addr], &[]);
         let stdout = cli.read_stdout();
         let url = broker.url();
-        wait_listed(&url, "down.>").await;
+        let first_id = wait_listed(&url, "down.>").await;
         let mut client = BrokerClient::connect(url.clone()).await.unwrap();
         client.publish(publish_request("down.1", "before")).await.unwrap();
         assert_eq!(next_line(&stdout, WAIT).await, "before");
 
         broker.guard.signal("TERM");
         let (ended, before) = line_containing(stderr(&cli), "the broker is shutting down", WAIT).await;
-        assert!(before.is_empty(), "{before:?}");
+        assert_eq!(before, [format!("{PREFIX}subscribed: id={first_id} patterns=down.>")]);
         assert!(ended.starts_with(PREFIX), "{ended}");
         assert_eq!(exit_status(&mut broker.guard, WAIT).await.code(), Some(0));
         // While no broker answers, each attempt is reported with its failure.
