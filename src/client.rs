@@ -1,10 +1,12 @@
-//! A small Rust client for tinybroker, used by the CLI: publish, and a
-//! subscription that re-subscribes with backoff after an eviction or a lost
-//! connection, and reports each such event. Sends `authorization: Bearer <token>` when a token is set
-//! (by default from `TINYBROKER_AUTH_TOKEN`).
+//! A small Rust client for tinybroker, used by the CLI: publish, the Admin
+//! calls, and a subscription that re-subscribes with backoff after an
+//! eviction or a lost connection, and reports each such event. Sends
+//! `authorization: Bearer <token>` when a token is set (by default from
+//! `TINYBROKER_AUTH_TOKEN`).
 
 use crate::grpc::{DROPPED_METADATA, END_REASON_METADATA, LAST_SEQUENCE_METADATA, SUBSCRIPTION_ID_METADATA};
 use crate::pb;
+use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
 use std::collections::HashMap;
@@ -23,6 +25,7 @@ pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
 #[derive(Clone)]
 pub struct Client {
     broker: BrokerClient<Channel>,
+    admin: AdminClient<Channel>,
     authorization: Option<MetadataValue<Ascii>>,
 }
 
@@ -95,7 +98,8 @@ impl Client {
             })
             .transpose()?;
         Ok(Self {
-            broker: BrokerClient::new(channel).max_decoding_message_size(usize::MAX),
+            broker: BrokerClient::new(channel.clone()).max_decoding_message_size(usize::MAX),
+            admin: AdminClient::new(channel).max_decoding_message_size(usize::MAX),
             authorization,
         })
     }
@@ -141,6 +145,40 @@ impl Client {
         Ok(self.broker.nack(request).await?.into_inner())
     }
 
+    /// Admin/ListSubscriptions: every open subscription (of the whole
+    /// cluster in cluster mode).
+    pub async fn list_subscriptions(&mut self) -> Result<Vec<pb::SubscriptionInfo>, Status> {
+        let request = self.request(pb::ListSubscriptionsRequest {});
+        Ok(self.admin.list_subscriptions(request).await?.into_inner().subscriptions)
+    }
+
+    /// Admin/ListConsumerGroups: every consumer group.
+    pub async fn list_groups(&mut self) -> Result<Vec<pb::ConsumerGroupInfo>, Status> {
+        let request = self.request(pb::ListConsumerGroupsRequest {});
+        Ok(self.admin.list_consumer_groups(request).await?.into_inner().groups)
+    }
+
+    /// Admin/ListEvictions: the most recent evictions, newest first.
+    pub async fn list_evictions(&mut self) -> Result<Vec<pb::EvictionInfo>, Status> {
+        let request = self.request(pb::ListEvictionsRequest {});
+        Ok(self.admin.list_evictions(request).await?.into_inner().evictions)
+    }
+
+    /// Admin/GetBrokerInfo: version, uptime, limits, counters.
+    pub async fn broker_info(&mut self) -> Result<pb::GetBrokerInfoResponse, Status> {
+        let request = self.request(pb::GetBrokerInfoRequest {});
+        Ok(self.admin.get_broker_info(request).await?.into_inner())
+    }
+
+    /// Admin/CloseSubscription: ends one subscription (NOT_FOUND if none).
+    pub async fn close_subscription(&mut self, subscription_id: &str) -> Result<(), Status> {
+        let request = self.request(pb::CloseSubscriptionRequest {
+            subscription_id: subscription_id.to_owned(),
+        });
+        self.admin.close_subscription(request).await?;
+        Ok(())
+    }
+
     /// A subscription that is opened on the first [`Subscriber::next`].
     pub fn subscriber(&self, request: pb::OpenSubscriptionRequest, reconnect: bool) -> Subscriber {
         Subscriber {
@@ -178,12 +216,20 @@ pub enum EndReason {
 #[derive(Debug, Clone)]
 pub enum SubscriberEvent {
     /// The broker ended the stream, with what the subscription lost then
-    /// (messages queued for it) and the last sequence it was handed.
+    /// and the last sequence it was handed.
     Ended {
         subscription_id: String,
         reason: EndReason,
+        /// Messages lost with the stream (`tinybroker-dropped`): those
+        /// queued for it and, for an eviction of a full queue, the one that
+        /// did not fit; the same count as
+        /// `tinybroker_messages_dropped_total`.
         dropped: Option<u64>,
         last_sequence: Option<u64>,
+        /// An eviction: the queue depth then, from Admin/ListEvictions (the
+        /// number the broker's WARN line and ListEvictions show); `None`
+        /// when the broker did not list it.
+        queue_depth: Option<u64>,
     },
     /// The stream failed: the connection was lost, or the broker refused.
     Failed { subscription_id: String, status: Status },
@@ -204,17 +250,31 @@ impl std::fmt::Display for SubscriberEvent {
                 reason,
                 dropped,
                 last_sequence,
+                queue_depth,
             } => {
                 let why = match reason {
-                    EndReason::Evicted => "evicted by the broker as a slow consumer (its queue was full)".to_owned(),
+                    EndReason::Evicted => "evicted by the broker as a slow consumer".to_owned(),
                     EndReason::ClosedByAdmin => "closed by an admin (Admin/CloseSubscription)".to_owned(),
                     EndReason::Shutdown => "ended: the broker is shutting down".to_owned(),
                     EndReason::Unknown(r) if r.is_empty() => "ended by the broker".to_owned(),
                     EndReason::Unknown(r) => format!("ended by the broker ({r})"),
                 };
                 write!(f, "subscription {subscription_id} {why}")?;
-                if let Some(n) = dropped.filter(|n| *n > 0) {
-                    write!(f, "; {n} messages queued for it were dropped")?;
+                if let Some(depth) = queue_depth {
+                    write!(f, ": queue depth {depth}")?;
+                }
+                match (dropped, queue_depth) {
+                    (Some(n), Some(depth)) if *n > *depth => write!(
+                        f,
+                        "; {n} messages dropped: the {depth} queued for it and {} that did not fit",
+                        n - depth
+                    )?,
+                    (Some(n), _) if *reason == EndReason::Evicted && *n > 0 => write!(
+                        f,
+                        "; {n} messages dropped (those queued for it, and the one that did not fit a full queue)"
+                    )?,
+                    (Some(n), _) if *n > 0 => write!(f, "; {n} messages queued for it dropped")?,
+                    _ => {}
                 }
                 if let Some(seq) = last_sequence.filter(|s| *s > 0) {
                     write!(f, "; last sequence delivered {seq}")?;
@@ -349,6 +409,11 @@ impl Subscriber {
         self.subscription_id.as_deref()
     }
 
+    /// What it subscribes to.
+    pub fn request(&self) -> &pb::OpenSubscriptionRequest {
+        &self.request
+    }
+
     pub fn client(&mut self) -> &mut Client {
         &mut self.client
     }
@@ -444,11 +509,17 @@ impl Subscriber {
                     };
                     let closed_by_admin = reason == EndReason::ClosedByAdmin;
                     let subscription_id = self.current_id();
+                    let queue_depth = if reason == EndReason::Evicted {
+                        self.evicted_queue_depth(&subscription_id).await
+                    } else {
+                        None
+                    };
                     self.emit(SubscriberEvent::Ended {
                         subscription_id,
                         reason,
                         dropped: trailer(DROPPED_METADATA).and_then(|v| v.parse().ok()),
                         last_sequence: trailer(LAST_SEQUENCE_METADATA).and_then(|v| v.parse().ok()),
+                        queue_depth,
                     });
                     // An operator closed it on purpose: do not come back.
                     if !self.reconnect || closed_by_admin {
@@ -470,6 +541,31 @@ impl Subscriber {
                 }
             }
         }
+    }
+
+    /// The queue depth Admin/ListEvictions lists for this subscription's
+    /// eviction: the broker records it just after it ends the stream, so a
+    /// few looks within a second. `None` when it is not listed (a token
+    /// without Admin access, an older broker, a record already pushed out).
+    async fn evicted_queue_depth(&mut self, subscription_id: &str) -> Option<u64> {
+        if subscription_id.is_empty() {
+            return None;
+        }
+        for _ in 0..10 {
+            match self.client.list_evictions().await {
+                Ok(evictions) => {
+                    if let Some(e) = evictions.iter().find(|e| e.subscription_id == subscription_id) {
+                        return Some(e.queue_depth);
+                    }
+                }
+                Err(status) => {
+                    tracing::debug!(%status, "cannot list evictions");
+                    return None;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
     }
 
     fn retryable(&self, status: &Status) -> bool {

@@ -722,6 +722,9 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
         _request: Request<pb::GetBrokerInfoRequest>,
     ) -> Result<Response<pb::GetBrokerInfoResponse>, Status> {
         let info = self.engine.info().await.map_err(status)?;
+        // The counters the metrics read at a scrape (not a count of our own),
+        // the peaks left to the scrapes.
+        let counters = self.engine.snapshot(crate::engine::Peaks::Keep).counters;
         let l = self.engine.limits();
         Ok(Response::new(pb::GetBrokerInfoResponse {
             version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -757,6 +760,8 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
             cluster_mode: info.cluster.is_some(),
             replica_id: info.cluster.as_ref().map(|c| c.replica_id.clone()).unwrap_or_default(),
             nats_server: info.cluster.map(|c| c.nats_server).unwrap_or_default(),
+            messages_published: counters.published,
+            messages_delivered: counters.delivered_multi + counters.delivered_single,
         }))
     }
 }
@@ -837,6 +842,10 @@ impl From<crate::engine::GroupInfo> for pb::ConsumerGroupInfo {
             redeliveries: group.redeliveries,
             dead_lettered: group.dead_lettered,
             dropped: group.dropped,
+            oldest_unacked_age: group.oldest_unacked_age.map(|age| prost_types::Duration {
+                seconds: age.as_secs() as i64,
+                nanos: age.subsec_nanos() as i32,
+            }),
         }
     }
 }

