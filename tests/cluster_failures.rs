@@ -242,11 +242,18 @@ async fn lost_state_rebuilt(mut nats: NatsCluster, replicas: usize) {
                 .unwrap()
                 .unwrap();
         }
-        // 2 held by the member, 3 in the backlog, as the replica sees it.
-        wait_until("the backlog gauge to read 3", || async {
-            let text = scrape(broker.metrics_addr).await;
-            metric_with_label(&text, "tinybroker_consumer_group_backlog", "consumer_group=\"workers\"") == Some(3.0)
-        })
+        // 2 held by the member, 3 in the backlog, as the replica sees it;
+        // the held ones unacked for a while.
+        wait_until(
+            "the backlog gauge to read 3 and the oldest unacked age to grow",
+            || async {
+                let text = scrape(broker.metrics_addr).await;
+                let group = "consumer_group=\"workers\"";
+                metric_with_label(&text, "tinybroker_consumer_group_backlog", group) == Some(3.0)
+                    && metric_with_label(&text, "tinybroker_consumer_group_oldest_unacked_age_seconds", group)
+                        .is_some_and(|age| age > 0.0)
+            },
+        )
         .await;
 
         if replicas == 1 {

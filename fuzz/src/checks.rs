@@ -559,6 +559,8 @@ enum Kind {
 #[derive(Default)]
 struct Group {
     patterns: Vec<TopicPattern>,
+    /// The ack mode its first member fixed (MANUAL or not).
+    manual: Option<bool>,
     offered: BTreeSet<u64>,
     /// Acked, or streamed to an auto-ack member.
     done: BTreeSet<u64>,
@@ -1072,7 +1074,9 @@ impl Harness {
             let mut wanted: Vec<&str> = req.topic_patterns.iter().map(String::as_str).collect();
             wanted.sort_unstable();
             wanted.dedup();
-            if g.patterns.iter().map(TopicPattern::as_str).collect::<Vec<_>>() != wanted {
+            if g.patterns.iter().map(TopicPattern::as_str).collect::<Vec<_>>() != wanted
+                || g.manual.is_some_and(|manual| manual != (req.ack_mode == 2))
+            {
                 return Some(Code::FailedPrecondition);
             }
         }
@@ -1119,10 +1123,11 @@ impl Harness {
         patterns.dedup();
         let kind = if req.mode == 2 {
             let group = self.groups.entry(req.consumer_group.clone()).or_default();
+            let manual = req.ack_mode == 2;
             if group.patterns.is_empty() {
                 group.patterns = patterns;
+                group.manual = Some(manual);
             }
-            let manual = req.ack_mode == 2;
             Kind::Member {
                 group: req.consumer_group.clone(),
                 manual,
@@ -1523,11 +1528,13 @@ impl Harness {
         let names: Vec<String> = self.groups.keys().cloned().collect();
         for name in &names {
             let patterns: Vec<String> = self.groups[name].patterns.iter().map(|p| p.to_string()).collect();
+            // With the group's own ack mode (fixed by its first member).
+            let manual = self.groups[name].manual == Some(true);
             self.open(pb::OpenSubscriptionRequest {
                 topic_patterns: patterns,
                 mode: pb::DeliveryMode::Single as i32,
                 consumer_group: name.clone(),
-                ack_mode: pb::AckMode::Auto as i32,
+                ack_mode: if manual { pb::AckMode::Manual } else { pb::AckMode::Auto } as i32,
                 max_in_flight: u32::MAX,
                 ..Default::default()
             })
@@ -1535,6 +1542,12 @@ impl Harness {
             let drain = self.subs.len() - 1;
             assert!(self.subs[drain].open, "the drain member of {name:?} opened");
             self.poll(drain, usize::MAX).await;
+            if let Kind::Member { held, .. } = &self.subs[drain].kind
+                && !held.is_empty()
+            {
+                let (id, sequences) = (self.subs[drain].id.clone(), held.iter().copied().collect());
+                self.ack(id, sequences).await;
+            }
             self.drop_stream(drain).await;
         }
         let groups = self

@@ -875,6 +875,12 @@ impl ClusterEngine {
                     acked: h.acked.load(Ordering::Relaxed),
                     dropped: overflowed.get(&h.name).copied().unwrap_or(0),
                     delivered: h.delivered.load(Ordering::Relaxed),
+                    oldest_held_ms: state
+                        .held
+                        .values()
+                        .map(|held| held.given_at)
+                        .min()
+                        .map(|at| at.elapsed().as_millis() as u64),
                 }
             })
             .collect();
@@ -908,6 +914,10 @@ impl ClusterEngine {
                 info.acked += part.acked;
                 info.dropped += part.dropped;
                 info.delivered += part.delivered;
+                if let Some(ms) = part.oldest_held_ms {
+                    let age = Duration::from_millis(ms);
+                    info.oldest_unacked_age = Some(info.oldest_unacked_age.map_or(age, |a| a.max(age)));
+                }
             }
             let prefix = &self.inner.config.prefix;
             if let Ok(stream) = ready.js.get_stream(stream_name(prefix, &name)).await
@@ -1030,6 +1040,10 @@ pub(super) struct LocalGroup {
     /// (absent from a replica of an earlier version).
     #[serde(default)]
     pub(super) delivered: u64,
+    /// How long the oldest message members here hold has been held, in
+    /// milliseconds (absent from a replica of an earlier version).
+    #[serde(default)]
+    pub(super) oldest_held_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1112,6 +1126,8 @@ struct Held {
     deadline: Instant,
     /// When JetStream was last told this replica still works on it.
     progress_at: Instant,
+    /// When its member was given it (the oldest unacked age).
+    given_at: Instant,
     /// As [`Waiting::remembered`].
     remembered: bool,
 }
@@ -1222,6 +1238,7 @@ impl HubState {
                 published: w.published.clone(),
                 deadline: Instant::now() + member.settings.ack_deadline,
                 progress_at: Instant::now(),
+                given_at: Instant::now(),
                 message: w.message,
                 attempt: w.attempt,
                 remembered: w.remembered,
