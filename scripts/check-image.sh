@@ -532,6 +532,14 @@ exec_readiness() { exec_probe "$CHART_READINESS_TIMEOUT" "${CHART_READINESS_CMD[
 check exec-probe-liveness exec_liveness
 check exec-probe-readiness exec_readiness
 
+# What `kubectl exec deploy/tinybroker -- tinybroker top --once` runs: the
+# image has no shell, so the binary is exec'd directly.
+exec_top() {
+    exec_probe 15 /usr/local/bin/tinybroker top --once --addr "http://127.0.0.1:$CHART_GRPC_PORT" &&
+        [[ "$EV" == *"published "* && "$EV" == *"delivered "* ]]
+}
+check exec-top-once exec_top
+
 helm_test_pod() {
     local tools="$WORK/emptydir-tools" rc
     if [[ "$TEST_SERVICE_PORT" != "$CHART_GRPC_PORT" ]]; then
