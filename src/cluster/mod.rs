@@ -26,10 +26,16 @@
 //!
 //! - **Consumer groups** run over JetStream: see `groups.rs`.
 //!
+//! - **Replica ids** are held by one process at a time (`registry.rs`): a
+//!   second live holder of an id is refused, loudly.
+//! - **Lost NATS state** (memory-storage JetStream restarted) is noticed
+//!   and rebuilt, and the loss counted (`recovery.rs`).
+//!
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
 //! between the local fan-out and NATS; `groups.rs` consumer groups;
-//! `registry.rs` live replicas and subscription ids; `rpc.rs` calls
-//! between replicas, both ends.
+//! `registry.rs` live replicas, replica ids and subscription ids; `rpc.rs`
+//! calls between replicas, both ends; `recovery.rs` the buckets, JetStream's
+//! refusals explained, and the rebuild after NATS lost its state.
 
 mod attempts;
 mod fanout;
