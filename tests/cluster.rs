@@ -13,9 +13,7 @@ use std::time::Duration;
 use tinybroker::config::{ClusterConfig, Config};
 use tinybroker::pb;
 use tonic::Code;
-use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
 
 /// A replica named `id` connected to `urls` (its first server first).
 fn replica_config(urls: Vec<String>, id: &str, prefix: &str) -> Config {
@@ -42,19 +40,6 @@ fn urls_from(nats: &NatsCluster, first: usize) -> Vec<String> {
 
 async fn serving_status(broker: &TestBroker) -> Option<ServingStatus> {
     serving_status_at(&broker.url()).await
-}
-
-async fn serving_status_at(url: &str) -> Option<ServingStatus> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .ok()?
-        .connect()
-        .await
-        .ok()?;
-    let response = HealthClient::new(channel)
-        .check(HealthCheckRequest { service: String::new() })
-        .await
-        .ok()?;
-    ServingStatus::try_from(response.into_inner().status).ok()
 }
 
 async fn wait_serving(broker: &TestBroker) {

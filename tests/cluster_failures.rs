@@ -13,22 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tinybroker::config::{ClusterConfig, Config};
 use tinybroker::pb;
-use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
-
-async fn serving_status_at(url: &str) -> Option<ServingStatus> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .ok()?
-        .connect()
-        .await
-        .ok()?;
-    let response = HealthClient::new(channel)
-        .check(HealthCheckRequest { service: String::new() })
-        .await
-        .ok()?;
-    ServingStatus::try_from(response.into_inner().status).ok()
-}
 
 async fn wait_serving_at(url: &str) {
     wait_until("the replica to be SERVING", || async {

