@@ -138,11 +138,12 @@ fn pause_broker_when_told(script: &mut Script, broker: &BrokerProcess) -> serde_
     );
     let before = published_scraped(broker);
     broker.guard.signal("STOP");
-    assert_eq!(
-        process_state(broker.guard.pid()),
-        'T',
-        "the broker is stopped during the pause"
-    );
+    // A stop signal takes effect a moment after it is sent.
+    let stopped_by = Instant::now() + Duration::from_secs(2);
+    while process_state(broker.guard.pid()) != 'T' {
+        assert!(Instant::now() < stopped_by, "the broker is stopped during the pause");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     std::thread::sleep(PAUSE);
     broker.guard.signal("CONT");
     eprintln!("broker paused for {PAUSE:?} after {before} messages");
