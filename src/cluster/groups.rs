@@ -818,11 +818,15 @@ impl ClusterEngine {
         let table = self.inner.groups.table.lock().clone();
         let me = &self.inner.config.replica_id;
         let counts_backlogs = self.inner.live.lock().iter().min().is_none_or(|first| first == me);
-        let mut lost: u64 = if counts_backlogs {
-            self.inner.groups_seen.lock().iter().map(|g| g.backlog as u64).sum()
-        } else {
-            0
-        };
+        // Taken, not read: a second rebuild before the next gathering (a
+        // replica's witness purged by another's rebuild) counts them once.
+        let mut lost: u64 = 0;
+        for group in self.inner.groups_seen.lock().iter_mut() {
+            if counts_backlogs {
+                lost += group.backlog as u64;
+            }
+            group.backlog = 0;
+        }
         let hubs = self.inner.groups.hubs.lock().clone();
         for (name, patterns) in table {
             let hub = hubs.get(&name);
