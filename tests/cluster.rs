@@ -43,10 +43,7 @@ async fn serving_status(broker: &TestBroker) -> Option<ServingStatus> {
 }
 
 async fn wait_serving(broker: &TestBroker) {
-    wait_until("the replica to be SERVING", || async {
-        serving_status(broker).await == Some(ServingStatus::Serving)
-    })
-    .await;
+    wait_serving_at(&broker.url()).await;
 }
 
 /// `n` replicas over `nats`, replica i connected to server i first, all

@@ -15,13 +15,6 @@ use tinybroker::config::{ClusterConfig, Config};
 use tinybroker::pb;
 use tonic_health::pb::health_check_response::ServingStatus;
 
-async fn wait_serving_at(url: &str) {
-    wait_until("the replica to be SERVING", || async {
-        serving_status_at(url).await == Some(ServingStatus::Serving)
-    })
-    .await;
-}
-
 fn replica_env(nats_url: &str, id: &str, prefix: &str) -> Vec<(&'static str, String)> {
     vec![
         ("TINYBROKER_NATS_URL", nats_url.to_owned()),

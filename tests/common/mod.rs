@@ -515,3 +515,11 @@ pub async fn serving_status_at(url: &str) -> Option<tonic_health::pb::health_che
         .ok()?;
     tonic_health::pb::health_check_response::ServingStatus::try_from(response.into_inner().status).ok()
 }
+
+/// Waits until the broker at `url` says SERVING.
+pub async fn wait_serving_at(url: &str) {
+    wait_until("the replica to be SERVING", || async {
+        serving_status_at(url).await == Some(tonic_health::pb::health_check_response::ServingStatus::Serving)
+    })
+    .await;
+}
