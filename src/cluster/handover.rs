@@ -95,7 +95,7 @@ impl ClusterEngine {
                         },
                         context: js.clone(),
                     };
-                    self.take_offered(group, message, attempt)
+                    self.take_offered(group, message, attempt).await
                 }
                 None => {
                     tracing::warn!(subject = %offer.subject, "a malformed offer of a group message was refused");

@@ -431,16 +431,16 @@ impl ClusterEngine {
 
     /// Ack of a subscription this replica serves: a cluster group's member
     /// through its hub, else the local engine (broadcast: all unknown).
-    fn ack_here(&self, id: &str, sequences: &[u64]) -> Result<Acked, BrokerError> {
+    async fn ack_here(&self, id: &str, sequences: &[u64]) -> Result<Acked, BrokerError> {
         match self.hub_of(id) {
-            Some(hub) => Ok(hub.ack(id, sequences)),
+            Some(hub) => Ok(hub.ack(id, sequences).await),
             None => self.inner.local.ack(id, sequences),
         }
     }
 
-    fn nack_here(&self, id: &str, sequences: &[u64]) -> Result<Nacked, BrokerError> {
+    async fn nack_here(&self, id: &str, sequences: &[u64]) -> Result<Nacked, BrokerError> {
         match self.hub_of(id) {
-            Some(hub) => Ok(hub.nack(id, sequences)),
+            Some(hub) => Ok(hub.nack(id, sequences).await),
             None => self.inner.local.nack(id, sequences),
         }
     }
@@ -625,7 +625,7 @@ impl Engine for ClusterEngine {
             id: subscription_id.to_owned(),
             sequences: sequences.to_vec(),
         };
-        let here = self.ack_here(subscription_id, sequences);
+        let here = self.ack_here(subscription_id, sequences).await;
         self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
             rpc::Answer::Acked(acked) => Ok(acked),
             other => Err(other),
@@ -639,7 +639,7 @@ impl Engine for ClusterEngine {
             id: subscription_id.to_owned(),
             sequences: sequences.to_vec(),
         };
-        let here = self.nack_here(subscription_id, sequences);
+        let here = self.nack_here(subscription_id, sequences).await;
         self.here_or_forwarded(subscription_id, here, call, |answer| match answer {
             rpc::Answer::Nacked(nacked) => Ok(nacked),
             other => Err(other),

@@ -147,7 +147,7 @@ impl ClusterEngine {
             let engine = self.clone();
             tokio::spawn(async move {
                 let answer = match serde_json::from_slice::<Call>(&request.payload) {
-                    Ok(call) => engine.answer_one(call),
+                    Ok(call) => engine.answer_one(call).await,
                     Err(e) => Answer::Error(WireError::from(BrokerError::InvalidArgument(format!(
                         "undecodable forwarded call: {e}"
                     )))),
@@ -164,12 +164,12 @@ impl ClusterEngine {
         }
     }
 
-    pub(super) fn answer_one(&self, call: Call) -> Answer {
+    pub(super) async fn answer_one(&self, call: Call) -> Answer {
         let local = &self.inner.local;
         let result = match call {
             Call::Ping => Ok(Answer::Pong),
-            Call::Ack { id, sequences } => self.ack_here(&id, &sequences).map(Answer::Acked),
-            Call::Nack { id, sequences } => self.nack_here(&id, &sequences).map(Answer::Nacked),
+            Call::Ack { id, sequences } => self.ack_here(&id, &sequences).await.map(Answer::Acked),
+            Call::Nack { id, sequences } => self.nack_here(&id, &sequences).await.map(Answer::Nacked),
             Call::Close { id } => local.close_subscription(&id).map(|()| Answer::Closed),
             Call::ListSubscriptions => Ok(Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
             Call::ListEvictions => Ok(Answer::Evictions(local.evictions())),
@@ -212,7 +212,7 @@ impl ClusterEngine {
             let call = call.clone();
             async move {
                 if *replica == self.inner.config.replica_id {
-                    return Some(self.answer_one(call));
+                    return Some(self.answer_one(call).await);
                 }
                 match self::call(&self.inner.client, &self.inner.config.prefix, replica, &call).await {
                     Ok(answer) => Some(answer),

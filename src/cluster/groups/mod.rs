@@ -14,15 +14,15 @@
 //!   counts it (`group_overflow`) and stores the new one
 //!   ([`ClusterEngine::make_room`]): JetStream discarding the oldest itself
 //!   would say nothing, and every loss must be counted.
-//! - A replica with members of a group runs a [`Hub`]: it pulls only as many
-//!   messages as its members have room for (`max_in_flight`), hands them
-//!   out round-robin, and holds each JetStream message until it is done:
-//!   acked when an AUTO member's stream takes it, or by a MANUAL member's
-//!   Ack; on Nack handed to another member with room, here or on another
-//!   replica (src/cluster/handover.rs), else nacked (redelivered at once, to
-//!   any member); nacked at the member's ack deadline, or when the member's
-//!   stream closes. A replica that dies leaves its messages to the
-//!   consumer's `ack_wait`.
+//! - A replica with members of a group runs a hub (`hub.rs`): it pulls only
+//!   as many messages as its members have room for (`max_in_flight`), hands
+//!   them out round-robin, and holds each JetStream message until it is
+//!   done: acked when an AUTO member's stream takes it, or by a MANUAL
+//!   member's Ack; on Nack handed to another member with room, here or on
+//!   another replica (src/cluster/handover.rs), else nacked (redelivered at
+//!   once, to any member); the same at the member's ack deadline; nacked
+//!   when the member's stream closes. A replica that dies leaves its
+//!   messages to the consumer's `ack_wait`.
 //! - A message whose attempt fails after `max_delivery_attempts` is
 //!   published to `_dlq.<group>` by the replica holding it, then acked.
 //! - A group without members on any live replica for its idle TTL is
@@ -30,32 +30,72 @@
 //!   replica's heartbeat): table entry, stream and consumer.
 //! - A replica shutting down stops pulling, and hands back what its members
 //!   still hold before it exits ([`ClusterEngine::hand_back_groups`]).
+//!
+//! # Files
+//!
+//! - `mod.rs` (this file): the group table and its trie, publishing into a
+//!   group's stream and making room in a full one, joining, idle removal,
+//!   the listings, the rebuild after NATS lost its state, shutdown's hand
+//!   back, dead letters;
+//! - `state.rs`: a hub's state machine, no I/O, time passed in;
+//! - `hub.rs`: the hub's three tasks (hub, puller, sender), its commands,
+//!   and the [`hub::Backend`] trait it does its I/O through;
+//! - `nats.rs`: that backend over async-nats;
+//! - `hub_tests.rs`: the hub against a fake JetStream, in paused time.
+//!
+//! # Tasks and locks
+//!
+//! Per hub (one per group with members here, `hub.rs` has the detail):
+//! - the **hub task** owns the group's state on this replica (members,
+//!   held and waiting messages, deadlines, counts) and nothing else
+//!   changes it: joins, leaves, acks, nacks, streamed AUTO deliveries,
+//!   pulled and offered messages and its own tick arrive as commands;
+//! - the **puller** owns the open pull (its inbox subscription), and asks
+//!   for what the hub says its members have room for;
+//! - the **sender** owns the ordered queue of what the hub tells JetStream
+//!   (acks, naks, progress, terms, dead letters, offers to other
+//!   replicas): one operation after another, in the order decided.
+//!
+//! Per replica: the table watch ([`ClusterEngine::watch_groups`]), and the
+//! offers answered from other replicas (`handover.rs`).
+//!
+//! Locks, all plain mutexes held for a few instructions and never across
+//! an `.await`; none is taken while another is held, except `table` then
+//! `routes` (in [`ClusterEngine::route_group`]):
+//! - `Groups::table`, then `Groups::routes`;
+//! - `Groups::hubs`, `Groups::members`, `Groups::idle`,
+//!   `Groups::overflowed`: leaves;
+//! - a hub's view and its `Want` watch, and its backend's consumer and
+//!   repair time (`nats.rs`): leaves.
+
+mod hub;
+#[cfg(test)]
+mod hub_tests;
+mod nats;
+mod state;
 
 use super::registry::key;
 use super::{ClusterEngine, ClusterStream, Ready};
-use crate::broker::{ExternalMember, RouteCache, Subscription};
+use crate::broker::{ExternalMember, RouteCache};
 use crate::engine::validate::{self, truncate};
-use crate::engine::{
-    AckMode, Acked, BrokerError, Delivery, GroupInfo, Nacked, NewMessage, PublishTime, SubscribeRequest,
-};
+use crate::engine::{AckMode, BrokerError, Delivery, GroupInfo, NewMessage, PublishTime, SubscribeRequest};
 use crate::pb;
 use crate::sublist::Sublist;
 use crate::topic::TopicPattern;
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use bytes::Bytes;
 use futures::StreamExt;
+use hub::{HubConfig, HubHandle};
+use nats::Nats;
 use parking_lot::{Mutex, RwLock};
 use prost::Message as _;
+use state::{Pulled, Settings};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How long a pull waits for messages before asking again.
-const PULL_EXPIRES: Duration = Duration::from_secs(1);
-/// How often held messages are checked against their ack deadlines.
-const DEADLINE_TICK: Duration = Duration::from_millis(100);
 /// How long a replica shutting down waits for its last pulls to be
 /// answered before it hands back what its members hold.
 const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
@@ -64,9 +104,6 @@ const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
 /// wrote the table just before the first check shows its member by the
 /// second.
 const IDLE_SEEN_FOR: Duration = Duration::from_secs(1);
-/// How often a hub whose pulls fail makes sure its stream and consumer
-/// exist.
-const HEAL_EVERY: Duration = Duration::from_secs(2);
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
 const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
@@ -74,10 +111,6 @@ const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
 /// (a large message in a backlog full of bytes needs several); beyond it,
 /// the new message is the one dropped.
 const MAKE_ROOM_AT_MOST: usize = 64;
-/// How long offering nacked messages to other replicas may take in all
-/// (then the rest is nacked through JetStream): well within the shortest
-/// `ack_wait` (2 s), which no one renews meanwhile.
-const OFFERS_FOR_AT_MOST: Duration = Duration::from_millis(600);
 
 /// What this replica knows of the cluster's groups.
 #[derive(Default)]
@@ -86,8 +119,12 @@ pub(super) struct Groups {
     routes: RwLock<Sublist<Arc<GroupRoute>>>,
     /// The table as last seen: name → patterns.
     table: Mutex<HashMap<String, Vec<String>>>,
-    /// Groups with members on this replica.
-    hubs: Mutex<HashMap<String, Arc<Hub>>>,
+    /// Groups with members on this replica (and hubs lingering after
+    /// their last member left). A leaf lock.
+    pub(super) hubs: Mutex<HashMap<String, HubHandle<Nats>>>,
+    /// The hub of each member on this replica, by subscription id: where
+    /// Ack and Nack go. A leaf lock.
+    members: Mutex<HashMap<Arc<str>, HubHandle<Nats>>>,
     /// Cancelled when this replica begins to shut down: its hubs stop
     /// pulling (the group's backlog stays in JetStream for the members
     /// elsewhere), and what they still hold is handed back before it exits
@@ -455,10 +492,9 @@ impl ClusterEngine {
         if created.is_some() {
             self.announce_group(ready, &name, &patterns).await;
         }
-        if let Err(error) = self.claim(ready, &id).await {
-            hub.unused();
-            return Err(error);
-        }
+        // A hub this join started and never joined stops by itself (no
+        // member for its linger time).
+        self.claim(ready, &id).await?;
         let release = super::Release {
             store: ready.subscriptions.clone(),
             id: id.clone(),
@@ -467,29 +503,27 @@ impl ClusterEngine {
             group: name.clone(),
             ack_mode: request.ack_mode,
         };
-        let inner = match self.inner.local.open_external(&request, max_in_flight, member) {
-            Ok(inner) => inner,
-            Err(error) => {
-                hub.unused();
-                return Err(error);
-            }
-        };
+        let inner = self.inner.local.open_external(&request, max_in_flight, member)?;
         let settings = Settings {
             max_in_flight,
             ack_deadline,
         };
-        // The hub stops 1.25 s after its last member left; if that moment
-        // fell within this join (the claim above waits for NATS), join the
-        // new one: a member of a stopped hub would never get a message.
-        while !hub.join(id.as_str().into(), inner.subscription().clone(), settings) {
+        // A hub stops LINGER after its last member left (or after it was
+        // started, without one); if that moment fell within this join (the
+        // claim above waits for NATS), join a new one: a member of a
+        // stopped hub would never get a message.
+        let id: Arc<str> = id.into();
+        while !hub.join(id.clone(), inner.subscription().clone(), settings).await {
             hub = self.hub(ready, &name, &patterns, ack_deadline).await?;
         }
+        self.inner.groups.members.lock().insert(id.clone(), hub.clone());
         Ok(ClusterStream {
             inner,
             release: Some(release),
             member: Some(MemberLink {
                 hub,
-                id: id.into(),
+                engine: self.clone(),
+                id,
                 ack_mode: request.ack_mode,
             }),
             _interested: None,
@@ -693,42 +727,27 @@ impl ClusterEngine {
         name: &str,
         patterns: &[String],
         ack_deadline: Duration,
-    ) -> Result<Arc<Hub>, BrokerError> {
+    ) -> Result<HubHandle<Nats>, BrokerError> {
         if let Some(hub) = self.inner.groups.hubs.lock().get(name) {
             return Ok(hub.clone());
         }
         let consumer = self.group_consumer(ready, name, ack_deadline).await?;
-        let ack_wait = consumer.cached_info().config.ack_wait;
-        let mut hubs = self.inner.groups.hubs.lock();
-        if let Some(hub) = hubs.get(name) {
-            return Ok(hub.clone());
+        let nats = Nats::new(self.clone(), name, patterns, ready.js.clone(), consumer);
+        let config = HubConfig {
+            max_delivery_attempts: self.inner.local.limits().max_delivery_attempts,
+            ack_wait: nats.ack_wait,
+            closing: self.inner.groups.closing.clone(),
+        };
+        let (hub, starting) = HubHandle::new(name, Arc::new(nats), config);
+        {
+            let mut hubs = self.inner.groups.hubs.lock();
+            if let Some(hub) = hubs.get(name) {
+                return Ok(hub.clone());
+            }
+            hubs.insert(name.to_owned(), hub.clone());
         }
-        let (acks, acked) = tokio::sync::mpsc::unbounded_channel();
-        let hub = Arc::new(Hub {
-            name: name.to_owned(),
-            patterns: patterns.to_vec(),
-            engine: self.clone(),
-            js: ready.js.clone(),
-            consumer: Mutex::new(consumer),
-            healed_at: Mutex::new(Instant::now()),
-            state: Mutex::new(HubState::default()),
-            room: tokio::sync::Notify::new(),
-            emptied: tokio::sync::Notify::new(),
-            pulling: tokio::sync::watch::Sender::new(false),
-            stop: tokio_util::sync::CancellationToken::new(),
-            pulled: tokio_util::sync::CancellationToken::new(),
-            ack_wait,
-            redeliveries: AtomicU64::new(0),
-            dead_lettered: AtomicU64::new(0),
-            acked: AtomicU64::new(0),
-            delivered: AtomicU64::new(0),
-            offers: Default::default(),
-            acks,
-        });
-        tokio::spawn(send_acks(acked));
-        hubs.insert(name.to_owned(), hub.clone());
-        tokio::spawn(hub.clone().pull());
-        tokio::spawn(hub.clone().watch_deadlines());
+        // Its tasks start outside the lock.
+        starting.start();
         Ok(hub)
     }
 
@@ -830,13 +849,13 @@ impl ClusterEngine {
         let hubs = self.inner.groups.hubs.lock().clone();
         for (name, patterns) in table {
             let hub = hubs.get(&name);
-            self.fix_patterns(ready, &name, &patterns, hub.and_then(|h| h.members_ack_mode()))
+            self.fix_patterns(ready, &name, &patterns, hub.and_then(|h| h.view().ack_mode))
                 .await?;
             match hub {
                 Some(hub) => {
-                    let consumer = self.group_consumer(ready, &name, hub.ack_wait).await?;
-                    *hub.consumer.lock() = consumer;
-                    lost += hub.forget_held() as u64;
+                    let consumer = self.group_consumer(ready, &name, hub.backend().ack_wait).await?;
+                    hub.backend().set_consumer(consumer);
+                    lost += hub.forget_held().await as u64;
                 }
                 None => {
                     self.group_stream(ready, &name).await?;
@@ -848,48 +867,56 @@ impl ClusterEngine {
 
     /// Takes a nacked message offered by another replica into this
     /// replica's hub of `group`, if it has one with room for it.
-    pub(super) fn take_offered(&self, group: &str, message: jetstream::Message, attempt: u32) -> bool {
-        let hub = self.inner.groups.hubs.lock().get(group).cloned();
-        hub.is_some_and(|hub| hub.take(message, attempt))
+    pub(super) async fn take_offered(&self, group: &str, message: jetstream::Message, attempt: u32) -> bool {
+        let Some(hub) = self.inner.groups.hubs.lock().get(group).cloned() else {
+            return false;
+        };
+        let Some(published) = nats::published(self, &message) else {
+            return false;
+        };
+        hub.take(Pulled {
+            message,
+            published,
+            attempt,
+            remembered: false,
+        })
+        .await
     }
 
     /// The hub holding member `id`, if it is on this replica.
-    pub(super) fn hub_of(&self, id: &str) -> Option<Arc<Hub>> {
-        let hubs = self.inner.groups.hubs.lock();
-        hubs.values()
-            .find(|h| h.state.lock().members.iter().any(|m| &*m.id == id))
-            .cloned()
+    pub(super) fn hub_of(&self, id: &str) -> Option<HubHandle<Nats>> {
+        self.inner.groups.members.lock().get(id).cloned()
     }
 
-    /// This replica's view of its groups: (name, members, held,
-    /// redeliveries, dead-lettered, acked).
+    /// This replica's view of its groups.
     pub(super) fn local_groups(&self) -> Vec<LocalGroup> {
-        let hubs = self.inner.groups.hubs.lock();
-        let overflowed = self.inner.groups.overflowed.lock();
+        let hubs: Vec<HubHandle<Nats>> = self.inner.groups.hubs.lock().values().cloned().collect();
+        let overflowed = self.inner.groups.overflowed.lock().clone();
+        let now = Instant::now();
         let mut groups: Vec<LocalGroup> = hubs
-            .values()
+            .iter()
             .map(|h| {
-                let state = h.state.lock();
+                let view = h.view();
                 LocalGroup {
-                    name: h.name.clone(),
-                    members: state.members.len(),
-                    held: state.held.len(),
-                    redeliveries: h.redeliveries.load(Ordering::Relaxed),
-                    dead_lettered: h.dead_lettered.load(Ordering::Relaxed),
-                    acked: h.acked.load(Ordering::Relaxed),
-                    dropped: overflowed.get(&h.name).copied().unwrap_or(0),
-                    delivered: h.delivered.load(Ordering::Relaxed),
-                    oldest_held_ms: state
-                        .held
-                        .values()
-                        .map(|held| held.given_at)
-                        .min()
-                        .map(|at| at.elapsed().as_millis() as u64),
+                    name: h.name().to_owned(),
+                    members: view.members,
+                    held: view.held,
+                    redeliveries: view.counters.redeliveries,
+                    dead_lettered: view.counters.dead_lettered,
+                    acked: view.counters.acked,
+                    dropped: overflowed.get(h.name()).copied().unwrap_or(0),
+                    delivered: h.delivered(),
+                    oldest_held_ms: view
+                        .oldest_given_at
+                        .map(|at| now.saturating_duration_since(at).as_millis() as u64),
                 }
             })
             .collect();
         // Groups this replica published into without serving a member.
-        for (name, &dropped) in overflowed.iter().filter(|(name, _)| !hubs.contains_key(*name)) {
+        for (name, &dropped) in overflowed
+            .iter()
+            .filter(|(name, _)| !hubs.iter().any(|h| h.name() == *name))
+        {
             groups.push(LocalGroup {
                 name: name.clone(),
                 dropped,
@@ -950,36 +977,25 @@ impl ClusterEngine {
     /// connection.
     pub(super) async fn hand_back_groups(&self) {
         self.stop_pulling();
-        let hubs: Vec<Arc<Hub>> = self.inner.groups.hubs.lock().values().cloned().collect();
+        let hubs: Vec<HubHandle<Nats>> = self.inner.groups.hubs.lock().values().cloned().collect();
         let deadline = Instant::now() + HAND_BACK_WAIT;
         for hub in &hubs {
-            let _ = tokio::time::timeout_at(deadline, hub.pulled.cancelled()).await;
+            let _ = tokio::time::timeout_at(deadline, hub.pulled()).await;
         }
-        let mut messages = Vec::new();
+        // Each hub queues its naks behind the acks of what its members were
+        // done with, and says when all are with the NATS client (before
+        // the caller's last flush).
+        let mut count = 0;
+        let mut sent = Vec::new();
         for hub in &hubs {
-            let mut state = hub.state.lock();
-            // Lowest sequence first (nak_in_order).
-            let mut held: Vec<(u64, Held)> = state.held.drain().collect();
-            held.sort_unstable_by_key(|(seq, _)| *seq);
-            hub.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
-            messages.extend(held.into_iter().map(|(_, h)| (h.message, h.attempt)));
-            messages.extend(state.waiting.drain(..).map(|w| (w.message, w.attempt)));
-            for member in &mut state.members {
-                member.holds = 0;
+            if let Some((handed, flushed)) = hub.hand_back().await {
+                count += handed;
+                sent.push(flushed);
             }
         }
-        // The acks of what members were done with, before the last flush.
-        for hub in &hubs {
-            let (sent, acks_sent) = tokio::sync::oneshot::channel();
-            if hub.acks.send(Acking::Sent(sent)).is_ok() {
-                let _ = tokio::time::timeout_at(deadline, acks_sent).await;
-            }
-        }
-        let count = messages.len();
-        self.remember_attempts(messages.iter().map(|(m, attempt)| (m, *attempt)))
-            .await;
-        for (message, _) in messages {
-            let _ = message.ack_with(AckKind::Nak(None)).await;
+        let deadline = Instant::now() + HAND_BACK_WAIT;
+        for flushed in sent {
+            let _ = tokio::time::timeout_at(deadline, flushed).await;
         }
         if count > 0 {
             tracing::info!(
@@ -1050,849 +1066,30 @@ pub(super) struct LocalGroup {
     pub(super) oldest_held_ms: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Settings {
-    max_in_flight: u32,
-    ack_deadline: Duration,
-}
-
-/// A group's members on this replica and the JetStream messages they hold.
-pub(super) struct Hub {
-    name: String,
-    /// The group's patterns, to write the table again if the group was
-    /// removed under its members ([`Hub::heal`]).
-    patterns: Vec<String>,
-    engine: ClusterEngine,
-    js: jetstream::Context,
-    consumer: Mutex<jetstream::consumer::PullConsumer>,
-    /// When [`Hub::heal`] last ran.
-    healed_at: Mutex<Instant>,
-    state: Mutex<HubState>,
-    /// Notified when a member gets room.
-    room: tokio::sync::Notify,
-    /// Notified when the last member leaves.
-    emptied: tokio::sync::Notify,
-    /// True while a pull is outstanding.
-    pulling: tokio::sync::watch::Sender<bool>,
-    /// The consumer's `ack_wait`: JetStream redelivers a message not acked
-    /// or progressed for this long (a replica that died).
-    ack_wait: Duration,
-    stop: tokio_util::sync::CancellationToken,
-    /// Cancelled when the pull loop has ended (no pull of it is open).
-    pulled: tokio_util::sync::CancellationToken,
-    redeliveries: AtomicU64,
-    dead_lettered: AtomicU64,
-    acked: AtomicU64,
-    /// Group messages written to the streams of members here.
-    delivered: AtomicU64,
-    /// Turns the replica a nacked message is offered to first.
-    offers: std::sync::atomic::AtomicUsize,
-    /// What its members are done with, for [`send_acks`] to ack.
-    acks: tokio::sync::mpsc::UnboundedSender<Acking>,
-}
-
-#[derive(Default)]
-struct HubState {
-    members: Vec<Member>,
-    cursor: usize,
-    /// Handed out and not done, by sequence.
-    held: HashMap<u64, Held>,
-    /// Pulled and not handed out yet: a member left meanwhile, or none has
-    /// room (a pull asks for what there was room for, but a member may
-    /// leave while it is answered).
-    waiting: std::collections::VecDeque<Waiting>,
-}
-
-struct Waiting {
-    message: jetstream::Message,
-    published: Arc<crate::broker::Published>,
-    attempt: u32,
-    /// The member that nacked it: passed over while another has room.
-    avoid: Option<Arc<str>>,
-    /// Its attempts beyond JetStream's count were read from the
-    /// `<prefix>_attempts` bucket (removed there once it is done).
-    remembered: bool,
-}
-
-struct Member {
-    id: Arc<str>,
-    subscription: Arc<Subscription>,
-    settings: Settings,
-    holds: u32,
-}
-
-struct Held {
-    member: Arc<str>,
-    message: jetstream::Message,
-    /// What the member was given, to hand it to another member on a Nack.
-    published: Arc<crate::broker::Published>,
-    attempt: u32,
-    deadline: Instant,
-    /// When JetStream was last told this replica still works on it.
-    progress_at: Instant,
-    /// When its member was given it (the oldest unacked age).
-    given_at: Instant,
-    /// As [`Waiting::remembered`].
-    remembered: bool,
-}
-
-/// Acks, in order, what a hub's members are done with, until the hub is
-/// gone and every ack it queued is sent. One task for all: the acks an Ack
-/// call (or a burst of AUTO deliveries) queues go into the NATS client's
-/// queue back to back and leave in one write. A task per ack sent most of
-/// them alone, a system call each on the replica and on the NATS server (a
-/// third of a member replica's CPU in the cluster group benchmark).
-async fn send_acks(mut acked: tokio::sync::mpsc::UnboundedReceiver<Acking>) {
-    let mut batch = Vec::with_capacity(ACKS_AT_ONCE);
-    while acked.recv_many(&mut batch, ACKS_AT_ONCE).await > 0 {
-        for acking in batch.drain(..) {
-            match acking {
-                Acking::Done(message) => {
-                    let _ = message.ack().await;
-                }
-                Acking::Sent(sent) => {
-                    let _ = sent.send(());
-                }
-            }
-        }
-    }
-}
-
-/// What [`send_acks`] is given. Nearly all are `Done`: boxing the message
-/// to shrink the rare `Sent` would cost an allocation per ack.
-#[allow(clippy::large_enum_variant)]
-enum Acking {
-    /// A message to ack.
-    Done(jetstream::Message),
-    /// Answered once every ack queued before it is with the NATS client.
-    Sent(tokio::sync::oneshot::Sender<()>),
-}
-
-/// Most acks [`send_acks`] takes from its queue at once.
-const ACKS_AT_ONCE: usize = 256;
-
 /// What a member's stream needs of its hub.
-pub(super) struct MemberLink {
-    hub: Arc<Hub>,
+pub(in crate::cluster) struct MemberLink {
+    hub: HubHandle<Nats>,
+    engine: ClusterEngine,
     id: Arc<str>,
     ack_mode: AckMode,
 }
 
 impl MemberLink {
     /// The member's stream took `delivery`.
-    pub(super) fn streamed(&self, delivery: &Delivery) {
-        self.hub.delivered.fetch_add(1, Ordering::Relaxed);
-        if self.ack_mode == AckMode::Auto {
-            self.hub.done(&self.id, delivery.message.sequence);
-        }
+    pub(in crate::cluster) fn streamed(&self, delivery: &Delivery) {
+        self.hub.streamed(&self.id, self.ack_mode, delivery);
     }
 }
 
 impl Drop for MemberLink {
     fn drop(&mut self) {
-        let hub = self.hub.clone();
-        hub.leave(&self.id);
-    }
-}
-
-impl HubState {
-    /// What the members have room for, beyond what waits already.
-    fn room(&self) -> usize {
-        let room: usize = self
-            .members
-            .iter()
-            .map(|m| m.settings.max_in_flight.saturating_sub(m.holds) as usize)
-            .sum();
-        room.saturating_sub(self.waiting.len())
-    }
-
-    /// Hands waiting messages to members with room, round-robin.
-    fn dispatch(&mut self) {
-        while let Some(front) = self.waiting.front() {
-            let avoid = front.avoid.clone();
-            let n = self.members.len();
-            let has_room = |m: &Member| m.holds < m.settings.max_in_flight;
-            let mut with_room = (0..n)
-                .map(|i| (self.cursor + i) % n)
-                .filter(|&i| has_room(&self.members[i]));
-            let first = with_room.next();
-            // The member that nacked it only when no other has room.
-            let pick = match (&avoid, first) {
-                (Some(avoid), Some(i)) if self.members[i].id == *avoid => with_room.next().or(first),
-                _ => first,
-            };
-            let Some(index) = pick else { return };
-            let Some(w) = self.waiting.pop_front() else { return };
-            self.cursor = index + 1;
-            let member = &mut self.members[index];
-            let delivery = Delivery {
-                message: w.published.clone(),
-                attempt: w.attempt,
-            };
-            if member.subscription.hand(delivery).is_err() {
-                // Closing: its leave is on the way. Out of the rotation.
-                self.members.remove(index);
-                self.waiting.push_front(w);
-                continue;
-            }
-            member.holds += 1;
-            let sequence = w.published.sequence;
-            let held = Held {
-                member: member.id.clone(),
-                published: w.published.clone(),
-                deadline: Instant::now() + member.settings.ack_deadline,
-                progress_at: Instant::now(),
-                given_at: Instant::now(),
-                message: w.message,
-                attempt: w.attempt,
-                remembered: w.remembered,
-            };
-            self.held.insert(sequence, held);
-        }
-    }
-
-    /// A failed delivery (its member's hold already released) goes to
-    /// another member here with room, passing over the one it failed with,
-    /// with its attempt one higher and the JetStream message still held
-    /// here, as in single-node mode. Given back when none here has room.
-    fn hand_over(&mut self, held: Held) -> Option<Held> {
-        let other_has_room = self
-            .members
-            .iter()
-            .any(|m| m.id != held.member && m.holds < m.settings.max_in_flight);
-        if !other_has_room {
-            return Some(held);
-        }
-        self.waiting.push_front(Waiting {
-            message: held.message,
-            published: held.published,
-            attempt: held.attempt + 1,
-            avoid: Some(held.member),
-            remembered: held.remembered,
-        });
-        self.dispatch();
-        None
-    }
-
-    fn release(&mut self, member: &str) {
-        self.unhold(member);
-        self.dispatch();
-    }
-
-    /// One message fewer held by `member` (gone already: nothing).
-    fn unhold(&mut self, member: &str) {
-        if let Some(m) = self.members.iter_mut().find(|m| &*m.id == member) {
-            m.holds = m.holds.saturating_sub(1);
-        }
-    }
-}
-
-impl Hub {
-    /// Adds a member; false when the hub has stopped (checked under the
-    /// state lock, under which the last member's leave stops it).
-    fn join(&self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings) -> bool {
-        let mut state = self.state.lock();
-        if self.stop.is_cancelled() {
-            return false;
-        }
-        state.members.push(Member {
-            id,
-            subscription,
-            settings,
-            holds: 0,
-        });
-        state.dispatch();
-        drop(state);
-        self.room.notify_one();
-        true
-    }
-
-    /// Pulls as many messages as the members have room for, and hands them
-    /// out.
-    async fn pull(self: Arc<Self>) {
-        let _pulled = self.pulled.clone().drop_guard();
-        let closing = self.engine.inner.groups.closing.clone();
-        loop {
-            if self.stop.is_cancelled() || closing.is_cancelled() {
-                return;
-            }
-            let room = self.state.lock().room();
-            if room == 0 {
-                tokio::select! {
-                    _ = self.room.notified() => continue,
-                    _ = self.stop.cancelled() => return,
-                    _ = closing.cancelled() => return,
-                }
-            }
-            let mut consumer = self.consumer.lock().clone();
-            self.pulling.send_replace(true);
-            let batch = Pull::start(&self.engine.inner.client, &self.js, &consumer, room.min(256)).await;
-            match batch {
-                Ok(mut batch) => loop {
-                    let message = tokio::select! {
-                        message = batch.next() => Some(message),
-                        _ = self.emptied.notified() => None,
-                    };
-                    let Some(message) = message else {
-                        if self.state.lock().members.is_empty() {
-                            // The last member left: its inbox unsubscribed,
-                            // the server forgets a pull nobody listens to.
-                            // What is published now stays in the stream,
-                            // the backlog, instead of reaching this hub
-                            // with no member to take it (to be nacked
-                            // later, using up an attempt).
-                            batch.cancel().await;
-                            // JetStream drops a pull whose inbox lost its
-                            // subscriber only when it next goes over its
-                            // waiting pulls, as a consumer info makes it
-                            // do; till then a nacked message could be sent
-                            // to it, found undeliverable and queued again
-                            // behind the others (out of order).
-                            let _ = tokio::time::timeout(PULL_EXPIRES, consumer.info()).await;
-                            break;
-                        }
-                        continue;
-                    };
-                    let Some(message) = message else { break };
-                    match message {
-                        Ok(message) if self.stop.is_cancelled() || closing.is_cancelled() => {
-                            let _ = message.ack_with(AckKind::Nak(None)).await;
-                        }
-                        Ok(message) => self.hand_out(message).await,
-                        Err(error) => {
-                            tracing::debug!(group = %self.name, %error, "pull interrupted");
-                            self.heal().await;
-                            break;
-                        }
-                    }
-                },
-                Err(error) => {
-                    tracing::debug!(group = %self.name, %error, "pull failed; retrying");
-                    self.pulling.send_replace(false);
-                    self.heal().await;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-            // The batch (its inbox) is gone.
-            self.pulling.send_replace(false);
-        }
-    }
-
-    /// After a failed pull, at most every [`HEAL_EVERY`]: while the hub has
-    /// members, makes sure its group is in the table and its stream and
-    /// consumer exist (a group removed as idle by another replica just as a
-    /// member joined here, or a stream lost with its servers), and pulls
-    /// from that consumer from now on. Idempotent when all is there.
-    async fn heal(&self) {
         {
-            let mut healed_at = self.healed_at.lock();
-            if healed_at.elapsed() < HEAL_EVERY || self.state.lock().members.is_empty() {
-                return;
-            }
-            *healed_at = Instant::now();
-        }
-        let Some(ready) = self.engine.inner.ready.lock().clone() else {
-            return;
-        };
-        let healed = async {
-            let created = self
-                .engine
-                .fix_patterns(&ready, &self.name, &self.patterns, self.members_ack_mode())
-                .await?;
-            let consumer = self.engine.group_consumer(&ready, &self.name, self.ack_wait).await?;
-            Ok::<_, BrokerError>((created, consumer))
-        };
-        match healed.await {
-            Ok((created, consumer)) => {
-                *self.consumer.lock() = consumer;
-                if created.is_some() {
-                    self.engine.announce_group(&ready, &self.name, &self.patterns).await;
-                }
-            }
-            Err(error) => tracing::debug!(group = %self.name, %error, "group stream not checked"),
-        }
-    }
-
-    /// A pulled message, to a member with room (or to wait for one). A
-    /// redelivery's attempts beyond JetStream's count are read first, in
-    /// the pull's order (a round trip, only for redeliveries).
-    async fn hand_out(&self, message: jetstream::Message) {
-        let delivered = super::attempts::delivered(&message);
-        let Some(published) = self.published(&message) else {
-            tracing::warn!(group = %self.name, "undecodable group message dropped");
-            tokio::spawn(async move {
-                let _ = message.ack_with(AckKind::Term).await;
-            });
-            return;
-        };
-        let ahead = if delivered > 1 {
-            self.engine.recall_attempts(&message).await
-        } else {
-            0
-        };
-        self.wait_for_member(message, published, delivered.saturating_add(ahead), ahead > 0);
-    }
-
-    fn wait_for_member(
-        &self,
-        message: jetstream::Message,
-        published: Arc<crate::broker::Published>,
-        attempt: u32,
-        remembered: bool,
-    ) {
-        let mut state = self.state.lock();
-        state.waiting.push_back(Waiting {
-            message,
-            published,
-            attempt,
-            avoid: None,
-            remembered,
-        });
-        state.dispatch();
-    }
-
-    /// What a group message (the publishing replica's envelope) gives the
-    /// members; None when it does not decode.
-    fn published(&self, message: &jetstream::Message) -> Option<Arc<crate::broker::Published>> {
-        let m = pb::Message::decode(message.payload.clone()).ok()?;
-        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
-        Some(
-            self.engine
-                .inner
-                .local
-                .published_elsewhere(new_message, sequence, publish_time),
-        )
-    }
-
-    /// A message is done (an AUTO member's stream took it, or an Ack).
-    /// The ack mode its members asked for, which its record is written
-    /// again with (all the same, unless they joined under an earlier
-    /// version); None without members.
-    fn members_ack_mode(&self) -> Option<AckMode> {
-        self.state
-            .lock()
-            .members
-            .iter()
-            .find_map(|m| m.subscription.external().map(|e| e.ack_mode))
-    }
-
-    /// What members hold, forgotten: JetStream lost it with its state
-    /// (nothing left to ack, or to redeliver); its acks count as unknown.
-    /// How many.
-    fn forget_held(&self) -> usize {
-        let mut state = self.state.lock();
-        let held: Vec<Held> = state.held.drain().map(|(_, held)| held).collect();
-        for h in &held {
-            state.release(&h.member);
-        }
-        drop(state);
-        if !held.is_empty() {
-            self.room.notify_one();
-        }
-        held.len()
-    }
-
-    fn done(&self, member: &str, sequence: u64) -> bool {
-        let mut state = self.state.lock();
-        let Some(held) = state.held.remove_if(sequence, member) else {
-            return false;
-        };
-        state.release(member);
-        drop(state);
-        self.acked.fetch_add(1, Ordering::Relaxed);
-        self.room.notify_one();
-        if held.remembered {
-            self.engine.forget_attempts(&held.message);
-        }
-        // Closed only once the hub is gone, and nothing is done after that.
-        let _ = self.acks.send(Acking::Done(held.message));
-        true
-    }
-
-    pub(super) fn ack(&self, member: &str, sequences: &[u64]) -> Acked {
-        let mut result = Acked::default();
-        for &seq in sequences {
-            if self.done(member, seq) {
-                result.acked += 1;
-            } else {
-                result.unknown += 1;
+            let mut members = self.engine.inner.groups.members.lock();
+            if members.get(&self.id).is_some_and(|h| h.same(&self.hub)) {
+                members.remove(&self.id);
             }
         }
-        result
-    }
-
-    pub(super) fn nack(self: &Arc<Self>, member: &str, sequences: &[u64]) -> Nacked {
-        let mut result = Nacked::default();
-        let mut failed = Vec::new();
-        let mut elsewhere = Vec::new();
-        for &seq in sequences {
-            let mut state = self.state.lock();
-            let Some(held) = state.held.remove_if(seq, member) else {
-                result.unknown += 1;
-                continue;
-            };
-            result.requeued += 1;
-            state.unhold(member);
-            self.redirect(&mut state, seq, held, &mut failed, &mut elsewhere);
-        }
-        self.settle(failed, elsewhere);
-        self.room.notify_one();
-        result
-    }
-
-    /// Where a delivery that failed (a Nack, a deadline) goes, its member's
-    /// hold taken off (`state` is this hub's, locked): dead-lettered after
-    /// its last allowed attempt (`failed`); else, ahead of what waits, to
-    /// another member here with room, without a round through JetStream
-    /// (which would give it to whichever replica pulls first, the member it
-    /// failed with included); else offered to the other replicas
-    /// (`elsewhere`).
-    fn redirect(
-        &self,
-        state: &mut HubState,
-        seq: u64,
-        held: Held,
-        failed: &mut Vec<(u64, Held)>,
-        elsewhere: &mut Vec<(u64, Held)>,
-    ) {
-        let max = self.engine.inner.local.limits().max_delivery_attempts;
-        if max > 0 && held.attempt >= max {
-            state.dispatch();
-            failed.push((seq, held));
-        } else if let Some(held) = state.hand_over(held) {
-            state.dispatch();
-            elsewhere.push((seq, held));
-        } else {
-            self.redeliveries.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// What [`Hub::redirect`] left: dead letters and JetStream naks
-    /// (`failed`), offers to other replicas (`elsewhere`).
-    fn settle(self: &Arc<Self>, failed: Vec<(u64, Held)>, elsewhere: Vec<(u64, Held)>) {
-        self.retry(failed);
-        if !elsewhere.is_empty() {
-            tokio::spawn(self.clone().offer_elsewhere(elsewhere));
-        }
-    }
-
-    /// Nacked messages no other member here has room for: offered to the
-    /// other live replicas in turn (a member there with room takes the
-    /// JetStream message itself, [`ClusterEngine::take_offered`]); what none
-    /// takes goes back through JetStream, to whichever member pulls first,
-    /// the one that nacked it included.
-    async fn offer_elsewhere(self: Arc<Self>, mut held: Vec<(u64, Held)>) {
-        held.sort_unstable_by_key(|(seq, _)| *seq);
-        let engine = &self.engine;
-        let me = &engine.inner.config.replica_id;
-        let mut others = engine.inner.live.lock().clone();
-        others.retain(|r| r != me);
-        // Alone at the last heartbeat: a replica started since is not
-        // known yet; the registry says.
-        let ready = engine.inner.ready.lock().clone();
-        if others.is_empty()
-            && let Some(ready) = ready
-        {
-            others = engine.live_replicas(&ready).await;
-            others.retain(|r| r != me);
-        }
-        // A replica that refused one has no room now: not asked again for
-        // the rest of these.
-        let mut refused = vec![false; others.len()];
-        let until = Instant::now() + OFFERS_FOR_AT_MOST;
-        let mut left = Vec::new();
-        for (seq, h) in held {
-            let first = self.offers.fetch_add(1, Ordering::Relaxed);
-            let mut taken = false;
-            for i in 0..others.len() {
-                let at = (first + i) % others.len();
-                if refused[at] {
-                    continue;
-                }
-                if Instant::now() >= until || engine.inner.groups.closing.is_cancelled() {
-                    break;
-                }
-                let wait = until.saturating_duration_since(Instant::now());
-                if engine
-                    .offer(&others[at], &self.name, &h.message, h.attempt + 1, wait)
-                    .await
-                {
-                    taken = true;
-                    break;
-                }
-                refused[at] = true;
-            }
-            if taken {
-                self.redeliveries.fetch_add(1, Ordering::Relaxed);
-            } else {
-                left.push((seq, h));
-            }
-        }
-        self.retry(left);
-    }
-
-    /// A message another replica offers (nacked there, no other member
-    /// there had room): taken when a member here has room, and handed to
-    /// it first. This replica holds the JetStream message from then on.
-    fn take(&self, message: jetstream::Message, attempt: u32) -> bool {
-        let has_room = |state: &HubState| {
-            !self.stop.is_cancelled() && !self.engine.inner.groups.closing.is_cancelled() && state.room() > 0
-        };
-        if !has_room(&self.state.lock()) {
-            return false;
-        }
-        let Some(published) = self.published(&message) else {
-            return false;
-        };
-        let mut state = self.state.lock();
-        if !has_room(&state) {
-            return false;
-        }
-        state.waiting.push_front(Waiting {
-            message,
-            published,
-            attempt,
-            avoid: None,
-            remembered: false,
-        });
-        state.dispatch();
-        true
-    }
-
-    /// Deliveries failed: each redelivered, or dead-lettered after its
-    /// last allowed attempt.
-    fn retry(&self, failed: Vec<(u64, Held)>) {
-        let max = self.engine.inner.local.limits().max_delivery_attempts;
-        let mut redeliver = Vec::new();
-        for (seq, held) in failed {
-            if max > 0 && held.attempt >= max {
-                self.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                let engine = self.engine.clone();
-                let group = self.name.clone();
-                tokio::spawn(async move {
-                    engine
-                        .dead_letter(&group, &held.message, held.attempt, held.remembered)
-                        .await
-                });
-            } else {
-                redeliver.push((seq, held));
-            }
-        }
-        self.redeliveries.fetch_add(redeliver.len() as u64, Ordering::Relaxed);
-        nak_in_order(&self.engine, redeliver, std::future::ready(()));
-    }
-
-    /// Retries what is held past its member's ack deadline.
-    async fn watch_deadlines(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(DEADLINE_TICK);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = self.stop.cancelled() => return,
-            }
-            let now = Instant::now();
-            let (expired, elsewhere) = {
-                let mut state = self.state.lock();
-                // Still being worked on here: JetStream must not redeliver
-                // it elsewhere (each member has its own deadline).
-                for held in state.held.values_mut() {
-                    if now.saturating_duration_since(held.progress_at) >= self.ack_wait / 3 {
-                        held.progress_at = now;
-                        let message = held.message.clone();
-                        tokio::spawn(async move {
-                            let _ = message.ack_with(AckKind::Progress).await;
-                        });
-                    }
-                }
-                let seqs: Vec<u64> = state
-                    .held
-                    .iter()
-                    .filter(|(_, h)| h.deadline <= now)
-                    .map(|(s, _)| *s)
-                    .collect();
-                // As after a Nack: to another member with room, here or
-                // elsewhere, before JetStream (single-node mode offers an
-                // expired message to another member first too).
-                let (mut expired, mut elsewhere) = (Vec::new(), Vec::new());
-                for seq in seqs {
-                    let Some(held) = state.held.remove(&seq) else { continue };
-                    state.unhold(&held.member);
-                    self.redirect(&mut state, seq, held, &mut expired, &mut elsewhere);
-                }
-                (expired, elsewhere)
-            };
-            if !expired.is_empty() || !elsewhere.is_empty() {
-                self.settle(expired, elsewhere);
-                self.room.notify_one();
-            }
-        }
-    }
-
-    /// A join that took this hub failed before its member was added: the
-    /// hub stops as after its last member's leave, unless it has members
-    /// (else a hub started for it would stay, never pulling).
-    fn unused(self: &Arc<Self>) {
-        self.leave("");
-    }
-
-    /// A member left: what it held goes back at once. The last member out
-    /// stops the hub once its pull can no longer be answered (what it still
-    /// brings waits for a member joining meanwhile, or goes back).
-    fn leave(self: &Arc<Self>, member: &str) {
-        let (held, empty) = {
-            let mut state = self.state.lock();
-            state.members.retain(|m| &*m.id != member);
-            let seqs: Vec<u64> = state
-                .held
-                .iter()
-                .filter(|(_, h)| &*h.member == member)
-                .map(|(s, _)| *s)
-                .collect();
-            let held: Vec<(u64, Held)> = seqs.iter().filter_map(|&s| Some((s, state.held.remove(&s)?))).collect();
-            (held, state.members.is_empty())
-        };
-        self.redeliveries.fetch_add(held.len() as u64, Ordering::Relaxed);
-        if empty {
-            self.emptied.notify_one();
-            // The pull goes first (its inbox unsubscribed before the naks
-            // are sent), or a redelivery would come back to this hub with
-            // no member to take it.
-            let mut pulling = self.pulling.subscribe();
-            nak_in_order(&self.engine, held, async move {
-                let _ = tokio::time::timeout(2 * PULL_EXPIRES, pulling.wait_for(|p| !*p)).await;
-            });
-            let hub = self.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(PULL_EXPIRES + Duration::from_millis(250)).await;
-                let waiting = {
-                    let mut hubs = hub.engine.inner.groups.hubs.lock();
-                    let mut state = hub.state.lock();
-                    if !state.members.is_empty() {
-                        return;
-                    }
-                    if hubs.get(&hub.name).is_some_and(|h| Arc::ptr_eq(h, &hub)) {
-                        hubs.remove(&hub.name);
-                    }
-                    hub.stop.cancel();
-                    std::mem::take(&mut state.waiting)
-                };
-                hub.engine
-                    .remember_attempts(waiting.iter().map(|w| (&w.message, w.attempt)))
-                    .await;
-                for w in waiting {
-                    let _ = w.message.ack_with(AckKind::Nak(None)).await;
-                }
-            });
-        } else {
-            nak_in_order(&self.engine, held, std::future::ready(()));
-        }
-        self.room.notify_one();
-    }
-}
-
-/// Hands messages back to JetStream for redelivery at once (once `first`
-/// is done), lowest sequence first, one after another on the connection:
-/// JetStream redelivers in the order of the naks, so the backlog's front is
-/// in sequence order as the contract says (one task per nak, as before,
-/// reordered them).
-fn nak_in_order(
-    engine: &ClusterEngine,
-    mut held: Vec<(u64, Held)>,
-    first: impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    if held.is_empty() {
-        return;
-    }
-    held.sort_unstable_by_key(|(seq, _)| *seq);
-    let engine = engine.clone();
-    tokio::spawn(async move {
-        first.await;
-        engine
-            .remember_attempts(held.iter().map(|(_, h)| (&h.message, h.attempt)))
-            .await;
-        for (_, h) in held {
-            let _ = h.message.ack_with(AckKind::Nak(None)).await;
-        }
-    });
-}
-
-/// One pull request and the subscription its answer comes to, as
-/// async-nats' `Consumer::batch` makes them, with an unsubscribe that is
-/// awaited ([`Pull::cancel`]): dropping async-nats' `Batch` unsubscribes from
-/// a task of its own, so what this replica sends next (a leaving member's
-/// naks) could reach the server first and be redelivered to the pull being
-/// dropped.
-struct Pull {
-    subscriber: async_nats::Subscriber,
-    js: jetstream::Context,
-    left: usize,
-    /// As async-nats: a pull whose expiry never came ends 5 s after it.
-    deadline: Instant,
-}
-
-impl Pull {
-    async fn start(
-        client: &async_nats::Client,
-        js: &jetstream::Context,
-        consumer: &jetstream::consumer::PullConsumer,
-        messages: usize,
-    ) -> Result<Pull, async_nats::Error> {
-        let inbox = client.new_inbox();
-        let subscriber = client.subscribe(inbox.clone()).await?;
-        let request = pull::BatchConfig {
-            batch: messages,
-            expires: Some(PULL_EXPIRES),
-            ..Default::default()
-        };
-        consumer.request_batch(request, inbox.into()).await?;
-        Ok(Pull {
-            subscriber,
-            js: js.clone(),
-            left: messages,
-            deadline: Instant::now() + PULL_EXPIRES + Duration::from_secs(5),
-        })
-    }
-
-    /// The next message; None once the pull is answered in full or has
-    /// expired.
-    async fn next(&mut self) -> Option<Result<jetstream::Message, String>> {
-        use async_nats::StatusCode;
-        while self.left > 0 {
-            let message = tokio::time::timeout_at(self.deadline, self.subscriber.next())
-                .await
-                .ok()??;
-            match message.status.unwrap_or(StatusCode::OK) {
-                StatusCode::OK => {
-                    self.left -= 1;
-                    return Some(Ok(jetstream::Message {
-                        message,
-                        context: self.js.clone(),
-                    }));
-                }
-                StatusCode::IDLE_HEARTBEAT => {}
-                StatusCode::TIMEOUT | StatusCode::NOT_FOUND => return None,
-                status => return Some(Err(format!("{status}: {:?}", message.description))),
-            }
-        }
-        None
-    }
-
-    /// Unsubscribes (sent before anything this replica sends after).
-    async fn cancel(&mut self) {
-        let _ = self.subscriber.unsubscribe().await;
-    }
-}
-
-trait HeldExt {
-    fn remove_if(&mut self, seq: u64, member: &str) -> Option<Held>;
-}
-
-impl HeldExt for HashMap<u64, Held> {
-    fn remove_if(&mut self, seq: u64, member: &str) -> Option<Held> {
-        if self.get(&seq).is_some_and(|h| &*h.member == member) {
-            return self.remove(&seq);
-        }
-        None
+        self.hub.leave(self.id.clone());
     }
 }
 
