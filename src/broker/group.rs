@@ -532,6 +532,43 @@ impl ConsumerGroup {
     }
 }
 
+/// Who gets the next message, in both engines (this file's dispatch, and a
+/// cluster hub's, `cluster/groups/state.rs`): round-robin from `cursor`
+/// over `n` members, the first with room (`has_room`) that is not the
+/// member the message failed with (`avoided`, the one that nacked it or let
+/// its deadline pass), else that member when it alone has room. The cursor
+/// moves past the one picked.
+pub(crate) fn pick_member(
+    cursor: &mut usize,
+    n: usize,
+    has_room: impl Fn(usize) -> bool,
+    avoided: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    let mut fallback = None;
+    for i in 0..n {
+        let index = (*cursor + i) % n;
+        if !has_room(index) {
+            continue;
+        }
+        if avoided(index) {
+            fallback.get_or_insert(index);
+            continue;
+        }
+        *cursor = index + 1;
+        return Some(index);
+    }
+    let index = fallback?;
+    *cursor = index + 1;
+    Some(index)
+}
+
+/// Whether a delivery that failed at `attempt` was the last allowed
+/// (`max` = `TINYBROKER_MAX_DELIVERY_ATTEMPTS`, 0 = no limit): the message
+/// is dead-lettered rather than tried again. Both engines.
+pub(crate) fn attempts_exhausted(attempt: u32, max: u32) -> bool {
+    max > 0 && attempt >= max
+}
+
 /// In-flight messages, looked up by who holds them.
 trait InFlightExt {
     /// Removes `seq` if `member` holds it.
@@ -630,24 +667,13 @@ impl GroupState {
     }
 
     fn pick_member(&mut self, avoid: Option<u64>) -> Option<usize> {
-        let n = self.members.len();
-        let mut fallback = None;
-        for i in 0..n {
-            let index = (self.cursor + i) % n;
-            let slot = &self.members[index];
-            if slot.held >= slot.settings.max_in_flight {
-                continue;
-            }
-            if avoid == Some(slot.key) {
-                fallback.get_or_insert(index);
-                continue;
-            }
-            self.cursor = index + 1;
-            return Some(index);
-        }
-        let index = fallback?;
-        self.cursor = index + 1;
-        Some(index)
+        let members = &self.members;
+        pick_member(
+            &mut self.cursor,
+            members.len(),
+            |i| members[i].held < members[i].settings.max_in_flight,
+            |i| avoid == Some(members[i].key),
+        )
     }
 
     /// A manual-ack message is taken back from the member holding it (a
@@ -668,8 +694,7 @@ impl GroupState {
     /// message goes again, or is dead-lettered after its last allowed
     /// attempt.
     fn attempt_failed(&mut self, flight: InFlight, avoid: Option<u64>) -> Retry {
-        let max = self.limits.max_delivery_attempts;
-        if max > 0 && flight.attempt >= max {
+        if attempts_exhausted(flight.attempt, self.limits.max_delivery_attempts) {
             self.counters.dead_lettered += 1;
             return Retry::Exhausted(DeadLetter {
                 message: flight.message,

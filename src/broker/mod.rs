@@ -42,6 +42,7 @@ mod snapshot;
 mod subscribe;
 pub mod subscription;
 
+pub(crate) use group::{attempts_exhausted, pick_member};
 pub use message::{Delivery, Published, message_size};
 pub use publish::{RemoteRoutes, RouteCache};
 pub use queue::WakeBatch;

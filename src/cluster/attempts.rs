@@ -1,6 +1,6 @@
 //! Delivery attempts JetStream does not count. A Nack or an expired
 //! deadline hands a message to another member without a round through
-//! JetStream (`groups.rs` `HubState::hand_over`, `handover.rs`), so its
+//! JetStream (`groups/state.rs` `HubCore::redirect`, `handover.rs`), so its
 //! `delivery_attempt` runs ahead of JetStream's delivery count. When such a
 //! message then goes back through JetStream (no member anywhere had room,
 //! its member left, its replica shut down), how far ahead it was is written
@@ -92,13 +92,13 @@ impl ClusterEngine {
         }
     }
 
-    /// `message` is done (acked or dead-lettered): its entry goes.
-    pub(super) fn forget_attempts(&self, message: &jetstream::Message) {
+    /// `message` is done (acked or dead-lettered): its entry goes. Awaited
+    /// by the hub's sender, in its order (rare: only messages handed over
+    /// and given back have an entry).
+    pub(super) async fn forget_attempts(&self, message: &jetstream::Message) {
         let (Some(ready), Some(key)) = (self.inner.ready.lock().clone(), key(message)) else {
             return;
         };
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(STORE_TIMEOUT, ready.attempts.purge(&key)).await;
-        });
+        let _ = tokio::time::timeout(STORE_TIMEOUT, ready.attempts.purge(&key)).await;
     }
 }

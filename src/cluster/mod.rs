@@ -24,7 +24,7 @@
 //! - **Health**: NOT_SERVING until the connection, the buckets and the
 //!   fan-out subscription are up, and whenever the connection is lost.
 //!
-//! - **Consumer groups** run over JetStream: see `groups.rs`.
+//! - **Consumer groups** run over JetStream: see `groups/mod.rs`.
 //!
 //! - **Replica ids** are held by one process at a time (`registry.rs`): a
 //!   second live holder of an id is refused, loudly.
@@ -32,10 +32,58 @@
 //!   and rebuilt, and the loss counted (`recovery.rs`).
 //!
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
-//! between the local fan-out and NATS; `groups.rs` consumer groups;
-//! `registry.rs` live replicas, replica ids and subscription ids; `rpc.rs`
-//! calls between replicas, both ends; `recovery.rs` the buckets, JetStream's
-//! refusals explained, and the rebuild after NATS lost its state.
+//! between the local fan-out and NATS; `groups/` consumer groups (`mod.rs`
+//! the table, publishing and joining; `state.rs` a hub's state machine;
+//! `hub.rs` its tasks; `nats.rs` its JetStream); `attempts.rs` delivery
+//! attempts JetStream does not count; `handover.rs` nacked messages offered
+//! to other replicas; `interest.rs` which replicas need core-NATS
+//! publishes; `registry.rs` live replicas, replica ids and subscription
+//! ids; `rpc.rs` calls between replicas, both ends; `recovery.rs` the
+//! buckets, JetStream's refusals explained, and the rebuild after NATS lost
+//! its state.
+//!
+//! # Tasks
+//!
+//! Long-running, one each per replica (spawned by [`ClusterEngine::start`]
+//! and the set-up):
+//! - the **event watcher**: the NATS client's events (connected, lost),
+//!   into `Inner::connected` and the health;
+//! - the **set-up** (`set_up`), until it serves; then **back online**
+//!   (`back_online`) after each reconnection;
+//! - the **receiver** (`fanout.rs`): other replicas' publishes into the
+//!   local fan-out;
+//! - the **call answerer** (`rpc.rs`): forwarded calls, each answered on a
+//!   task of its own (a call may wait on a hub);
+//! - the **offer answerer** (`handover.rs`): nacked messages other replicas
+//!   offer, one at a time;
+//! - the **group table watch** (`groups/mod.rs`): the table into the
+//!   local trie;
+//! - the **heartbeat** (`registry.rs`): presence, the live replicas, the
+//!   groups' listing, idle groups removed, lost NATS state noticed.
+//!
+//! Per consumer group with members here, three (`groups/hub.rs`): the
+//! **hub task**, which alone owns the group's state on this replica; the
+//! **puller**, which owns the open pull; the **sender**, which owns the
+//! ordered queue of what the hub tells JetStream.
+//!
+//! # Lock order
+//!
+//! Every lock is a plain mutex held for a few instructions, never across an
+//! `.await`, unless said otherwise; none is taken while another is held,
+//! except:
+//! 1. `groups::Groups::table`, then `groups::Groups::routes`;
+//! 2. `Inner::recovering` (async, held across a whole check or rebuild),
+//!    then any of the others;
+//! 3. the interest's own word (`interest.rs`, async, held while it is
+//!    announced), then `Inner::live` and the others' words;
+//! 4. `Inner::core_sent` (async, held while a message is queued on core
+//!    NATS), then none.
+//!
+//! Leaves: `Inner::ready`, `Inner::live`, `Inner::groups_seen`,
+//! `Inner::beat_revision`, the others' interest, the groups' `hubs`,
+//! `members`, `idle` and `overflowed`, and each hub's view and backend
+//! locks. A hub's answer may be awaited under 2 (the rebuild asks each hub
+//! to forget what it held): no hub takes any of these async locks.
 
 mod attempts;
 mod fanout;

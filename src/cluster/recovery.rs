@@ -12,7 +12,8 @@
 //!   (a replica started after the loss must not take an incarnation, and so
 //!   sequences, in use), writes its presence, claims again the ids of the
 //!   subscriptions it serves, and has every group hub here make its
-//!   group's table entry, stream and consumer again (`Hub::heal`);
+//!   group's table entry, stream and consumer again (`groups/nats.rs`,
+//!   `Nats::heal`);
 //! - counts what the lost group streams held, as
 //!   `tinybroker_messages_dropped_total{reason="nats_state_lost"}`: each
 //!   group's last backlog by the replica that wrote its table entry again

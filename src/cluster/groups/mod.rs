@@ -1038,7 +1038,7 @@ impl ClusterEngine {
         }
         let _ = message.double_ack().await;
         if remembered {
-            self.forget_attempts(message);
+            self.forget_attempts(message).await;
         }
     }
 }

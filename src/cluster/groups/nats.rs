@@ -203,7 +203,7 @@ impl Backend for Nats {
             Outbound::Ack { message, remembered } => {
                 let _ = message.ack().await;
                 if remembered {
-                    self.engine.forget_attempts(&message);
+                    self.engine.forget_attempts(&message).await;
                 }
             }
             Outbound::Progress(message) => {

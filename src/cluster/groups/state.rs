@@ -25,7 +25,7 @@
 //! or has left it in one operation of [`HubCore::out`] (a property test in
 //! `tests.rs` checks it after every step).
 
-use crate::broker::{Delivery, Published, Subscription};
+use crate::broker::{Delivery, Published, Subscription, attempts_exhausted, pick_member};
 use crate::engine::{AckMode, Acked, Nacked};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -403,9 +403,8 @@ impl<M: Clone> HubCore<M> {
     /// one higher, as in single-node mode; else offered to the other
     /// replicas (`elsewhere`).
     fn redirect(&mut self, held: Held<M>, now: Instant, elsewhere: &mut Vec<(u64, M, u32)>) {
-        let max = self.max_delivery_attempts;
         let pulled = held.pulled;
-        if max > 0 && pulled.attempt >= max {
+        if attempts_exhausted(pulled.attempt, self.max_delivery_attempts) {
             self.counters.dead_lettered += 1;
             self.out.push(Outbound::DeadLetter {
                 message: pulled.message,
@@ -451,19 +450,15 @@ impl<M: Clone> HubCore<M> {
     /// that nacked a message only when no other has room.
     fn dispatch(&mut self, now: Instant) {
         while let Some(front) = self.waiting.front() {
-            let n = self.members.len();
-            let has_room = |m: &Member| m.holds < m.settings.max_in_flight;
-            let mut with_room = (0..n)
-                .map(|i| (self.cursor + i) % n)
-                .filter(|&i| has_room(&self.members[i]));
-            let first = with_room.next();
-            let pick = match (&front.avoid, first) {
-                (Some(avoid), Some(i)) if self.members[i].id == *avoid => with_room.next().or(first),
-                _ => first,
-            };
+            let members = &self.members;
+            let pick = pick_member(
+                &mut self.cursor,
+                members.len(),
+                |i| members[i].holds < members[i].settings.max_in_flight,
+                |i| front.avoid.as_ref().is_some_and(|avoid| members[i].id == *avoid),
+            );
             let Some(index) = pick else { return };
             let Some(w) = self.waiting.pop_front() else { return };
-            self.cursor = index + 1;
             let member = &mut self.members[index];
             let delivery = Delivery {
                 message: w.pulled.published.clone(),
