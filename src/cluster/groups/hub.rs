@@ -457,6 +457,17 @@ impl<B: Backend> Hub<B> {
     }
 
     fn handle(&mut self, command: Command<B::Message>, now: Instant) {
+        self.apply(command, now);
+        // Without members since now: a leave, or a member whose queue
+        // closed taken out of the rotation by a dispatch.
+        if self.core.members() > 0 {
+            self.empty_since = None;
+        } else {
+            self.empty_since.get_or_insert(now);
+        }
+    }
+
+    fn apply(&mut self, command: Command<B::Message>, now: Instant) {
         let closing = self.config.closing.is_cancelled();
         match command {
             Command::Join {
@@ -470,16 +481,9 @@ impl<B: Backend> Hub<B> {
                     return;
                 }
                 self.core.join(id, subscription, settings, now);
-                self.empty_since = None;
                 let _ = joined.send(true);
             }
-            Command::Leave { id } => {
-                let had = self.core.members();
-                self.core.leave(&id);
-                if had > 0 && self.core.members() == 0 {
-                    self.empty_since = Some(now);
-                }
-            }
+            Command::Leave { id } => self.core.leave(&id),
             Command::Streamed { id, sequence } => {
                 self.core.done(&id, sequence, now);
             }
