@@ -130,7 +130,9 @@ impl Pull<Msg> for FakePull {
         None
     }
 
+    /// An unsubscribe and a consumer info: a round trip.
     async fn cancel(self) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
         self.fake.see(Seen::PullClosed);
     }
 }
@@ -139,6 +141,13 @@ impl Pull<Msg> for FakePull {
 struct FakeBackend(Arc<Fake>);
 
 impl FakeBackend {
+    /// A nak writes the attempts bucket first (when the message ran ahead
+    /// of JetStream's count): a round trip. An offer waits for the other
+    /// replicas' answers.
+    async fn round_trip() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+
     fn nak(&self, m: Msg, attempt: u32) {
         self.0.see(Seen::Nak(m.seq, attempt));
         self.0.redeliver.lock().push_back(Msg {
@@ -165,10 +174,13 @@ impl Backend for FakeBackend {
     async fn pull_failed(&self, _members: usize, _ack_mode: Option<AckMode>) {}
 
     async fn send(&self, operation: Outbound<Msg>) {
+        // Into the NATS client's queue: other tasks may run meanwhile.
+        tokio::task::yield_now().await;
         match operation {
             Outbound::Ack { message, .. } => self.0.see(Seen::Ack(message.seq)),
             Outbound::Progress(message) => self.0.see(Seen::Progress(message.seq)),
             Outbound::Nak(messages) => {
+                Self::round_trip().await;
                 for (m, attempt) in messages {
                     self.nak(m, attempt);
                 }
@@ -176,6 +188,7 @@ impl Backend for FakeBackend {
             Outbound::Term(message) => self.0.see(Seen::Term(message.seq)),
             Outbound::DeadLetter { message, attempts, .. } => self.0.see(Seen::DeadLetter(message.seq, attempts)),
             Outbound::Offer(messages) => {
+                Self::round_trip().await;
                 for (m, attempt) in messages {
                     if self.0.others_take.load(Ordering::Relaxed) {
                         self.0.see(Seen::TakenElsewhere(m.seq, attempt + 1));
@@ -319,19 +332,22 @@ async fn jetstream_sees_acks_and_naks_in_the_order_they_were_decided() {
     for seq in 1..=4 {
         assert_eq!(at(&m.next(&hub).await), (seq, 1));
     }
-    assert_eq!(hub.ack("a", &[3]).await.acked, 1);
-    assert_eq!(hub.ack("a", &[1]).await.acked, 1);
-    // A nack (no one else has room: back through JetStream) between acks,
-    // and two naks in one call: lowest sequence first.
+    // Acks and naks in the order the calls came (a nack between two acks:
+    // no one else has room, so it goes back through JetStream), and two
+    // naks of one call lowest sequence first.
+    // Sent together, as concurrent calls do: they reach the hub in this
+    // order, and JetStream must hear them in it.
+    let (first, nacked, last) = tokio::join!(hub.ack("a", &[3]), hub.nack("a", &[4, 2]), hub.ack("a", &[1]));
+    assert_eq!((first.acked, last.acked), (1, 1));
     assert_eq!(
-        hub.nack("a", &[4, 2]).await,
+        nacked,
         Nacked {
             requeued: 2,
             unknown: 0
         }
     );
     let sent = fake.wait_for(SECOND, |s| s.len() >= 4).await;
-    assert_eq!(sent, [Seen::Ack(3), Seen::Ack(1), Seen::Nak(2, 1), Seen::Nak(4, 1)]);
+    assert_eq!(sent, [Seen::Ack(3), Seen::Nak(2, 1), Seen::Nak(4, 1), Seen::Ack(1)]);
     // AUTO: a message is acked as the member's stream takes it, in that
     // order.
     let fake = Arc::new(Fake::default());
@@ -426,7 +442,9 @@ async fn the_last_member_leaving_closes_the_pull_before_the_naks_and_the_hub_sto
     // The hub lingers, then stops: a join is refused (the engine makes a
     // new hub), and it has left the replica's table.
     let left = Instant::now();
-    hub.pulled().await;
+    tokio::time::timeout(10 * SECOND, hub.pulled())
+        .await
+        .expect("the hub stops");
     assert!(fake.unregistered.load(Ordering::Relaxed));
     assert!(left.elapsed() >= LINGER, "stopped after {:?}", left.elapsed());
     let settings = Settings {
@@ -442,6 +460,26 @@ async fn the_last_member_leaving_closes_the_pull_before_the_naks_and_the_hub_sto
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_member_whose_stream_closed_leaves_the_rotation_and_what_waits_goes_back_when_the_hub_stops() {
+    let fake = Arc::new(Fake::default());
+    let (hub, _closing) = start(&fake, 0, Duration::from_secs(30));
+    let m = join(&hub, "a", 1, AckMode::Manual, Duration::from_secs(30)).await;
+    fake.wait_for(SECOND, |_| !fake.seen.lock().is_empty()).await;
+    // Its stream is gone, its leave not sent yet: the message pulled for
+    // it cannot be handed to it, and waits; the hub, without a member in
+    // its rotation, closes its pull, lingers, stops, and gives it back.
+    m.subscription.queue.close(crate::engine::CloseReason::Cancelled, None);
+    fake.publish(1);
+    tokio::time::timeout(10 * SECOND, hub.pulled())
+        .await
+        .expect("the hub stops");
+    // Its one pull was answered in full: nothing to close.
+    let sent = fake.wait_for(SECOND, |s| s.contains(&Seen::Nak(1, 1))).await;
+    assert_eq!(sent, [Seen::Nak(1, 1)]);
+    assert!(fake.unregistered.load(Ordering::Relaxed));
+}
+
+#[tokio::test(start_paused = true)]
 async fn shutdown_hands_back_what_is_held_after_the_acks_before_it() {
     let fake = Arc::new(Fake::default());
     let (hub, closing) = start(&fake, 0, Duration::from_secs(30));
@@ -454,7 +492,9 @@ async fn shutdown_hands_back_what_is_held_after_the_acks_before_it() {
     }
     assert_eq!(hub.ack("a", &[2]).await.acked, 1);
     closing.cancel();
-    hub.pulled().await;
+    tokio::time::timeout(10 * SECOND, hub.pulled())
+        .await
+        .expect("the pull ends");
     let (count, flushed) = hub.hand_back().await.expect("the hub answers");
     assert_eq!(count, 2);
     flushed.await.expect("flushed");
