@@ -27,7 +27,7 @@
 //!
 //! Everything the hub does outside itself goes through [`Backend`]:
 //! JetStream over async-nats in production (`nats.rs`), a fake in the tests
-//! (`tests.rs`).
+//! (`hub_tests.rs`).
 
 use super::state::{HubCore, Outbound, Pulled, Settings, View};
 use crate::broker::{Delivery, Subscription};

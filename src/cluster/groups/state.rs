@@ -23,7 +23,7 @@
 //!
 //! A message this replica holds is in exactly one of `waiting` and `held`,
 //! or has left it in one operation of [`HubCore::out`] (a property test in
-//! `tests.rs` checks it after every step).
+//! `hub_tests.rs` checks it after every step).
 
 use crate::broker::{Delivery, Published, Subscription, attempts_exhausted, pick_member};
 use crate::engine::{AckMode, Acked, Nacked};
