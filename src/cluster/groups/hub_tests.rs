@@ -305,6 +305,27 @@ async fn an_expired_deadline_redelivers_and_held_messages_are_reported_in_progre
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_hub_pulls_only_what_its_members_have_room_for() {
+    let fake = Arc::new(Fake::default());
+    let (hub, _closing) = start(&fake, 0, Duration::from_secs(30));
+    let m = join(&hub, "a", 2, AckMode::Manual, Duration::from_secs(30)).await;
+    for seq in 1..=5 {
+        fake.publish(seq);
+    }
+    assert_eq!(at(&m.next(&hub).await), (1, 1));
+    assert_eq!(at(&m.next(&hub).await), (2, 1));
+    let pulls = || -> Vec<Seen> {
+        let seen = fake.seen.lock();
+        seen.iter().filter(|s| matches!(s, Seen::Pull(_))).cloned().collect()
+    };
+    assert_eq!(pulls(), [Seen::Pull(2)], "no room: no new pull");
+    assert_eq!(hub.ack("a", &[1]).await.acked, 1);
+    assert_eq!(at(&m.next(&hub).await), (3, 1));
+    assert_eq!(pulls(), [Seen::Pull(2), Seen::Pull(1)]);
+    assert_eq!(fake.fresh.lock().len(), 2, "the rest stays in JetStream");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_member_leaving_gives_back_what_it_held_to_another() {
     let fake = Arc::new(Fake::default());
     let (hub, _closing) = start(&fake, 0, Duration::from_secs(30));

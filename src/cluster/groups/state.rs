@@ -170,16 +170,21 @@ impl<M: Clone> HubCore<M> {
         self.members.len()
     }
 
-    pub(crate) fn view(&self) -> View {
-        View {
-            members: self.members.len(),
-            held: self.held.len(),
-            oldest_given_at: self.held.values().map(|h| h.given_at).min(),
-            counters: self.counters,
-            ack_mode: self
-                .members
-                .iter()
-                .find_map(|m| m.subscription.external().map(|e| e.ack_mode)),
+    /// Brings `view` up to date, cheaply: the oldest held message is
+    /// looked for (a pass over what is held) only when there was none, or
+    /// at a tick (`full`); in between, one acked may leave it a tick old.
+    pub(crate) fn update_view(&self, view: &mut View, full: bool) {
+        view.members = self.members.len();
+        view.held = self.held.len();
+        view.counters = self.counters;
+        view.ack_mode = self
+            .members
+            .first()
+            .and_then(|m| m.subscription.external().map(|e| e.ack_mode));
+        if self.held.is_empty() {
+            view.oldest_given_at = None;
+        } else if full || view.oldest_given_at.is_none() {
+            view.oldest_given_at = self.held.values().map(|h| h.given_at).min();
         }
     }
 
