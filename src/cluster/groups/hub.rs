@@ -8,20 +8,22 @@
 //!   takes join, leave, streamed (an AUTO member's stream took a message),
 //!   ack, nack, pulled, offered, hand-back and forget commands, and a tick
 //!   every [`TICK`] (deadlines, progress reports, stopping after the last
-//!   member left). After each step it publishes what the puller needs
-//!   ([`Want`]) and what the listings read ([`View`]), then queues the
-//!   step's JetStream operations;
-//! - the **puller** ([`pull`]) asks JetStream for as many messages as the
-//!   members have room for, when the hub has taken in everything it pulled
-//!   before, and passes each on as a [`Command::Pulled`]; it closes its
-//!   pull when the last member leaves;
+//!   member left). After each step it publishes whether it has members
+//!   ([`Open`]) and what the listings read ([`View`]), answers the
+//!   puller's request for room once there is some, then queues the step's
+//!   JetStream operations;
+//! - the **puller** ([`pull`]) asks the hub how much room its members have
+//!   ([`Command::Room`], queued behind the messages it pulled before, so
+//!   what is on the way is never counted as room), asks JetStream for that
+//!   many messages, and passes each on as a [`Command::Pulled`]; it closes
+//!   its pull when the last member leaves;
 //! - the **sender** ([`send`]) sends the hub's [`Outbound`] queue to
 //!   JetStream one operation after another: acks, naks, progress reports,
 //!   terms, dead letters and offers to other replicas leave in the order
 //!   the hub decided them, and nothing else sends any.
 //!
 //! The hub's locks are leaves, each held for a copy and never across an
-//! `.await`: [`Shared::view`], and the [`Want`] watch. The hub takes
+//! `.await`: [`Shared::view`], and the [`Open`] watch. The hub takes
 //! `Groups::hubs` (the replica's table of hubs) once, when it stops, to
 //! leave it; nothing is taken while that is held.
 //!
@@ -134,17 +136,19 @@ pub(crate) enum Command<M> {
     ForgetHeld {
         forgotten: oneshot::Sender<usize>,
     },
+    /// The puller asks what the members have room for, beyond what waits;
+    /// answered once that is more than nothing (dropped unanswered when
+    /// the hub stops).
+    Room {
+        room: oneshot::Sender<usize>,
+    },
 }
 
-/// What the puller needs to know, published by the hub after each step.
+/// Whether a pull may be open, published by the hub when it changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct Want {
-    /// The hub has members: a pull may be open.
-    pub(crate) open: bool,
-    /// What its members have room for beyond what waits.
-    pub(crate) room: usize,
-    /// Pulled messages the hub has taken in so far.
-    pub(crate) received: u64,
+pub(crate) struct Open {
+    /// The hub has members.
+    pub(crate) members: bool,
     /// The hub is stopping: the puller ends.
     pub(crate) stopped: bool,
 }
@@ -192,7 +196,7 @@ pub(crate) struct HubConfig {
 pub(crate) struct Starting<B: Backend> {
     hub: Hub<B>,
     commands: mpsc::UnboundedReceiver<Command<B::Message>>,
-    want: watch::Receiver<Want>,
+    open: watch::Receiver<Open>,
     outbound: mpsc::UnboundedReceiver<Outbound<B::Message>>,
     pulling: watch::Sender<bool>,
 }
@@ -202,7 +206,7 @@ impl<B: Backend> Starting<B> {
         let Starting {
             hub,
             commands,
-            want,
+            open,
             outbound,
             pulling,
         } = self;
@@ -211,7 +215,7 @@ impl<B: Backend> Starting<B> {
         let puller = tokio::spawn(pull(
             backend.clone(),
             hub.handle.clone(),
-            want,
+            open,
             pulling.clone(),
             hub.config.closing.clone(),
             pulled,
@@ -227,7 +231,7 @@ impl<B: Backend> HubHandle<B> {
     pub(crate) fn new(name: &str, backend: Arc<B>, config: HubConfig) -> (Self, Starting<B>) {
         let (commands_tx, commands) = mpsc::unbounded_channel();
         let (outbound_tx, outbound) = mpsc::unbounded_channel();
-        let (want_tx, want) = watch::channel(Want::default());
+        let (open_tx, open) = watch::channel(Open::default());
         let handle = HubHandle {
             shared: Arc::new(Shared {
                 name: name.to_owned(),
@@ -244,15 +248,16 @@ impl<B: Backend> HubHandle<B> {
             config,
             handle: handle.clone(),
             outbound: outbound_tx,
-            want: want_tx,
-            received: 0,
+            open: open_tx,
+            room_asked: None,
+            ticked: false,
             empty_since: Some(now),
             stopping: false,
         };
         let starting = Starting {
             hub,
             commands,
-            want,
+            open,
             outbound,
             pulling: watch::Sender::new(false),
         };
@@ -377,6 +382,12 @@ impl<B: Backend> HubHandle<B> {
     fn pulled_message(&self, pulling: Pulling<B::Message>) -> bool {
         self.command(Command::Pulled(pulling))
     }
+
+    /// What the members have room for, once they have some; None when the
+    /// hub stops.
+    async fn room(&self) -> Option<usize> {
+        self.ask(|room| Command::Room { room }).await
+    }
 }
 
 /// The hub task's state.
@@ -385,10 +396,11 @@ struct Hub<B: Backend> {
     config: HubConfig,
     handle: HubHandle<B>,
     outbound: mpsc::UnboundedSender<Outbound<B::Message>>,
-    want: watch::Sender<Want>,
-    /// Pulled messages taken in (the puller waits for all it sent before
-    /// it asks for more: what is on the way is not room).
-    received: u64,
+    open: watch::Sender<Open>,
+    /// The puller's request for room, until there is some.
+    room_asked: Option<oneshot::Sender<usize>>,
+    /// A tick ran since the view was last written in full.
+    ticked: bool,
     /// Since when the hub has had no member.
     empty_since: Option<Instant>,
     /// It stopped: it takes no member, and ends once its puller has.
@@ -438,18 +450,27 @@ impl<B: Backend> Hub<B> {
     /// hub open set `pulling` before it looked, so an
     /// [`Outbound::AfterPull`] queued now waits for its pull.
     fn step_done(&mut self) {
-        let want = Want {
-            open: self.core.members() > 0 && !self.stopping,
-            room: self.core.room(),
-            received: self.received,
+        let open = Open {
+            members: self.core.members() > 0 && !self.stopping,
             stopped: self.stopping,
         };
-        self.want.send_if_modified(|w| {
-            let changed = *w != want;
-            *w = want;
+        self.open.send_if_modified(|o| {
+            let changed = *o != open;
+            *o = open;
             changed
         });
-        *self.handle.shared.view.lock() = self.core.view();
+        if self.stopping {
+            self.room_asked = None;
+        } else if self.room_asked.is_some() && open.members {
+            let room = self.core.room();
+            if room > 0
+                && let Some(asked) = self.room_asked.take()
+            {
+                let _ = asked.send(room);
+            }
+        }
+        let full = std::mem::take(&mut self.ticked);
+        self.core.update_view(&mut self.handle.shared.view.lock(), full);
         for operation in self.core.out.drain(..) {
             // Closed only when the sender task panicked: nothing to do.
             let _ = self.outbound.send(operation);
@@ -493,13 +514,11 @@ impl<B: Backend> Hub<B> {
             Command::Nack { id, sequences, nacked } => {
                 let _ = nacked.send(self.core.nack(&id, &sequences, now));
             }
-            Command::Pulled(pulling) => {
-                self.received += 1;
-                match pulling {
-                    Pulling::Message(pulled) => self.core.pulled(pulled, closing, now),
-                    Pulling::Undecodable(message) => self.core.undecodable(message),
-                }
-            }
+            Command::Room { room } => self.room_asked = Some(room),
+            Command::Pulled(pulling) => match pulling {
+                Pulling::Message(pulled) => self.core.pulled(pulled, closing, now),
+                Pulling::Undecodable(message) => self.core.undecodable(message),
+            },
             Command::Offered { pulled, taken } => {
                 let _ = taken.send(self.core.take(pulled, closing || self.stopping, now));
             }
@@ -517,6 +536,7 @@ impl<B: Backend> Hub<B> {
 
     fn tick(&mut self, now: Instant) {
         self.core.tick(now);
+        self.ticked = true;
         // Without a member for LINGER: the hub stops. A join from now on
         // is refused (its caller makes a new hub), and the hub leaves the
         // replica's table so that the next join finds none.
@@ -539,31 +559,27 @@ impl<B: Backend> Hub<B> {
 async fn pull<B: Backend>(
     backend: Arc<B>,
     hub: HubHandle<B>,
-    mut want: watch::Receiver<Want>,
+    mut open: watch::Receiver<Open>,
     pulling: watch::Sender<bool>,
     closing: CancellationToken,
     pulled: CancellationToken,
 ) {
     let _pulled = pulled.drop_guard();
-    let mut sent: u64 = 0;
     loop {
         pulling.send_replace(false);
         if closing.is_cancelled() {
             return;
         }
-        // The hub has members with room, and has taken in all that was
-        // pulled before.
+        // Answered after the hub has taken in all this pulled before.
         let room = tokio::select! {
-            w = want.wait_for(|w| w.stopped || (w.open && w.received == sent && w.room > 0)) => {
-                w.ok().filter(|w| !w.stopped).map(|w| w.room)
-            }
+            room = hub.room() => room,
             _ = closing.cancelled() => None,
         };
         let Some(room) = room else { return };
         // Set before looking again: a hub that closes from now on sees
         // the pull (see `Hub::step_done`).
         pulling.send_replace(true);
-        if !want.borrow().open || closing.is_cancelled() {
+        if !open.borrow().members || closing.is_cancelled() {
             continue;
         }
         let mut batch = match backend.pull(room.min(PULL_AT_MOST)).await {
@@ -580,7 +596,7 @@ async fn pull<B: Backend>(
         loop {
             let message = tokio::select! {
                 message = batch.next() => Some(message),
-                _ = want.wait_for(|w| !w.open) => None,
+                _ = open.wait_for(|o| !o.members) => None,
             };
             let Some(message) = message else {
                 // The last member left: the pull is closed, and what is
@@ -593,7 +609,6 @@ async fn pull<B: Backend>(
             match message {
                 None => break,
                 Some(Ok(pulled)) => {
-                    sent += 1;
                     if !hub.pulled_message(pulled) {
                         // The hub task is gone (it outlives the puller
                         // unless it panicked): JetStream redelivers after
