@@ -292,6 +292,7 @@ async fn an_expired_deadline_redelivers_and_held_messages_are_reported_in_progre
     let started = Instant::now();
     fake.publish(1);
     assert_eq!(at(&m.next(&hub).await), (1, 1));
+    assert_eq!(hub.view().oldest_given_at, Some(started), "the oldest unacked age runs");
     // A third of ack_wait (800 ms): in progress; the 1 s deadline: nacked
     // (no other member, no other replica takes it), then redelivered.
     let redelivered = m.next(&hub).await;
@@ -302,6 +303,7 @@ async fn an_expired_deadline_redelivers_and_held_messages_are_reported_in_progre
     fake.wait_for(SECOND, |s| s.ends_with(&[Seen::Ack(1)])).await;
     let view = hub.view();
     assert_eq!((view.held, view.counters.redeliveries, view.counters.acked), (0, 1, 1));
+    assert_eq!(view.oldest_given_at, None);
 }
 
 #[tokio::test(start_paused = true)]
