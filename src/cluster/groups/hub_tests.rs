@@ -592,6 +592,10 @@ mod property {
         }
     }
 
+    /// A member in the model: id, subscription, manual, max_in_flight, and
+    /// what its stream took and it has not acked.
+    type ModelMember = (Arc<str>, Arc<Subscription>, bool, u32, Vec<u64>);
+
     proptest! {
         #[test]
         fn every_message_is_in_exactly_one_place(ops in prop::collection::vec(op(), 1..150), max_attempts in 0u32..4) {
@@ -605,7 +609,7 @@ mod property {
             let mut next_seq = 0u64;
             let mut next_member = 0u32;
             // (id, subscription, manual, max_in_flight, taken by its stream and not acked)
-            let mut members: Vec<(Arc<str>, Arc<Subscription>, bool, u32, Vec<u64>)> = Vec::new();
+            let mut members: Vec<ModelMember> = Vec::new();
             for op in ops {
                 match op {
                     Op::Publish => {
@@ -667,16 +671,14 @@ mod property {
                         now += Duration::from_secs(secs);
                         core.tick(now);
                     }
-                    Op::Offered => {
-                        // Another replica's message: a new sequence, in
-                        // JetStream's count already.
-                        if core.room() > 0 {
-                            next_seq += 1;
-                            let published = Arc::new(Published::for_test("t", next_seq));
-                            let m = Msg { seq: next_seq, attempt: 2 };
-                            let taken = core.take(Pulled { message: m, published, attempt: 2, remembered: false }, false, now);
-                            prop_assert!(taken, "room, and not taken");
-                        }
+                    // Another replica's message: a new sequence, in
+                    // JetStream's count already.
+                    Op::Offered if core.room() > 0 => {
+                        next_seq += 1;
+                        let published = Arc::new(Published::for_test("t", next_seq));
+                        let m = Msg { seq: next_seq, attempt: 2 };
+                        let taken = core.take(Pulled { message: m, published, attempt: 2, remembered: false }, false, now);
+                        prop_assert!(taken, "room, and not taken");
                     }
                     Op::OthersTake(take) => others_take = take,
                     Op::HandBack => {

@@ -269,10 +269,7 @@ impl<M: Clone> HubCore<M> {
     /// An AUTO member's stream took `sequence`, or a MANUAL member acked
     /// it: done. False when the member does not hold it.
     pub(crate) fn done(&mut self, member: &str, sequence: u64, now: Instant) -> bool {
-        if !self.held.get(&sequence).is_some_and(|h| &*h.member == member) {
-            return false;
-        }
-        let Some(held) = self.held.remove(&sequence) else {
+        let Some(held) = self.take_held(sequence, member) else {
             return false;
         };
         self.counters.acked += 1;
@@ -305,11 +302,10 @@ impl<M: Clone> HubCore<M> {
         let mut result = Nacked::default();
         let mut elsewhere = Vec::new();
         for &seq in sequences {
-            if !self.held.get(&seq).is_some_and(|h| &*h.member == member) {
+            let Some(held) = self.take_held(seq, member) else {
                 result.unknown += 1;
                 continue;
-            }
-            let Some(held) = self.held.remove(&seq) else { continue };
+            };
             result.requeued += 1;
             self.unhold(member);
             self.redirect(held, now, &mut elsewhere);
@@ -486,6 +482,14 @@ impl<M: Clone> HubCore<M> {
             };
             self.held.insert(sequence, held);
         }
+    }
+
+    /// Takes `seq` from what is held, if `member` holds it.
+    fn take_held(&mut self, seq: u64, member: &str) -> Option<Held<M>> {
+        if self.held.get(&seq).is_some_and(|h| &*h.member == member) {
+            return self.held.remove(&seq);
+        }
+        None
     }
 
     /// One message fewer held by `member` (gone already: nothing).
