@@ -29,6 +29,11 @@
 //! call; dead letters are returned to the caller, which publishes them
 //! outside it. Time is passed in (`now`), so the logic is tested without a
 //! clock.
+//!
+//! Who gets the next message ([`pick_member`]) and when a failed delivery
+//! was the last allowed ([`attempts_exhausted`]) are decided here for both
+//! engines: a cluster hub (`cluster/groups/state.rs`) uses the same two
+//! functions.
 
 use super::queue::Push;
 use super::{Delivery, Published, Subscription};

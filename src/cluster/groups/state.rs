@@ -24,6 +24,11 @@
 //! A message this replica holds is in exactly one of `waiting` and `held`,
 //! or has left it in one operation of [`HubCore::out`] (a property test in
 //! `hub_tests.rs` checks it after every step).
+//!
+//! Who gets a message (round-robin over the members with room, the member
+//! it failed with last) and when a failed delivery was the last allowed are
+//! the single-node engine's own rules (`broker/group.rs`, `pick_member`
+//! and `attempts_exhausted`), not a copy of them.
 
 use crate::broker::{Delivery, Published, Subscription, attempts_exhausted, pick_member};
 use crate::engine::{AckMode, Acked, Nacked};
