@@ -577,6 +577,17 @@ impl DeliveryStream for ClusterStream {
     fn end(&self) -> Option<StreamEnd> {
         self.inner.end()
     }
+
+    fn poll_ended(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.inner.poll_ended(cx)
+    }
+
+    fn close(&mut self) -> StreamEnd {
+        // As when dropped: a member's held messages go back to its group
+        // first, then the local subscription closes.
+        self.member.take();
+        DeliveryStream::close(&mut self.inner)
+    }
 }
 
 impl Drop for ClusterStream {
