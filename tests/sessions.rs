@@ -63,8 +63,10 @@ async fn one_session_carries_many_subscriptions_and_a_shared_message_comes_once(
         // The 50 handles of news.> get the message once, all named; the
         // delivery of several handles carries no subscription id.
         let mut named = Vec::new();
+        let mut deliveries = 0;
         while named.len() < 50 {
             let d = session.delivery().await;
+            deliveries += 1;
             let m = d.message.unwrap();
             assert_eq!(m.sequence, first.sequence);
             assert_eq!(&m.payload[..], b"a");
@@ -75,6 +77,9 @@ async fn one_session_carries_many_subscriptions_and_a_shared_message_comes_once(
         }
         named.sort_unstable();
         assert_eq!(named, (1..=50).collect::<Vec<_>>(), "each handle once");
+        // Usually one delivery names all 50; the session's task may start
+        // on the first wake-ups while the publish still queues the rest.
+        assert!(deliveries < 50, "one message for 50 handles came {deliveries} times");
         let d = session.delivery().await;
         assert_eq!(d.handles, vec![51]);
         let m = d.message.unwrap();
@@ -547,8 +552,15 @@ async fn a_session_that_is_not_read_loses_each_subscription_to_eviction() {
             ..Limits::default()
         })
         .await;
-        // A narrow HTTP/2 window, so the stalled session's stream fills fast.
-        let channel = broker.narrow_channel().await;
+        // A narrow HTTP/2 window, so the stalled session's stream fills
+        // fast (replica a's: its metrics are read).
+        let channel = tonic::transport::Endpoint::from_shared(broker.url())
+            .unwrap()
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .connect()
+            .await
+            .unwrap();
         let mut client = pb::broker_client::BrokerClient::new(channel);
         let mut session = TestSession::start(&mut client).await;
         for handle in 1..=20u32 {
@@ -588,6 +600,109 @@ async fn a_session_that_is_not_read_loses_each_subscription_to_eviction() {
         assert_eq!(ended.len(), 20);
         // The session itself is still open.
         session.open_and_wait(1, subscribe_request(&["flood.>"]), 0).await;
+    })
+    .await
+}
+
+/// Sends whatever bytes it is given as the session's requests (each one
+/// gRPC message), and decodes the events as a client does.
+struct RawCodec;
+
+struct RawEncoder;
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn encode(&mut self, item: bytes::Bytes, buf: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        buf.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = bytes::Bytes;
+    type Decode = pb::SessionEvent;
+    type Encoder = RawEncoder;
+    type Decoder = tonic_prost::ProstDecoder<pb::SessionEvent>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        RawEncoder
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::default()
+    }
+}
+
+#[tokio::test]
+async fn only_a_request_that_cannot_be_decoded_ends_the_session() {
+    timeout(async {
+        use prost::Message as _;
+        let broker = start().await;
+        // Another session, which must not notice.
+        let mut other = TestSession::start(&mut broker.client_on(0).await).await;
+        other.open_and_wait(1, subscribe_request(&["d.>"]), 0).await;
+
+        let channel = tonic::transport::Endpoint::from_shared(broker.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        let open = pb::SessionRequest {
+            request: Some(pb::session_request::Request::Open(pb::SessionOpen {
+                handle: 1,
+                subscription: Some(subscribe_request(&["d.>"])),
+                credit: 0,
+            })),
+        };
+        let (requests, receiver) = futures::channel::mpsc::unbounded();
+        requests
+            .unbounded_send(bytes::Bytes::from(open.encode_to_vec()))
+            .unwrap();
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static("/tinybroker.v1.Broker/Session");
+        let mut events = grpc
+            .streaming(tonic::Request::new(receiver), path, RawCodec)
+            .await
+            .unwrap()
+            .into_inner();
+        let first = events.message().await.unwrap().unwrap();
+        assert!(
+            matches!(first.event, Some(Event::Opened(ref o)) if o.handle == 1),
+            "{first:?}"
+        );
+        // Field 1 as a varint where a message is expected, then a length
+        // past the end: not a SessionRequest.
+        requests
+            .unbounded_send(bytes::Bytes::from_static(&[0x08, 0x96, 0x01, 0x0a, 0x7f]))
+            .unwrap();
+        let status = loop {
+            match events.message().await {
+                Ok(Some(event)) => panic!("nothing more before the end: {event:?}"),
+                Ok(None) => panic!("the session ended with OK"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains("SessionRequest"), "{}", status.message());
+        // Its subscription is gone; the other session still delivers.
+        wait_until("the failed session's subscription to be removed", || async {
+            broker.subscriptions().await.len() == 1
+        })
+        .await;
+        let sequence = broker
+            .client()
+            .await
+            .publish(publish_request("d.x", "1"))
+            .await
+            .unwrap()
+            .into_inner()
+            .sequence;
+        let d = other.delivery().await;
+        assert_eq!((d.handles, d.message.unwrap().sequence), (vec![1], sequence));
     })
     .await
 }

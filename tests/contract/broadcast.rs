@@ -352,9 +352,7 @@ async fn bad_topics_and_patterns_are_invalid_argument_naming_the_value() {
         client.publish(publish_request(&ok, "x")).await.unwrap();
 
         for pattern in ["a.>.b", "a*", "a..b", "", "x y"] {
-            let err = try_open(&mut client, subscribe_request(&[pattern]))
-                .await
-                .unwrap_err();
+            let err = try_open(&mut client, subscribe_request(&[pattern])).await.unwrap_err();
             assert_eq!(err.code(), Code::InvalidArgument, "{pattern:?}");
             assert!(err.message().contains("invalid topic pattern"), "{}", err.message());
         }
