@@ -103,9 +103,9 @@ pub struct SessionBody<E: Engine, R> {
     subs: Slab<Sub<E::Stream>>,
     /// Opens the engine has not answered yet (the cluster engine may wait
     /// for NATS); the in-memory engine answers at once and never lands here.
-    opening: FuturesUnordered<BoxFuture<'static, (u32, Result<E::Stream, BrokerError>)>>,
+    opening: FuturesUnordered<Opening<E::Stream>>,
     /// In-band acks and nacks the engine has not answered yet.
-    acking: FuturesUnordered<BoxFuture<'static, (u32, Result<u32, BrokerError>)>>,
+    acking: FuturesUnordered<Acking>,
     ready: Arc<Ready>,
     /// Subscriptions that gave a delivery in the last round.
     again: Vec<usize>,
@@ -122,6 +122,12 @@ pub struct SessionBody<E: Engine, R> {
     finish: Option<Status>,
     done: bool,
 }
+
+/// An open the engine is answering: the handle and the stream (or why not).
+type Opening<S> = BoxFuture<'static, (u32, Result<S, BrokerError>)>;
+/// An in-band ack or nack the engine is answering: how many sequences it
+/// named, and how many of them the subscription did not hold.
+type Acking = BoxFuture<'static, (u32, Result<u32, BrokerError>)>;
 
 /// What a handle names.
 enum Handle {
@@ -447,7 +453,7 @@ where
         let engine = self.engine.clone();
         let id = self.subs[key].id.clone();
         let count = sequences.len() as u32;
-        let mut acking: BoxFuture<'static, (u32, Result<u32, BrokerError>)> = Box::pin(async move {
+        let mut acking: Acking = Box::pin(async move {
             let unknown = if nack {
                 engine.nack(&id, &sequences).await.map(|Nacked { unknown, .. }| unknown)
             } else {

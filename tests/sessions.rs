@@ -679,12 +679,10 @@ async fn only_a_request_that_cannot_be_decoded_ends_the_session() {
         requests
             .unbounded_send(bytes::Bytes::from_static(&[0x08, 0x96, 0x01, 0x0a, 0x7f]))
             .unwrap();
-        let status = loop {
-            match events.message().await {
-                Ok(Some(event)) => panic!("nothing more before the end: {event:?}"),
-                Ok(None) => panic!("the session ended with OK"),
-                Err(status) => break status,
-            }
+        let status = match events.message().await {
+            Ok(Some(event)) => panic!("nothing more before the end: {event:?}"),
+            Ok(None) => panic!("the session ended with OK"),
+            Err(status) => status,
         };
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains("SessionRequest"), "{}", status.message());

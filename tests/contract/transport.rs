@@ -56,24 +56,22 @@ impl Sub {
                 if *ended {
                     return Ok(None);
                 }
-                loop {
-                    let Some(event) = session.events.message().await? else {
-                        *ended = true;
-                        return Ok(None);
-                    };
-                    match event.event {
-                        Some(Event::Delivery(d)) => {
-                            assert_eq!(d.handles, [HANDLE], "a delivery names the session's one handle");
-                            return Ok(Some(d.message.expect("a delivery carries its message")));
-                        }
-                        Some(Event::Ended(e)) => {
-                            assert_eq!(e.handle, HANDLE);
-                            assert_ne!(e.reason, "rejected", "{e:?}");
-                            *ended = true;
-                            return Ok(None);
-                        }
-                        other => panic!("unexpected session event {other:?}"),
+                let Some(event) = session.events.message().await? else {
+                    *ended = true;
+                    return Ok(None);
+                };
+                match event.event {
+                    Some(Event::Delivery(d)) => {
+                        assert_eq!(d.handles, [HANDLE], "a delivery names the session's one handle");
+                        Ok(Some(d.message.expect("a delivery carries its message")))
                     }
+                    Some(Event::Ended(e)) => {
+                        assert_eq!(e.handle, HANDLE);
+                        assert_ne!(e.reason, "rejected", "{e:?}");
+                        *ended = true;
+                        Ok(None)
+                    }
+                    other => panic!("unexpected session event {other:?}"),
                 }
             }
         }
