@@ -144,9 +144,9 @@ enum Handle {
 struct Sub<S> {
     handle: u32,
     stream: S,
-    id: Arc<str>,
-    /// Its id and group, encoded once, for deliveries naming it alone.
-    fields: SubscriberFields,
+    /// Its id and group, encoded once (at its first delivery naming it
+    /// alone: an idle subscription holds none).
+    fields: Option<SubscriberFields>,
     group: bool,
     /// Deliveries it may still be sent; None: no limit.
     credit: Option<u64>,
@@ -344,12 +344,11 @@ where
                 return self.reject(handle, status.code(), status.message().to_owned());
             }
         };
-        let id: Arc<str> = Arc::from(stream.id());
         put_event(
             &mut self.out.buf,
             pb::session_event::Event::Opened(pb::SessionOpened {
                 handle,
-                subscription_id: id.to_string(),
+                subscription_id: stream.id().to_owned(),
             }),
         );
         if close || self.requests.is_none() {
@@ -366,9 +365,8 @@ where
         let key = entry.key();
         entry.insert(Sub {
             handle,
-            fields: SubscriberFields::new(&id, stream.consumer_group().unwrap_or_default()),
+            fields: None,
             stream,
-            id,
             group,
             credit,
             waker: futures::task::waker(wake.clone()),
@@ -451,7 +449,7 @@ where
             return self.ignored(IgnoredRequest::NoSequences, 1);
         }
         let engine = self.engine.clone();
-        let id = self.subs[key].id.clone();
+        let id = self.subs[key].stream.id().to_owned();
         let count = sequences.len() as u32;
         let mut acking: Acking = Box::pin(async move {
             let unknown = if nack {
@@ -536,7 +534,7 @@ where
                 }
             }
             self.keys = keys;
-            self.out.encode_round(&self.subs);
+            self.out.encode_round(&mut self.subs);
             for key in ended.drain(..) {
                 let sub = self.subs.remove(key);
                 self.handles.remove(&sub.handle);
@@ -628,16 +626,18 @@ impl Out {
     }
 
     /// Encodes the round's deliveries, in the order they were taken.
-    fn encode_round<S: DeliveryStream>(&mut self, subs: &Slab<Sub<S>>) {
+    fn encode_round<S: DeliveryStream>(&mut self, subs: &mut Slab<Sub<S>>) {
         if self.batch.is_empty() {
             return;
         }
         let now = SystemTime::now();
         let mut batch = std::mem::take(&mut self.batch);
         for mut b in batch.drain(..) {
-            let sub = &subs[b.key];
+            let sub = &mut subs[b.key];
             let fields = match b.handles.len() {
-                1 => &sub.fields,
+                1 => sub.fields.get_or_insert_with(|| {
+                    SubscriberFields::new(sub.stream.id(), sub.stream.consumer_group().unwrap_or_default())
+                }),
                 _ => &self.shared_fields,
             };
             if let Ok(lag) = now.duration_since(b.message.publish_time) {
@@ -657,7 +657,7 @@ impl Out {
                     messaging.destination.name = %m.topic,
                     messaging.message.id = m.sequence,
                     messaging.consumer.group.name = %sub.stream.consumer_group().unwrap_or_default(),
-                    subscription_id = %sub.id,
+                    subscription_id = %sub.stream.id(),
                     session_handles = b.handles.len(),
                     delivery_attempt = b.attempt,
                 );
