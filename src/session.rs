@@ -103,6 +103,7 @@ pub struct SessionBody<E: Engine, R> {
     subs: Slab<Sub<E::Stream>>,
     /// Opens the engine has not answered yet (the cluster engine may wait
     /// for NATS); the in-memory engine answers at once and never lands here.
+    #[allow(clippy::type_complexity)]
     opening: FuturesUnordered<BoxFuture<'static, (u32, Result<E::Stream, BrokerError>)>>,
     /// In-band acks and nacks the engine has not answered yet.
     acking: FuturesUnordered<BoxFuture<'static, (u32, Result<u32, BrokerError>)>>,

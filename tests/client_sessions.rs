@@ -63,7 +63,11 @@ async fn the_subscribers_of_one_client_and_its_clones_share_one_session() {
             s.open().await.unwrap();
             subscribers.push(s);
         }
-        assert_eq!(sessions(broker.metrics_addr).await, 1.0, "one session for ten subscribers");
+        assert_eq!(
+            sessions(broker.metrics_addr).await,
+            1.0,
+            "one session for ten subscribers"
+        );
         let listed = broker.subscriptions().await;
         assert_eq!(listed.len(), 10, "{listed:?}");
         for s in &subscribers {
@@ -84,7 +88,11 @@ async fn the_subscribers_of_one_client_and_its_clones_share_one_session() {
             broker.subscriptions().await.is_empty()
         })
         .await;
-        assert_eq!(sessions(broker.metrics_addr).await, 1.0, "the session stays while the client lives");
+        assert_eq!(
+            sessions(broker.metrics_addr).await,
+            1.0,
+            "the session stays while the client lives"
+        );
         drop((client, clone));
         wait_until("the session to end with its client", || async {
             sessions(broker.metrics_addr).await == 0.0
@@ -127,7 +135,10 @@ async fn an_application_that_stops_taking_messages_is_evicted_alone() {
             last = r.sequence;
         }
         let r = publish(&mut publisher, "flood.x", "last").await;
-        assert_eq!(r.matched_subscriptions, 1, "the stalled subscription was evicted, the reader was not");
+        assert_eq!(
+            r.matched_subscriptions, 1,
+            "the stalled subscription was evicted, the reader was not"
+        );
         assert_eq!(next(&mut reader).await.sequence, r.sequence);
         let mut admin = broker.admin().await;
         let evictions = common::evictions(&mut admin).await;
@@ -136,7 +147,11 @@ async fn an_application_that_stops_taking_messages_is_evicted_alone() {
             .find(|e| e.subscription_id == stalled_id)
             .expect("the stalled subscription is listed as evicted");
         assert_eq!(eviction.queue_depth, CAPACITY as u64);
-        assert!(evictions.iter().all(|e| e.subscription_id != reader.subscription_id().unwrap()));
+        assert!(
+            evictions
+                .iter()
+                .all(|e| e.subscription_id != reader.subscription_id().unwrap())
+        );
 
         // What it was sent before it was evicted is there, in order: its
         // window and no more; then it says it was evicted.
@@ -186,7 +201,11 @@ async fn a_manual_group_member_acks_and_nacks_in_band() {
         member.open().await.unwrap();
         let mut published = Vec::new();
         for i in 0..5 {
-            published.push(publish(&mut publisher, "jobs.build", &format!("job-{i}")).await.sequence);
+            published.push(
+                publish(&mut publisher, "jobs.build", &format!("job-{i}"))
+                    .await
+                    .sequence,
+            );
         }
         let mut got = Vec::new();
         for _ in 0..5 {
@@ -204,7 +223,10 @@ async fn a_manual_group_member_acks_and_nacks_in_band() {
         member.ack(got[..4].to_vec()).unwrap();
         // Ack by id keeps working beside the in-band one.
         let mut by_id = client.clone();
-        let r = by_id.ack(member.subscription_id().unwrap(), vec![got[4]]).await.unwrap();
+        let r = by_id
+            .ack(member.subscription_id().unwrap(), vec![got[4]])
+            .await
+            .unwrap();
         assert_eq!((r.acked, r.unknown), (1, 0));
         wait_until("nothing in flight", || async {
             broker.group("in-band").await.is_some_and(|g| g.in_flight == 0)
@@ -407,7 +429,10 @@ async fn after_the_broker_restarts_on_the_same_port_every_subscription_receives_
                 said.iter().any(|l| l.ends_with("ended: the broker is shutting down")),
                 "{i}: {said:#?}"
             );
-            assert!(said.iter().any(|l| l.starts_with("re-subscribed as ")), "{i}: {said:#?}");
+            assert!(
+                said.iter().any(|l| l.starts_with("re-subscribed as ")),
+                "{i}: {said:#?}"
+            );
         }
         second.stop().await;
     })

@@ -142,7 +142,10 @@ async fn readme_grpcurl_session_opens_two_subscriptions_and_closes_them() {
                 }
             }
         });
-        let next = || rx.recv_timeout(std::time::Duration::from_secs(20)).expect("a grpcurl event");
+        let next = || {
+            rx.recv_timeout(std::time::Duration::from_secs(20))
+                .expect("a grpcurl event")
+        };
         let mut ids = Vec::new();
         for handle in [1, 2] {
             let opened = next();

@@ -449,7 +449,10 @@ async fn grpcio_holds_a_thousand_subscriptions_on_one_session() {
     assert!(result["problem"].is_null(), "{context}");
     assert_eq!(result["stream_code"], "OK", "{context}");
     assert_eq!(result["distinct_ids"], COUNT, "{context}");
-    assert_eq!(result["complete"], COUNT, "every handle got all its messages: {context}");
+    assert_eq!(
+        result["complete"], COUNT,
+        "every handle got all its messages: {context}"
+    );
     assert_eq!(result["closed_on_close"], CLOSE, "{context}");
     assert_eq!(result["closed_on_half_close"], COUNT - CLOSE, "{context}");
     assert!(

@@ -55,9 +55,17 @@ pub(crate) enum Command {
         events: mpsc::UnboundedSender<HandleEvent>,
     },
     /// The application took `messages` deliveries of `generation`.
-    Credit { handle: u32, generation: u64, messages: u32 },
+    Credit {
+        handle: u32,
+        generation: u64,
+        messages: u32,
+    },
     /// In-band Ack (or Nack) for the subscription's current stream.
-    Ack { handle: u32, sequences: Vec<u64>, nack: bool },
+    Ack {
+        handle: u32,
+        sequences: Vec<u64>,
+        nack: bool,
+    },
     /// End the subscription: `ended` (closed) follows, or `Lost` if the
     /// session goes first.
     Close { handle: u32 },
@@ -67,16 +75,25 @@ pub(crate) enum Command {
 #[derive(Debug)]
 pub(crate) enum HandleEvent {
     /// Open on the current session; `generation` counts the opens.
-    Opened { subscription_id: String, generation: u64 },
+    Opened {
+        subscription_id: String,
+        generation: u64,
+    },
     Delivery(pb::Message),
     /// The broker ended the subscription (or rejected its open); it is out
     /// of the table.
     Ended(pb::SessionEnded),
     /// The session failed. With `retrying`, the subscription stays in the
     /// table and is opened again on the next session; without, it is gone.
-    Lost { status: Status, retrying: bool },
+    Lost {
+        status: Status,
+        retrying: bool,
+    },
     /// A new session is tried in `delay`; `cause`: why the last try failed.
-    Retrying { delay: Duration, cause: Option<Status> },
+    Retrying {
+        delay: Duration,
+        cause: Option<Status>,
+    },
 }
 
 /// Starts the task of one client connection; it ends when every sender of
@@ -242,7 +259,9 @@ impl SessionTask {
     fn send(&mut self, request: SessionRequest) {
         if let Some(live) = &self.session {
             // A session that is gone says so on its event stream.
-            let _ = live.requests.unbounded_send(pb::SessionRequest { request: Some(request) });
+            let _ = live
+                .requests
+                .unbounded_send(pb::SessionRequest { request: Some(request) });
         }
     }
 
