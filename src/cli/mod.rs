@@ -304,14 +304,13 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
     let stdout = std::io::stdout();
     loop {
         if args.count.is_some_and(|n| received >= n) {
-            // Once closed, the acks sent on the session were applied.
-            subscriber.close().await;
+            close(&mut subscriber).await;
             return Ok(());
         }
         let message = tokio::select! {
             m = subscriber.next() => m.map_err(|s| failed("subscribe", &addr, s))?,
             _ = tokio::signal::ctrl_c() => {
-                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), subscriber.close()).await;
+                close(&mut subscriber).await;
                 return Ok(());
             }
         };
@@ -337,6 +336,13 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
             }
         }
     }
+}
+
+/// Closes the subscription before `subscribe` exits: once the broker has
+/// ended it, the acks sent on the session were applied. A broker that does
+/// not answer within 5 s redelivers what was not acked.
+async fn close(subscriber: &mut crate::client::Subscriber) {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), subscriber.close()).await;
 }
 
 /// What `subscribe` says once its subscription is open: its id (from the
