@@ -420,25 +420,26 @@ async fn grpcio_holds_a_thousand_subscriptions_on_one_session() {
     assert_eq!(metric_sum(&scraped, "tinybroker_sessions"), 1.0);
     assert_eq!(metric_sum(&scraped, "tinybroker_subscriptions"), COUNT as f64);
 
+    // One PublishStream: its messages reach each subscription in order.
+    let requests: Vec<pb::PublishRequest> = (0..ROUNDS)
+        .flat_map(|round| {
+            (1..=COUNT)
+                .map(move |handle| (format!("load.{handle}"), format!("{handle}-{round}")))
+                .chain([("all.x".to_owned(), format!("all-{round}"))])
+        })
+        .map(|(topic, payload)| pb::PublishRequest {
+            topic,
+            payload: payload.into(),
+            headers: Default::default(),
+        })
+        .collect();
     let mut publisher = pb::broker_client::BrokerClient::connect(broker.url()).await.unwrap();
-    let mut publish = async |topic: String, payload: String, matched: u64| {
-        let r = publisher
-            .publish(pb::PublishRequest {
-                topic,
-                payload: payload.into(),
-                headers: Default::default(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(u64::from(r.matched_subscriptions), matched);
-    };
-    for round in 0..ROUNDS {
-        for handle in 1..=COUNT {
-            publish(format!("load.{handle}"), format!("{handle}-{round}"), 1).await;
-        }
-        publish("all.x".into(), format!("all-{round}"), COUNT).await;
-    }
+    let response = publisher
+        .publish_stream(futures::stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.accepted, ROUNDS * (COUNT + 1));
     let published = started.elapsed();
 
     let (result, stderr) = tokio::task::spawn_blocking(move || (script.result(), script.stderr_tail()))
