@@ -277,7 +277,9 @@ pub enum SubscriberEvent {
         /// when the broker did not list it.
         queue_depth: Option<u64>,
     },
-    /// The stream failed: the connection was lost, or the broker refused.
+    /// The session carrying it failed (the connection was lost): with
+    /// `reconnect` every subscription of the client is opened again on a
+    /// new session.
     Failed { subscription_id: String, status: Status },
     /// Opening again in `delay`.
     Reconnecting { delay: Duration, cause: Option<Status> },

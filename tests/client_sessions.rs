@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tinybroker::client::{Client, EndReason, Subscriber, SubscriberEvent};
+use tinybroker::client::{Client, ConnectOptions, EndReason, Subscriber, SubscriberEvent};
 use tinybroker::config::{Config, Limits};
 use tinybroker::pb;
 use tinybroker::server::{self, Listeners};
@@ -234,6 +234,42 @@ async fn a_manual_group_member_acks_and_nacks_in_band() {
         .await;
         let g = broker.group("in-band").await.unwrap();
         assert_eq!((g.backlog, g.redeliveries), (0, 1), "{g:?}");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_carries_the_token_and_a_refused_one_is_not_retried() {
+    timeout(async {
+        let broker = start_with(Config {
+            auth_token: Some("s3cret".into()),
+            ..config()
+        })
+        .await;
+        let options = |token: Option<&str>| ConnectOptions {
+            token: token.map(str::to_owned),
+            ca: None,
+        };
+        let client = Client::connect_with(&broker.url(), &options(Some("s3cret")))
+            .await
+            .unwrap();
+        let mut s = client.subscriber(subscribe_request(&["auth.>"]), true);
+        s.open().await.unwrap();
+        let id = s.subscription_id().unwrap().to_owned();
+        let listing = client.clone().list_subscriptions().await.unwrap();
+        assert!(listed(listing, &id).is_some());
+
+        let refused = Client::connect_with(&broker.url(), &options(Some("wrong")))
+            .await
+            .unwrap();
+        let mut s = refused.subscriber(subscribe_request(&["auth.>"]), true);
+        let events = recorded(&mut s);
+        let status = tokio::time::timeout(Duration::from_secs(10), s.open())
+            .await
+            .expect("a refused session is not retried")
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+        assert!(events.lock().is_empty(), "{:?}", events.lock());
     })
     .await
 }
