@@ -35,7 +35,10 @@
 //! between the local fan-out and NATS; `groups.rs` consumer groups;
 //! `registry.rs` live replicas, replica ids and subscription ids; `rpc.rs`
 //! calls between replicas, both ends; `recovery.rs` the buckets, JetStream's
-//! refusals explained, and the rebuild after NATS lost its state.
+//! refusals explained, and the rebuild after NATS lost its state; `wire.rs`
+//! the formats replicas exchange (declared in
+//! `proto/tinybroker/cluster/v1/cluster.proto`) and how two versions
+//! interoperate.
 
 mod attempts;
 mod fanout;
@@ -45,6 +48,7 @@ mod interest;
 mod recovery;
 mod registry;
 mod rpc;
+mod wire;
 
 use registry::{Release, key};
 
