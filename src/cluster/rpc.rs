@@ -878,7 +878,7 @@ mod tests {
         ] {
             let (_, body) = encode_answer(Answer::Error(error.clone().into()), true);
             let read = decode_answer(&body, true).unwrap();
-            assert_eq!(read.into_error(), BrokerError::from(WireError::from(error)));
+            assert_eq!(read.into_error(), error);
         }
     }
 
