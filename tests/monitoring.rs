@@ -15,9 +15,22 @@
 //! how long each took. The same rules at the chart's 30 s scrape interval
 //! are shown by `promtool test rules deploy/monitoring/alerts_test.yaml`.
 //!
-//! Ignored by default: it needs the `prometheus` server and takes about
-//! 90 s. `scripts/check-alerts-live.sh` (a CI step) installs Prometheus and
-//! runs it.
+//! The cluster session does the same sums over two replicas (issue 25):
+//! two broker processes in cluster mode over one nats-server, one
+//! Prometheus scraping both, and known counts made across them (a MANUAL
+//! group with a member on each replica, acked through the other replica,
+//! nacked, redelivered and dead-lettered; a group holding messages, one
+//! overflowing, one without members and then removed after its idle TTL;
+//! broadcast deliveries on both). Every consumer-group panel of the
+//! dashboard and every group rule of alerts.yaml, evaluated over both
+//! replicas, must give the total the clients saw, not twice it (a gauge
+//! every replica reports, summed) nor a part of it (a counter each replica
+//! keeps for itself, not summed), and must hold for a few seconds on end;
+//! a group panel or rule added later without a check here fails it.
+//!
+//! Ignored by default: they need the `prometheus` server (and nats-server)
+//! and take about 90 s and 30 s. `scripts/check-alerts-live.sh` (a CI step)
+//! installs Prometheus and runs them.
 
 mod common;
 
