@@ -38,14 +38,12 @@ use crate::engine::validate::{self, truncate};
 use crate::engine::{
     AckMode, Acked, BrokerError, Delivery, GroupInfo, Nacked, NewMessage, PublishTime, SubscribeRequest,
 };
-use crate::pb;
 use crate::sublist::Sublist;
 use crate::topic::TopicPattern;
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use bytes::Bytes;
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
-use prost::Message as _;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -993,7 +991,7 @@ impl ClusterEngine {
     /// `remembered`: its attempts were read from the `<prefix>_attempts`
     /// bucket, where its entry goes once it is dead-lettered.
     async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32, remembered: bool) {
-        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+        let Ok(m) = super::wire::decode(message.payload.clone()) else {
             return;
         };
         tracing::warn!(
@@ -1454,8 +1452,8 @@ impl Hub {
     /// What a group message (the publishing replica's envelope) gives the
     /// members; None when it does not decode.
     fn published(&self, message: &jetstream::Message) -> Option<Arc<crate::broker::Published>> {
-        let m = pb::Message::decode(message.payload.clone()).ok()?;
-        let (new_message, sequence, publish_time) = super::fanout::from_envelope(m);
+        let m = super::wire::decode(message.payload.clone()).ok()?;
+        let (new_message, sequence, publish_time) = super::wire::from_envelope(m);
         Some(
             self.engine
                 .inner

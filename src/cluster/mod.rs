@@ -33,9 +33,13 @@
 //!
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
 //! between the local fan-out and NATS; `groups.rs` consumer groups;
-//! `registry.rs` live replicas, replica ids and subscription ids; `rpc.rs`
+//! `registry.rs` live replicas, replica ids and subscription ids; `stalls.rs`
+//! how long each group went without progress; `rpc.rs`
 //! calls between replicas, both ends; `recovery.rs` the buckets, JetStream's
-//! refusals explained, and the rebuild after NATS lost its state.
+//! refusals explained, and the rebuild after NATS lost its state; `wire.rs`
+//! the formats replicas exchange (declared in
+//! `proto/tinybroker/cluster/v1/cluster.proto`) and how two versions
+//! interoperate.
 
 mod attempts;
 mod fanout;
@@ -45,6 +49,8 @@ mod interest;
 mod recovery;
 mod registry;
 mod rpc;
+mod stalls;
+mod wire;
 
 use registry::{Release, key};
 
@@ -135,6 +141,8 @@ struct Inner {
     /// Every group of the cluster as last gathered (every [`HEARTBEAT`]),
     /// for the metrics.
     groups_seen: Mutex<Vec<GroupInfo>>,
+    /// How long each group has gone without progress, from the gatherings.
+    stalls: stalls::Stalls,
     /// The live replicas, this one included, as of the last heartbeat
     /// (where a nacked message is offered: no registry read per Nack).
     live: Mutex<Vec<String>>,
@@ -229,6 +237,7 @@ impl ClusterEngine {
                 core_sent: tokio::sync::Mutex::new(0),
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
+                stalls: stalls::Stalls::default(),
                 live: Mutex::new(Vec::new()),
                 interest: interest::Interest::default(),
                 presence: registry::Presence::of_this_process(),
