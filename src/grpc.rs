@@ -497,36 +497,17 @@ impl Frames {
             self.lag.observe(lag.as_secs_f64());
         }
         if telemetry::tracing_enabled() {
-            let span = tracing::info_span!(
-                "deliver",
-                otel.kind = "consumer",
-                messaging.system = "tinybroker",
-                messaging.operation.type = "deliver",
-                messaging.destination.name = %m.topic,
-                messaging.message.id = m.sequence,
-                messaging.consumer.group.name = %stream.consumer_group().unwrap_or_default(),
-                subscription_id = %stream.id(),
-                delivery_attempt = delivery.attempt,
+            deliver_span(
+                m,
+                stream.consumer_group().unwrap_or_default(),
+                stream.id(),
+                delivery.attempt,
             );
-            let _ = span.set_parent(telemetry::extract_headers(&m.headers));
         }
         let message = EncodedMessage::new(delivery.message, &self.fields, delivery.attempt);
         let len = prost::Message::encoded_len(&message);
         let framed = GRPC_HEADER + len;
-        if self.buf.is_empty() && self.buf.capacity() < ENCODE_CHUNK {
-            // Everything encoded so far was handed out. Once h2 has written
-            // it and dropped it, the chunk is this buffer's alone again:
-            // encode from its start rather than into the next bytes of it,
-            // so that a stream woken for one message at a time writes the
-            // same few cache lines each time instead of 8 KiB of them, cold.
-            // (Not yet, when h2 still holds some of it: then go on after it.)
-            let _ = self.buf.try_reclaim(ENCODE_CHUNK);
-        }
-        if self.buf.capacity() - self.buf.len() < framed {
-            // A chunk at a time, so a busy stream encodes many deliveries
-            // per allocation; what is handed out shares it.
-            self.buf.reserve(framed.max(ENCODE_CHUNK));
-        }
+        reserve_frame(&mut self.buf, framed);
         self.buf.put_u8(0);
         // max_message_bytes is far below 4 GiB (config), so this holds.
         self.buf.put_u32(len as u32);
@@ -563,6 +544,42 @@ impl<S: DeliveryStream> SubscriptionBody<S> {
         let _ = status.add_header(&mut trailers);
         trailers
     }
+}
+
+/// Makes room for `framed` more bytes in a body's encode buffer.
+#[inline]
+pub(crate) fn reserve_frame(buf: &mut BytesMut, framed: usize) {
+    if buf.is_empty() && buf.capacity() < ENCODE_CHUNK {
+        // Everything encoded so far was handed out. Once h2 has written it
+        // and dropped it, the chunk is this buffer's alone again: encode
+        // from its start rather than into the next bytes of it, so that a
+        // stream woken for one message at a time writes the same few cache
+        // lines each time instead of 8 KiB of them, cold. (Not yet, when h2
+        // still holds some of it: then go on after it.)
+        let _ = buf.try_reclaim(ENCODE_CHUNK);
+    }
+    if buf.capacity() - buf.len() < framed {
+        // A chunk at a time, so a busy stream encodes many deliveries per
+        // allocation; what is handed out shares it.
+        buf.reserve(framed.max(ENCODE_CHUNK));
+    }
+}
+
+/// The `deliver` span of one delivery, a child of the publisher's trace
+/// (tracing on only).
+pub(crate) fn deliver_span(m: &crate::broker::Published, group: &str, subscription_id: &str, attempt: u32) {
+    let span = tracing::info_span!(
+        "deliver",
+        otel.kind = "consumer",
+        messaging.system = "tinybroker",
+        messaging.operation.type = "deliver",
+        messaging.destination.name = %m.topic,
+        messaging.message.id = m.sequence,
+        messaging.consumer.group.name = %group,
+        subscription_id = %subscription_id,
+        delivery_attempt = attempt,
+    );
+    let _ = span.set_parent(telemetry::extract_headers(&m.headers));
 }
 
 /// The length of gRPC's message header: the compressed flag and 4 bytes of

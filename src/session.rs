@@ -60,7 +60,7 @@ use crate::grpc::{self, FRAME_THRESHOLD, GRPC_HEADER};
 use crate::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
 use crate::pb;
 use crate::telemetry;
-use crate::wire::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
+use crate::wire::{EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -648,23 +648,9 @@ impl Out {
                 }
             }
             if telemetry::tracing_enabled() {
-                let m = &b.message;
-                let span = tracing::info_span!(
-                    "deliver",
-                    otel.kind = "consumer",
-                    messaging.system = "tinybroker",
-                    messaging.operation.type = "deliver",
-                    messaging.destination.name = %m.topic,
-                    messaging.message.id = m.sequence,
-                    messaging.consumer.group.name = %sub.stream.consumer_group().unwrap_or_default(),
-                    subscription_id = %sub.stream.id(),
-                    session_handles = b.handles.len(),
-                    delivery_attempt = b.attempt,
-                );
-                let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(
-                    &span,
-                    telemetry::extract_headers(&m.headers),
-                );
+                // Named by the first of its handles' subscriptions.
+                let group = sub.stream.consumer_group().unwrap_or_default();
+                grpc::deliver_span(&b.message, group, sub.stream.id(), b.attempt);
             }
             let message = EncodedMessage::new(b.message, fields, b.attempt);
             put_delivery(&mut self.buf, &b.handles, &message);
@@ -675,18 +661,6 @@ impl Out {
         self.index.clear();
         self.lag_multi.flush();
         self.lag_single.flush();
-    }
-}
-
-/// Makes room for `framed` more bytes in a body's buffer, a chunk at a time
-/// (see `grpc::Frames::encode`: a buffer whose bytes h2 has written and let
-/// go is reused from its start).
-fn reserve(buf: &mut BytesMut, framed: usize) {
-    if buf.is_empty() && buf.capacity() < ENCODE_CHUNK {
-        let _ = buf.try_reclaim(ENCODE_CHUNK);
-    }
-    if buf.capacity() - buf.len() < framed {
-        buf.reserve(framed.max(ENCODE_CHUNK));
     }
 }
 
@@ -702,7 +676,7 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
         + encoded_len_varint(message_len as u64)
         + message_len;
     let event_len = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
-    reserve(buf, GRPC_HEADER + event_len);
+    grpc::reserve_frame(buf, GRPC_HEADER + event_len);
     buf.put_u8(0);
     // max_message_bytes is far below 4 GiB (config), so this holds.
     buf.put_u32(event_len as u32);
@@ -722,7 +696,7 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
 fn put_event(buf: &mut BytesMut, event: pb::session_event::Event) {
     let event = pb::SessionEvent { event: Some(event) };
     let len = prost::Message::encoded_len(&event);
-    reserve(buf, GRPC_HEADER + len);
+    grpc::reserve_frame(buf, GRPC_HEADER + len);
     buf.put_u8(0);
     buf.put_u32(len as u32);
     prost::Message::encode_raw(&event, buf);
