@@ -23,6 +23,16 @@ async fn metric(broker: &TestBroker, name: &str, label: Option<&str>) -> f64 {
     }
 }
 
+/// Publishes one message; its sequence.
+async fn publish_seq(
+    publisher: &mut pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    topic: &str,
+    payload: &str,
+) -> u64 {
+    let response = publisher.publish(publish_request(topic, payload)).await.unwrap();
+    response.into_inner().sequence
+}
+
 async fn ignored(broker: &TestBroker, reason: &str) -> f64 {
     metric(
         broker,
@@ -165,14 +175,7 @@ async fn credit_limits_each_subscription_and_a_stalled_one_is_evicted_alone() {
         let mut publisher = broker.client().await;
         let mut sequences = Vec::new();
         for i in 0..3 {
-            sequences.push(
-                publisher
-                    .publish(publish_request("c.x", &i.to_string()))
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .sequence,
-            );
+            sequences.push(publish_seq(&mut publisher, "c.x", &i.to_string()).await);
         }
         // Both get the first three (credit 3).
         let mut got = [Vec::new(), Vec::new()];
@@ -186,14 +189,7 @@ async fn credit_limits_each_subscription_and_a_stalled_one_is_evicted_alone() {
         // Handle 1 has no credit left: the next 10 reach handle 2 only,
         // and wait in handle 1's queue.
         for i in 0..10 {
-            sequences.push(
-                publisher
-                    .publish(publish_request("c.x", &i.to_string()))
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .sequence,
-            );
+            sequences.push(publish_seq(&mut publisher, "c.x", &i.to_string()).await);
         }
         for expected in &sequences[3..] {
             let d = session.delivery().await;
@@ -214,14 +210,7 @@ async fn credit_limits_each_subscription_and_a_stalled_one_is_evicted_alone() {
         // Its queue (16) overflows: evicted alone, while handle 2 gets all.
         let before = sequences.len();
         for i in 0..20 {
-            sequences.push(
-                publisher
-                    .publish(publish_request("c.x", &i.to_string()))
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .sequence,
-            );
+            sequences.push(publish_seq(&mut publisher, "c.x", &i.to_string()).await);
         }
         let mut to_two = Vec::new();
         let mut ended = None;
@@ -245,12 +234,7 @@ async fn credit_limits_each_subscription_and_a_stalled_one_is_evicted_alone() {
         assert!(listed(broker.subscriptions().await, &stalled).is_none());
         // Handle 1 is free again; handle 2 still works.
         session.open_and_wait(1, subscribe_request(&["c.>"]), 0).await;
-        let last = publisher
-            .publish(publish_request("c.x", "z"))
-            .await
-            .unwrap()
-            .into_inner()
-            .sequence;
+        let last = publish_seq(&mut publisher, "c.x", "z").await;
         let d = session.delivery().await;
         assert_eq!(d.message.unwrap().sequence, last);
         let mut handles = d.handles;
@@ -270,14 +254,7 @@ async fn close_ends_one_subscription_and_says_what_it_dropped() {
         let mut publisher = broker.client().await;
         let mut sequences = Vec::new();
         for i in 0..5 {
-            sequences.push(
-                publisher
-                    .publish(publish_request("k.v", &i.to_string()))
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .sequence,
-            );
+            sequences.push(publish_seq(&mut publisher, "k.v", &i.to_string()).await);
         }
         let mut two = 0;
         while two < 5 {
@@ -296,12 +273,7 @@ async fn close_ends_one_subscription_and_says_what_it_dropped() {
         assert_eq!(broker.dropped_total("closed").await - dropped_before, 4.0);
         assert!(listed(broker.subscriptions().await, &closed).is_none());
         // Nothing comes for handle 1 after it: the next is handle 2's alone.
-        let next = publisher
-            .publish(publish_request("k.v", "n"))
-            .await
-            .unwrap()
-            .into_inner()
-            .sequence;
+        let next = publish_seq(&mut publisher, "k.v", "n").await;
         let d = session.delivery().await;
         assert_eq!((d.handles, d.message.unwrap().sequence), (vec![2], next));
     })
@@ -378,14 +350,7 @@ async fn bad_opens_are_rejected_per_handle_and_the_session_goes_on() {
         .await;
 
         // Handle 1 (the first open, untouched by the duplicate) still works.
-        let seq = broker
-            .client()
-            .await
-            .publish(publish_request("ok.go", "1"))
-            .await
-            .unwrap()
-            .into_inner()
-            .sequence;
+        let seq = publish_seq(&mut broker.client().await, "ok.go", "1").await;
         let d = session.delivery().await;
         assert_eq!(d.message.unwrap().sequence, seq);
         let mut handles = d.handles;
@@ -691,14 +656,7 @@ async fn only_a_request_that_cannot_be_decoded_ends_the_session() {
             broker.subscriptions().await.len() == 1
         })
         .await;
-        let sequence = broker
-            .client()
-            .await
-            .publish(publish_request("d.x", "1"))
-            .await
-            .unwrap()
-            .into_inner()
-            .sequence;
+        let sequence = publish_seq(&mut broker.client().await, "d.x", "1").await;
         let d = other.delivery().await;
         assert_eq!((d.handles, d.message.unwrap().sequence), (vec![1], sequence));
     })
