@@ -1,5 +1,7 @@
 //! Compiles `proto/` with protox (pure Rust, no `protoc` needed) and writes the
-//! file descriptor set that server reflection serves.
+//! file descriptor set that server reflection serves. The replicas' own
+//! package, `tinybroker.cluster.v1`, is compiled apart: message types only,
+//! and kept out of reflection (no client has any use for it).
 
 use prost::Message;
 use std::path::PathBuf;
@@ -27,5 +29,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .extern_path(".tinybroker.v1", "crate::pb")
         .codec_path("crate::wire::ServerCodec")
         .compile_fds(fds)?;
+    // What only replicas exchange (`cluster::wire`); its descriptor set is
+    // written for a test, not served.
+    let cluster = protox::compile(["proto/tinybroker/cluster/v1/cluster.proto"], ["proto"])?;
+    std::fs::write(out_dir.join("cluster_descriptor.bin"), cluster.encode_to_vec())?;
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(false)
+        .bytes(".tinybroker.cluster.v1.Envelope.payload")
+        .compile_fds(cluster)?;
     Ok(())
 }

@@ -10,7 +10,11 @@
 # TTL, and asserts through the Prometheus API that each alert fires within its
 # promise, naming the subscriber or group, and that every dashboard panel
 # shows what it is for. It prints how long each took; about 90 s, bounded by
-# the test's own 300 s timeout.
+# the test's own 300 s timeout. Then the cluster session: two replicas over
+# a nats-server (TB_NATS_SERVER, as .ci/run sets it), one Prometheus
+# scraping both, known counts made across them, and every consumer-group
+# panel and group rule must add the replicas up to those counts (about
+# 30 s). One after the other: the first session's timings are its promises.
 #
 # The same rules at the chart's 30 s scrape interval: promtool test rules
 # deploy/monitoring/alerts_test.yaml (scripts/check-prometheus.sh runs it).
@@ -28,5 +32,5 @@ if ! command -v prometheus >/dev/null 2>&1; then
 fi
 echo "== $(prometheus --version 2>&1 | head -n 1)"
 started=$SECONDS
-cargo test --locked --test monitoring -- --ignored --nocapture
+cargo test --locked --test monitoring -- --ignored --nocapture --test-threads=1
 echo "live alert checks took $((SECONDS - started))s"

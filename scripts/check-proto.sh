@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Checks the wire contract in proto/ the way well-kept gRPC projects do:
+# Checks the wire contract in proto/ the way well-kept gRPC projects do (the
+# public tinybroker.v1, and tinybroker.cluster.v1, what replicas exchange):
 #   1. installs the buf CLI (npm package @bufbuild/buf, the version pinned in
 #      scripts/buf/package-lock.json) into target/buf, unless it is there;
 #   2. `buf lint` with the STANDARD rules, the exceptions written down in
@@ -102,7 +103,7 @@ else
     if "$buf" breaking --against "$against" >"$log" 2>&1; then
         echo "check-proto: buf breaking (FILE) against ${base:0:12} ($what): ok ($(took "$start"))"
     else
-        fail "buf breaking (FILE) against ${base:0:12} ($what): a change above breaks clients of the contract; add fields and RPCs instead of renaming, renumbering, retyping or removing" "$log"
+        fail "buf breaking (FILE) against ${base:0:12} ($what): a change above breaks clients of the contract (tinybroker.v1) or replicas of the previous version in a rolling update (tinybroker.cluster.v1); add fields and RPCs instead of renaming, renumbering, retyping or removing" "$log"
     fi
 fi
 

@@ -1,32 +1,54 @@
 //! A small Rust client for tinybroker, used by the CLI: publish, the Admin
-//! calls, and a subscription that re-subscribes with backoff after an
-//! eviction or a lost connection, and reports each such event. Sends
+//! calls, and subscriptions that re-subscribe with backoff after an
+//! eviction or a lost connection, and report each such event. Every
+//! subscription of a [`Client`] (and of its clones) is opened on one
+//! `Session` stream ([`session`]), with credit given back as the
+//! application takes messages and acks sent in-band. Sends
 //! `authorization: Bearer <token>` when a token is set (by default from
 //! `TINYBROKER_AUTH_TOKEN`).
 
-use crate::grpc::{DROPPED_METADATA, END_REASON_METADATA, LAST_SEQUENCE_METADATA, SUBSCRIPTION_ID_METADATA};
+mod session;
+
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
+use session::{CREDIT_BATCH, Command, HandleEvent};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+use tokio::sync::mpsc;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
-use tonic::{Code, Request, Status, Streaming};
+use tonic::{Code, Request, Status};
 
 pub use crate::pb::Message;
 
 /// The address the CLI uses when none is given.
 pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
 
-/// A connection to one broker. Cheap to clone (clones share the channel).
+/// A connection to one broker. Cheap to clone (clones share the channel and
+/// the session their subscribers open on).
 #[derive(Clone)]
 pub struct Client {
     broker: BrokerClient<Channel>,
     admin: AdminClient<Channel>,
     authorization: Option<MetadataValue<Ascii>>,
+    session: Arc<SessionLink>,
+}
+
+/// How a client's subscribers reach its session task.
+#[derive(Default)]
+struct SessionLink {
+    /// The task's commands; started by the first open (which runs in a
+    /// runtime), started again if that runtime is gone. A parking_lot
+    /// mutex: nothing awaits while it is held.
+    commands: parking_lot::Mutex<Option<mpsc::UnboundedSender<Command>>>,
+    /// The last handle given out; handles are never reused while the
+    /// client lives (u32 wraps after four billion opens).
+    last_handle: AtomicU32,
 }
 
 /// How to reach a broker beyond its address.
@@ -101,7 +123,30 @@ impl Client {
             broker: BrokerClient::new(channel.clone()).max_decoding_message_size(usize::MAX),
             admin: AdminClient::new(channel).max_decoding_message_size(usize::MAX),
             authorization,
+            session: Arc::default(),
         })
+    }
+
+    /// The session task's commands, starting the task if it is not running.
+    fn session(&self) -> mpsc::UnboundedSender<Command> {
+        let mut commands = self.session.commands.lock();
+        match &*commands {
+            Some(sender) if !sender.is_closed() => sender.clone(),
+            _ => {
+                let sender = session::spawn(self.broker.clone(), self.authorization.clone());
+                *commands = Some(sender.clone());
+                sender
+            }
+        }
+    }
+
+    fn next_handle(&self) -> u32 {
+        loop {
+            let handle = self.session.last_handle.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            if handle != 0 {
+                return handle;
+            }
+        }
     }
 
     fn request<T>(&self, message: T) -> Request<T> {
@@ -179,12 +224,13 @@ impl Client {
         Ok(())
     }
 
-    /// A subscription that is opened on the first [`Subscriber::next`].
+    /// A subscription that is opened on the first [`Subscriber::next`], on
+    /// this client's session.
     pub fn subscriber(&self, request: pb::OpenSubscriptionRequest, reconnect: bool) -> Subscriber {
         Subscriber {
             client: self.clone(),
             request,
-            stream: None,
+            live: None,
             subscription_id: None,
             reconnect,
             backoff: Backoff::default(),
@@ -196,8 +242,8 @@ impl Client {
     }
 }
 
-/// Why the broker ended a subscription stream, from its
-/// `tinybroker-end-reason` trailer.
+/// Why the broker ended a subscription, from the `reason` of the session's
+/// `ended` event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EndReason {
     /// A slow consumer: its queue was full.
@@ -220,7 +266,7 @@ pub enum SubscriberEvent {
     Ended {
         subscription_id: String,
         reason: EndReason,
-        /// Messages lost with the stream (`tinybroker-dropped`): those
+        /// Messages lost with the stream (`ended.dropped`): those
         /// queued for it and, for an eviction of a full queue, the one that
         /// did not fit; the same count as
         /// `tinybroker_messages_dropped_total`.
@@ -231,7 +277,9 @@ pub enum SubscriberEvent {
         /// when the broker did not list it.
         queue_depth: Option<u64>,
     },
-    /// The stream failed: the connection was lost, or the broker refused.
+    /// The session carrying it failed (the connection was lost): with
+    /// `reconnect` every subscription of the client is opened again on a
+    /// new session.
     Failed { subscription_id: String, status: Status },
     /// Opening again in `delay`.
     Reconnecting { delay: Duration, cause: Option<Status> },
@@ -384,14 +432,19 @@ pub fn scheme_hint(addr: &str, failure: &str) -> Option<&'static str> {
 /// What [`Subscriber::on_event`] calls.
 type EventHandler = Box<dyn FnMut(&SubscriberEvent) + Send>;
 
-/// An open subscription. With `reconnect`, a stream that ends (eviction,
-/// shutdown) or fails with a transient error is opened again after a
-/// backoff, so the caller just keeps calling [`Subscriber::next`]. A stream
-/// an admin closed is not opened again: `next` then returns `Ok(None)`.
+/// A subscription on its client's session. With `reconnect`, a
+/// subscription that ends (eviction, shutdown) or is lost with the session
+/// is opened again after a backoff, so the caller just keeps calling
+/// [`Subscriber::next`]. One an admin closed is not opened again: `next`
+/// then returns `Ok(None)`. The broker sends it at most a window of
+/// messages beyond what `next` has returned: an application that stops
+/// calling `next` stalls this subscription only.
 pub struct Subscriber {
     client: Client,
     request: pb::OpenSubscriptionRequest,
-    stream: Option<Streaming<pb::Message>>,
+    /// Its handle on the session while it is open (or being opened again
+    /// after a lost session).
+    live: Option<Live>,
     subscription_id: Option<String>,
     reconnect: bool,
     backoff: Backoff,
@@ -403,8 +456,54 @@ pub struct Subscriber {
     on_event: Option<EventHandler>,
 }
 
+/// A subscription's handle on the session, and its events.
+struct Live {
+    handle: u32,
+    events: mpsc::UnboundedReceiver<HandleEvent>,
+    commands: mpsc::UnboundedSender<Command>,
+    /// Which open of the handle the messages being taken belong to.
+    generation: u64,
+    /// Messages taken and not yet given back as credit.
+    taken: u32,
+}
+
+impl Live {
+    fn send(&self, command: Command) -> Result<(), Status> {
+        self.commands.send(command).map_err(|_| session_gone())
+    }
+
+    /// One more message taken: credit goes back in batches.
+    fn took_one(&mut self) {
+        self.taken += 1;
+        if self.taken >= CREDIT_BATCH {
+            let messages = std::mem::take(&mut self.taken);
+            let _ = self.send(Command::Credit {
+                handle: self.handle,
+                generation: self.generation,
+                messages,
+            });
+        }
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        // Ignored by the task if the subscription has ended already.
+        let _ = self.send(Command::Close { handle: self.handle });
+    }
+}
+
+fn session_gone() -> Status {
+    Status::cancelled("the client's session task has ended")
+}
+
+/// The status an `open` would have failed with, from a rejected one.
+fn rejection(ended: &pb::SessionEnded) -> Status {
+    Status::new(Code::from_i32(ended.code as i32), ended.message.clone())
+}
+
 impl Subscriber {
-    /// The id the broker gave the current stream.
+    /// The id the broker gave the current subscription.
     pub fn subscription_id(&self) -> Option<&str> {
         self.subscription_id.as_deref()
     }
@@ -430,32 +529,67 @@ impl Subscriber {
         }
     }
 
-    /// Opens the stream now (the first `next` does it otherwise).
+    /// Opens the subscription on the session now (the first `next` does it
+    /// otherwise); returns once the broker has registered it.
     pub async fn open(&mut self) -> Result<(), Status> {
+        self.live = None;
         loop {
-            let request = self.client.request(self.request.clone());
-            match self.client.broker.open_subscription(request).await {
-                Ok(response) => {
-                    self.subscription_id = response
-                        .metadata()
-                        .get(SUBSCRIPTION_ID_METADATA)
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_owned);
-                    self.stream = Some(response.into_inner());
-                    if self.opened_once {
-                        self.resuming = true;
-                        let subscription_id = self.current_id();
-                        self.emit(SubscriberEvent::Resubscribed { subscription_id });
+            let (events_tx, events) = mpsc::unbounded_channel();
+            let commands = self.client.session();
+            let handle = self.client.next_handle();
+            let mut live = Live {
+                handle,
+                events,
+                commands,
+                generation: 0,
+                taken: 0,
+            };
+            live.send(Command::Open {
+                handle,
+                request: self.request.clone(),
+                reconnect: self.reconnect,
+                events: events_tx,
+            })?;
+            let failure = loop {
+                match live.events.recv().await {
+                    Some(HandleEvent::Opened {
+                        subscription_id,
+                        generation,
+                    }) => {
+                        live.generation = generation;
+                        self.opened(subscription_id);
+                        self.live = Some(live);
+                        return Ok(());
                     }
-                    self.opened_once = true;
-                    return Ok(());
+                    Some(HandleEvent::Ended(ended)) => break rejection(&ended),
+                    Some(HandleEvent::Retrying { delay, cause }) => {
+                        self.emit(SubscriberEvent::Reconnecting { delay, cause })
+                    }
+                    // The session task opens it again on the next session.
+                    Some(HandleEvent::Lost { retrying: true, .. }) => {}
+                    Some(HandleEvent::Lost { status, .. }) => return Err(status),
+                    // Nothing is delivered before `opened`.
+                    Some(HandleEvent::Delivery(_)) => {}
+                    None => return Err(session_gone()),
                 }
-                Err(status) if self.reconnect && self.retryable(&status) => {
-                    self.wait_to_retry(Some(status)).await;
-                }
-                Err(status) => return Err(status),
+            };
+            drop(live);
+            if !(self.reconnect && self.retryable(&failure)) {
+                return Err(failure);
             }
+            self.wait_to_retry(Some(failure)).await;
         }
+    }
+
+    /// The subscription is open (again) under `subscription_id`.
+    fn opened(&mut self, subscription_id: String) {
+        self.subscription_id = Some(subscription_id);
+        if self.opened_once {
+            self.resuming = true;
+            let subscription_id = self.current_id();
+            self.emit(SubscriberEvent::Resubscribed { subscription_id });
+        }
+        self.opened_once = true;
     }
 
     fn current_id(&self) -> String {
@@ -468,18 +602,24 @@ impl Subscriber {
         tokio::time::sleep(delay).await;
     }
 
-    /// The next message; `Ok(None)` when the stream ended and is not opened
-    /// again (`reconnect` is off, or an admin closed it).
+    /// The next message; `Ok(None)` when the subscription ended and is not
+    /// opened again (`reconnect` is off, or an admin closed it). Each
+    /// message returned lets the broker send one more.
     pub async fn next(&mut self) -> Result<Option<pb::Message>, Status> {
         loop {
-            if self.stream.is_none() {
+            if self.live.is_none() {
                 self.open().await?;
             }
-            let Some(stream) = self.stream.as_mut() else {
+            let Some(live) = self.live.as_mut() else {
                 continue;
             };
-            match stream.message().await {
-                Ok(Some(message)) => {
+            let Some(event) = live.events.recv().await else {
+                self.live = None;
+                return Err(session_gone());
+            };
+            match event {
+                HandleEvent::Delivery(message) => {
+                    live.took_one();
                     self.backoff.reset();
                     if std::mem::take(&mut self.resuming) {
                         let last_before = self.last_sequence;
@@ -491,54 +631,110 @@ impl Subscriber {
                     self.last_sequence = Some(message.sequence);
                     return Ok(Some(message));
                 }
-                Ok(None) => {
-                    let trailers = stream.trailers().await.ok().flatten();
-                    self.stream = None;
-                    let trailer = |name: &str| {
-                        trailers
-                            .as_ref()
-                            .and_then(|t| t.get(name))
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_owned)
-                    };
-                    let reason = match trailer(END_REASON_METADATA).as_deref() {
-                        Some("evicted") => EndReason::Evicted,
-                        Some("closed_by_admin") => EndReason::ClosedByAdmin,
-                        Some("shutdown") => EndReason::Shutdown,
-                        other => EndReason::Unknown(other.unwrap_or_default().to_owned()),
-                    };
-                    let closed_by_admin = reason == EndReason::ClosedByAdmin;
-                    let subscription_id = self.current_id();
-                    let queue_depth = if reason == EndReason::Evicted {
-                        self.evicted_queue_depth(&subscription_id).await
-                    } else {
-                        None
-                    };
-                    self.emit(SubscriberEvent::Ended {
-                        subscription_id,
-                        reason,
-                        dropped: trailer(DROPPED_METADATA).and_then(|v| v.parse().ok()),
-                        last_sequence: trailer(LAST_SEQUENCE_METADATA).and_then(|v| v.parse().ok()),
-                        queue_depth,
-                    });
-                    // An operator closed it on purpose: do not come back.
-                    if !self.reconnect || closed_by_admin {
-                        return Ok(None);
-                    }
-                    self.wait_to_retry(None).await;
+                HandleEvent::Opened {
+                    subscription_id,
+                    generation,
+                } => {
+                    // Open again on a new session, with a fresh window.
+                    live.generation = generation;
+                    live.taken = 0;
+                    self.opened(subscription_id);
                 }
-                Err(status) => {
-                    self.stream = None;
+                HandleEvent::Retrying { delay, cause } => self.emit(SubscriberEvent::Reconnecting { delay, cause }),
+                HandleEvent::Lost { status, retrying } => {
                     let subscription_id = self.current_id();
                     self.emit(SubscriberEvent::Failed {
                         subscription_id,
                         status: status.clone(),
                     });
+                    if !retrying {
+                        self.live = None;
+                        return Err(status);
+                    }
+                }
+                HandleEvent::Ended(ended) if ended.reason == "rejected" => {
+                    // Opened again after a lost session, and refused.
+                    self.live = None;
+                    let status = rejection(&ended);
                     if !(self.reconnect && self.retryable(&status)) {
                         return Err(status);
                     }
+                    self.wait_to_retry(Some(status)).await;
+                }
+                HandleEvent::Ended(ended) => {
+                    self.live = None;
+                    if self.ended(ended).await {
+                        return Ok(None);
+                    }
                     self.wait_to_retry(None).await;
                 }
+            }
+        }
+    }
+
+    /// Says that the broker ended the subscription; true if it is not to be
+    /// opened again.
+    async fn ended(&mut self, ended: pb::SessionEnded) -> bool {
+        let reason = match ended.reason.as_str() {
+            "evicted" => EndReason::Evicted,
+            "closed_by_admin" => EndReason::ClosedByAdmin,
+            "shutdown" => EndReason::Shutdown,
+            other => EndReason::Unknown(other.to_owned()),
+        };
+        let closed_by_admin = reason == EndReason::ClosedByAdmin;
+        let subscription_id = self.current_id();
+        let queue_depth = if reason == EndReason::Evicted {
+            self.evicted_queue_depth(&subscription_id).await
+        } else {
+            None
+        };
+        self.emit(SubscriberEvent::Ended {
+            subscription_id,
+            reason,
+            dropped: Some(ended.dropped),
+            last_sequence: Some(ended.last_sequence),
+            queue_depth,
+        });
+        // An operator closed it on purpose: do not come back.
+        !self.reconnect || closed_by_admin
+    }
+
+    /// Acknowledges manual-ack group messages this subscription received,
+    /// in-band on the session (no reply; sequences it does not hold are
+    /// counted by the broker). FAILED_PRECONDITION when it is not open.
+    pub fn ack(&self, sequences: Vec<u64>) -> Result<(), Status> {
+        self.acknowledge(sequences, false)
+    }
+
+    /// Hands manual-ack group messages back for redelivery, in-band.
+    pub fn nack(&self, sequences: Vec<u64>) -> Result<(), Status> {
+        self.acknowledge(sequences, true)
+    }
+
+    fn acknowledge(&self, sequences: Vec<u64>, nack: bool) -> Result<(), Status> {
+        let Some(live) = &self.live else {
+            return Err(Status::failed_precondition("the subscription is not open"));
+        };
+        live.send(Command::Ack {
+            handle: live.handle,
+            sequences,
+            nack,
+        })
+    }
+
+    /// Closes the subscription and waits until the broker has ended it:
+    /// acks sent before it have then been applied. Messages it had not
+    /// returned yet are dropped (a manual-ack group's go to another member).
+    pub async fn close(&mut self) {
+        let Some(mut live) = self.live.take() else {
+            return;
+        };
+        if live.send(Command::Close { handle: live.handle }).is_err() {
+            return;
+        }
+        while let Some(event) = live.events.recv().await {
+            if matches!(event, HandleEvent::Ended(_) | HandleEvent::Lost { .. }) {
+                return;
             }
         }
     }
@@ -570,10 +766,9 @@ impl Subscriber {
 
     fn retryable(&self, status: &Status) -> bool {
         match status.code() {
-            Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted | Code::DeadlineExceeded => true,
             // Our own earlier subscription may not be reaped yet.
             Code::AlreadyExists => self.opened_once,
-            _ => false,
+            _ => session::retryable(status),
         }
     }
 }

@@ -98,6 +98,8 @@ pub struct Limits {
     pub group_idle_ttl: Duration,
     pub max_message_bytes: usize,
     pub max_subscriptions: usize,
+    /// Subscriptions one Session stream may hold at once.
+    pub max_subscriptions_per_session: usize,
     /// Bytes one broadcast subscription's queue may hold before it is evicted.
     pub consumer_max_bytes: usize,
     /// Bytes one group's backlog may hold before its oldest message is dropped.
@@ -118,6 +120,7 @@ impl Default for Limits {
             group_idle_ttl: Duration::from_secs(300),
             max_message_bytes: 1_048_576,
             max_subscriptions: 10_000,
+            max_subscriptions_per_session: 65_536,
             consumer_max_bytes: 64 << 20,
             group_max_bytes: 128 << 20,
             max_memory_bytes: None,
@@ -269,6 +272,7 @@ struct RawEnv {
     group_idle_ttl_seconds: Option<String>,
     max_message_bytes: Option<String>,
     max_subscriptions: Option<String>,
+    max_subscriptions_per_session: Option<String>,
     shutdown_grace_seconds: Option<String>,
     auth_token: Option<String>,
     tls_cert: Option<String>,
@@ -306,6 +310,7 @@ pub const VARIABLES: &[&str] = &[
     "GROUP_IDLE_TTL_SECONDS",
     "MAX_MESSAGE_BYTES",
     "MAX_SUBSCRIPTIONS",
+    "MAX_SUBSCRIPTIONS_PER_SESSION",
     "SHUTDOWN_GRACE_SECONDS",
     "AUTH_TOKEN",
     "TLS_CERT",
@@ -381,6 +386,11 @@ impl Config {
             )?),
             max_message_bytes: positive(&raw.max_message_bytes, "MAX_MESSAGE_BYTES", d.max_message_bytes)?,
             max_subscriptions: positive(&raw.max_subscriptions, "MAX_SUBSCRIPTIONS", d.max_subscriptions)?,
+            max_subscriptions_per_session: positive(
+                &raw.max_subscriptions_per_session,
+                "MAX_SUBSCRIPTIONS_PER_SESSION",
+                d.max_subscriptions_per_session,
+            )?,
             consumer_max_bytes: positive(&raw.consumer_max_bytes, "CONSUMER_MAX_BYTES", d.consumer_max_bytes)?,
             group_max_bytes: positive(&raw.group_max_bytes, "GROUP_MAX_BYTES", d.group_max_bytes)?,
             max_memory_bytes: match raw.max_memory_bytes {
@@ -739,6 +749,7 @@ mod tests {
             ("TINYBROKER_MAX_MEMORY_BYTES", "17"),
             ("TINYBROKER_MAX_CONNECTIONS", "18"),
             ("TINYBROKER_HANDSHAKE_TIMEOUT_SECONDS", "19"),
+            ("TINYBROKER_MAX_SUBSCRIPTIONS_PER_SESSION", "20"),
         ]))
         .unwrap();
         assert_eq!(c.grpc_addr.port(), 1);
@@ -752,6 +763,7 @@ mod tests {
         assert_eq!(l.max_delivery_attempts, 7);
         assert_eq!(l.group_idle_ttl, Duration::from_secs(8));
         assert_eq!((l.max_message_bytes, l.max_subscriptions), (9, 10));
+        assert_eq!(l.max_subscriptions_per_session, 20);
         assert_eq!(c.shutdown_grace, Duration::from_secs(11));
         assert_eq!(c.auth_token.as_deref(), Some("s3cret"));
         assert_eq!(c.tls.as_ref().unwrap().key, PathBuf::from("/k.pem"));
@@ -787,6 +799,7 @@ mod tests {
             ("TINYBROKER_MAX_MESSAGE_BYTES", "0", "greater than 0"),
             ("TINYBROKER_MAX_MESSAGE_BYTES", "99999999999", "at most"),
             ("TINYBROKER_MAX_SUBSCRIPTIONS", "", "greater than 0"),
+            ("TINYBROKER_MAX_SUBSCRIPTIONS_PER_SESSION", "0", "greater than 0"),
             ("TINYBROKER_GRPC_ADDR", "localhost", "IP:port"),
             ("TINYBROKER_METRICS_ADDR", "1.2.3.4", "IP:port"),
             ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "ten", "seconds"),

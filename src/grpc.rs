@@ -11,6 +11,7 @@ use crate::engine::{
 };
 use crate::metrics::{LocalObserver, Metrics};
 use crate::pb;
+use crate::session::SessionBody;
 use crate::telemetry::{self, TRACEPARENT};
 use crate::wire::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -318,27 +319,12 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         request: Request<pb::OpenSubscriptionRequest>,
     ) -> Result<Response<Self::OpenSubscriptionStream>, Status> {
         let peer = request.remote_addr();
-        let request = request.into_inner();
-        let mode = delivery_mode(request.mode)?;
-        let ack_mode = ack_mode(request.ack_mode)?;
-        let stream = self
-            .engine
-            .subscribe(SubscribeRequest {
-                topic_patterns: request.topic_patterns,
-                subscription_id: request.subscription_id,
-                mode,
-                consumer_group: request.consumer_group,
-                ack_mode,
-                max_in_flight: request.max_in_flight,
-                ack_deadline_ms: request.ack_deadline_ms,
-                peer,
-            })
-            .await
-            .map_err(status)?;
+        let request = subscribe_request(request.into_inner(), peer)?;
+        let stream = self.engine.subscribe(request).await.map_err(status)?;
         let id = stream.id().to_owned();
         let group = stream.consumer_group().is_some_and(|g| !g.is_empty());
         let body = SubscriptionBody::new(stream, self.metrics.delivery_lag(group));
-        let mut response = Response::new(NotInstalled(false));
+        let mut response = Response::new(NotInstalled::new());
         response
             .extensions_mut()
             .insert(PendingBody(Arc::new(Mutex::new(Some(tonic::body::Body::new(body))))));
@@ -346,6 +332,21 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
             response.metadata_mut().insert(SUBSCRIPTION_ID_METADATA, value);
         }
+        Ok(response)
+    }
+
+    type SessionStream = NotInstalled<pb::SessionEvent>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<pb::SessionRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let peer = request.remote_addr();
+        let body = SessionBody::new(self.engine.clone(), request.into_inner(), peer, self.metrics.clone());
+        let mut response = Response::new(NotInstalled::new());
+        response
+            .extensions_mut()
+            .insert(PendingBody(Arc::new(Mutex::new(Some(tonic::body::Body::new(body))))));
         Ok(response)
     }
 
@@ -376,6 +377,24 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
     }
 }
 
+/// The engine's request for an `OpenSubscriptionRequest` (an
+/// `OpenSubscription` call's, or a session's `open`).
+pub(crate) fn subscribe_request(
+    request: pb::OpenSubscriptionRequest,
+    peer: Option<std::net::SocketAddr>,
+) -> Result<SubscribeRequest, Status> {
+    Ok(SubscribeRequest {
+        mode: delivery_mode(request.mode)?,
+        ack_mode: ack_mode(request.ack_mode)?,
+        topic_patterns: request.topic_patterns,
+        subscription_id: request.subscription_id,
+        consumer_group: request.consumer_group,
+        max_in_flight: request.max_in_flight,
+        ack_deadline_ms: request.ack_deadline_ms,
+        peer,
+    })
+}
+
 /// Counts a message of a stream as accepted.
 fn accept(response: &mut pb::PublishStreamResponse, sequence: u64) {
     if response.accepted == 0 {
@@ -397,7 +416,7 @@ fn with_accepted(error: Status, accepted: u64) -> Status {
 
 /// tonic reports a request over the decoding limit as OUT_OF_RANGE; the
 /// contract says an oversized message is RESOURCE_EXHAUSTED.
-fn oversized_to_exhausted(error: Status) -> Status {
+pub(crate) fn oversized_to_exhausted(error: Status) -> Status {
     if error.code() == Code::OutOfRange && error.message().contains("message length too large") {
         return Status::resource_exhausted(format!(
             "message larger than max_message_bytes (TINYBROKER_MAX_MESSAGE_BYTES): {}",
@@ -432,7 +451,7 @@ pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Respo
 
 /// How much a subscription's body encodes before it hands the frame to h2,
 /// when more deliveries are ready (tonic's own threshold).
-const FRAME_THRESHOLD: usize = 32 * 1024;
+pub(crate) const FRAME_THRESHOLD: usize = 32 * 1024;
 
 /// The response body of an OpenSubscription stream: each poll takes the
 /// deliveries that are ready and encodes them, framed for gRPC, into one
@@ -478,36 +497,17 @@ impl Frames {
             self.lag.observe(lag.as_secs_f64());
         }
         if telemetry::tracing_enabled() {
-            let span = tracing::info_span!(
-                "deliver",
-                otel.kind = "consumer",
-                messaging.system = "tinybroker",
-                messaging.operation.type = "deliver",
-                messaging.destination.name = %m.topic,
-                messaging.message.id = m.sequence,
-                messaging.consumer.group.name = %stream.consumer_group().unwrap_or_default(),
-                subscription_id = %stream.id(),
-                delivery_attempt = delivery.attempt,
+            deliver_span(
+                m,
+                stream.consumer_group().unwrap_or_default(),
+                stream.id(),
+                delivery.attempt,
             );
-            let _ = span.set_parent(telemetry::extract_headers(&m.headers));
         }
         let message = EncodedMessage::new(delivery.message, &self.fields, delivery.attempt);
         let len = prost::Message::encoded_len(&message);
         let framed = GRPC_HEADER + len;
-        if self.buf.is_empty() && self.buf.capacity() < ENCODE_CHUNK {
-            // Everything encoded so far was handed out. Once h2 has written
-            // it and dropped it, the chunk is this buffer's alone again:
-            // encode from its start rather than into the next bytes of it,
-            // so that a stream woken for one message at a time writes the
-            // same few cache lines each time instead of 8 KiB of them, cold.
-            // (Not yet, when h2 still holds some of it: then go on after it.)
-            let _ = self.buf.try_reclaim(ENCODE_CHUNK);
-        }
-        if self.buf.capacity() - self.buf.len() < framed {
-            // A chunk at a time, so a busy stream encodes many deliveries
-            // per allocation; what is handed out shares it.
-            self.buf.reserve(framed.max(ENCODE_CHUNK));
-        }
+        reserve_frame(&mut self.buf, framed);
         self.buf.put_u8(0);
         // max_message_bytes is far below 4 GiB (config), so this holds.
         self.buf.put_u32(len as u32);
@@ -546,9 +546,45 @@ impl<S: DeliveryStream> SubscriptionBody<S> {
     }
 }
 
+/// Makes room for `framed` more bytes in a body's encode buffer.
+#[inline]
+pub(crate) fn reserve_frame(buf: &mut BytesMut, framed: usize) {
+    if buf.is_empty() && buf.capacity() < ENCODE_CHUNK {
+        // Everything encoded so far was handed out. Once h2 has written it
+        // and dropped it, the chunk is this buffer's alone again: encode
+        // from its start rather than into the next bytes of it, so that a
+        // stream woken for one message at a time writes the same few cache
+        // lines each time instead of 8 KiB of them, cold. (Not yet, when h2
+        // still holds some of it: then go on after it.)
+        let _ = buf.try_reclaim(ENCODE_CHUNK);
+    }
+    if buf.capacity() - buf.len() < framed {
+        // A chunk at a time, so a busy stream encodes many deliveries per
+        // allocation; what is handed out shares it.
+        buf.reserve(framed.max(ENCODE_CHUNK));
+    }
+}
+
+/// The `deliver` span of one delivery, a child of the publisher's trace
+/// (tracing on only).
+pub(crate) fn deliver_span(m: &crate::broker::Published, group: &str, subscription_id: &str, attempt: u32) {
+    let span = tracing::info_span!(
+        "deliver",
+        otel.kind = "consumer",
+        messaging.system = "tinybroker",
+        messaging.operation.type = "deliver",
+        messaging.destination.name = %m.topic,
+        messaging.message.id = m.sequence,
+        messaging.consumer.group.name = %group,
+        subscription_id = %subscription_id,
+        delivery_attempt = attempt,
+    );
+    let _ = span.set_parent(telemetry::extract_headers(&m.headers));
+}
+
 /// The length of gRPC's message header: the compressed flag and 4 bytes of
 /// length.
-const GRPC_HEADER: usize = 5;
+pub(crate) const GRPC_HEADER: usize = 5;
 
 impl<S: DeliveryStream> http_body::Body for SubscriptionBody<S> {
     type Data = Bytes;
@@ -616,7 +652,7 @@ pub fn install_subscription_body(mut response: http::Response<tonic::body::Body>
 
 /// The body of an OpenSubscription response as the handler returned it,
 /// for callers of the service without a server (the fuzz harness, tests).
-pub fn take_subscription_body(response: &mut Response<NotInstalled>) -> Option<tonic::body::Body> {
+pub fn take_subscription_body<T>(response: &mut Response<NotInstalled<T>>) -> Option<tonic::body::Body> {
     let PendingBody(body) = response.extensions_mut().remove::<PendingBody>()?;
     body.lock().take()
 }
@@ -624,10 +660,16 @@ pub fn take_subscription_body(response: &mut Response<NotInstalled>) -> Option<t
 /// What tonic encodes for an OpenSubscription response: nothing, if
 /// [`install_subscription_body`] replaced it, as it always does in the
 /// server; a stream without it fails rather than ending as if closed.
-pub struct NotInstalled(bool);
+pub struct NotInstalled<T = pb::Message>(bool, std::marker::PhantomData<fn() -> T>);
 
-impl Stream for NotInstalled {
-    type Item = Result<pb::Message, Status>;
+impl<T> NotInstalled<T> {
+    fn new() -> Self {
+        Self(false, std::marker::PhantomData)
+    }
+}
+
+impl<T> Stream for NotInstalled<T> {
+    type Item = Result<T, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         if std::mem::replace(&mut self.0, true) {
@@ -742,6 +784,7 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
                 group_idle_ttl_seconds: l.group_idle_ttl.as_secs(),
                 max_message_bytes: l.max_message_bytes as u64,
                 max_subscriptions: l.max_subscriptions as u64,
+                max_subscriptions_per_session: l.max_subscriptions_per_session as u64,
                 shutdown_grace_seconds: self.shutdown_grace.as_secs(),
                 max_patterns_per_subscription: MAX_PATTERNS_PER_SUBSCRIPTION as u32,
                 max_topic_bytes: crate::topic::MAX_TOPIC_BYTES as u32,
@@ -1051,7 +1094,7 @@ mod tests {
     #[test]
     fn a_subscription_whose_body_was_not_installed_fails() {
         use futures::StreamExt;
-        let mut stream = NotInstalled(false);
+        let mut stream = NotInstalled::<pb::Message>::new();
         let mut cx = Context::from_waker(Waker::noop());
         match stream.poll_next_unpin(&mut cx) {
             Poll::Ready(Some(Err(status))) => {

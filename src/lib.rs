@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod pb;
 pub mod process_metrics;
 pub mod server;
+pub mod session;
 pub mod side;
 pub mod status;
 pub mod streams;

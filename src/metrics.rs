@@ -40,6 +40,50 @@ pub struct Metrics {
     publish_duration: Histogram,
     delivery_lag_multi: Histogram,
     delivery_lag_single: Histogram,
+    sessions: IntGauge,
+    session_ignored: IntCounterVec,
+}
+
+/// Why a session request was ignored: the `reason` label of
+/// `tinybroker_session_requests_ignored_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IgnoredRequest {
+    /// A request with no variant set.
+    NoRequest,
+    /// Credit, close, ack or nack for a handle that is not open.
+    UnknownHandle,
+    /// An acked or nacked sequence the subscription does not hold (counted
+    /// per sequence).
+    UnknownSequence,
+    /// An ack or nack without sequences.
+    NoSequences,
+}
+
+impl IgnoredRequest {
+    pub const ALL: [IgnoredRequest; 4] = [
+        Self::NoRequest,
+        Self::UnknownHandle,
+        Self::UnknownSequence,
+        Self::NoSequences,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NoRequest => "no_request",
+            Self::UnknownHandle => "unknown_handle",
+            Self::UnknownSequence => "unknown_sequence",
+            Self::NoSequences => "no_sequences",
+        }
+    }
+}
+
+/// One open session, counted in `tinybroker_sessions` while it lives.
+pub struct SessionGauge(IntGauge);
+
+impl Drop for SessionGauge {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl Metrics {
@@ -81,10 +125,24 @@ impl Metrics {
         )
         .expect("valid gauge");
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let sessions = IntGauge::new("tinybroker_sessions", "Open Session streams.").expect("valid gauge");
+        let session_ignored = IntCounterVec::new(
+            Opts::new(
+                "tinybroker_session_requests_ignored_total",
+                "Session requests (or acked sequences) that named nothing the session holds, by why.",
+            ),
+            &["reason"],
+        )
+        .expect("valid counter");
+        for reason in IgnoredRequest::ALL {
+            session_ignored.with_label_values(&[reason.label()]);
+        }
         let collectors: Vec<Box<dyn Collector>> = vec![
             Box::new(publish_duration.clone()),
             Box::new(delivery_lag.clone()),
             Box::new(build_info),
+            Box::new(sessions.clone()),
+            Box::new(session_ignored.clone()),
             Box::new(crate::process_metrics::ProcessCollector::for_self()),
             Box::new(BrokerCollector::new(source.clone(), per_subscription)),
         ];
@@ -97,6 +155,21 @@ impl Metrics {
             publish_duration,
             delivery_lag_multi: delivery_lag.with_label_values(&[MODE_MULTI]),
             delivery_lag_single: delivery_lag.with_label_values(&[MODE_SINGLE]),
+            sessions,
+            session_ignored,
+        }
+    }
+
+    /// Counts a session as open until the guard is dropped.
+    pub fn session_opened(&self) -> SessionGauge {
+        self.sessions.inc();
+        SessionGauge(self.sessions.clone())
+    }
+
+    /// Counts `count` session requests (or sequences) ignored for `reason`.
+    pub fn session_request_ignored(&self, reason: IgnoredRequest, count: u64) {
+        if count > 0 {
+            self.session_ignored.with_label_values(&[reason.label()]).inc_by(count);
         }
     }
 

@@ -1,5 +1,6 @@
 //! Generated protobuf types and tonic services for `tinybroker.v1`, and the
-//! encoded file descriptor set that server reflection serves.
+//! encoded file descriptor set that server reflection serves; and the types
+//! of `tinybroker.cluster.v1`, what only replicas exchange.
 
 #![allow(clippy::all, clippy::pedantic, missing_docs)]
 
@@ -12,6 +13,14 @@ mod servers {
 }
 
 pub use servers::{admin_server, broker_server};
+
+/// `proto/tinybroker/cluster/v1/cluster.proto`: the envelope and the calls
+/// between replicas (`cluster::wire`, `cluster::rpc`). Not the contract,
+/// and not in [`FILE_DESCRIPTOR_SET`]. Some generated helpers go unused.
+#[allow(dead_code)]
+pub(crate) mod cluster {
+    include!(concat!(env!("OUT_DIR"), "/tinybroker.cluster.v1.rs"));
+}
 
 /// Descriptors of `proto/tinybroker/v1/*.proto` and their imports.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tinybroker_descriptor.bin"));

@@ -327,7 +327,7 @@ mod tests {
             sequence: u64::MAX,
             ..Default::default()
         };
-        // The count prefix ahead of it on core NATS (cluster/fanout.rs).
+        // The sender and count ahead of it on core NATS (cluster/wire.rs).
         const COUNT_PREFIX: usize = 2 + 10 + 2 + 8;
         let untraced = message(headers.clone()).encoded_len() + COUNT_PREFIX;
         assert!(untraced <= max_message_bytes + 1024, "{}", untraced - max_message_bytes);

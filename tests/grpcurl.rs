@@ -102,3 +102,97 @@ async fn readme_grpcurl_examples_work() {
     })
     .await
 }
+
+/// README's grpcurl session, the block as README shows it (only the
+/// address and the pause before the close changed): two subscriptions on
+/// one session, their messages tagged with their handles, handle 1 closed,
+/// then the end of stdin ends handle 2 and the session, and grpcurl exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_grpcurl_session_opens_two_subscriptions_and_closes_them() {
+    if !grpcurl_available() {
+        return;
+    }
+    timeout(async {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        let lines: Vec<&str> = readme.lines().collect();
+        let first = lines
+            .iter()
+            .position(|l| l.starts_with("{ echo '{\"open\": {\"handle\": 1,"))
+            .expect("README's session example");
+        let last = first
+            + lines[first..]
+                .iter()
+                .position(|l| l.ends_with("tinybroker.v1.Broker/Session"))
+                .expect("the end of README's session example");
+        let block = lines[first..=last].join("\n");
+        assert!(block.contains("sleep 30"), "{block}");
+        let broker = start().await;
+        let script = block
+            .replace("localhost:50051", &broker.grpc_addr.to_string())
+            .replace("sleep 30", "sleep 8");
+        let mut session = ChildGuard::spawn(Command::new("sh").arg("-c").arg(&script));
+        let stdout = session.child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
+        std::thread::spawn(move || {
+            let mut object = String::new();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                object.push_str(&line);
+                if line == "}" {
+                    let _ = tx.send(serde_json::from_str(&std::mem::take(&mut object)).unwrap());
+                }
+            }
+        });
+        let next = || {
+            rx.recv_timeout(std::time::Duration::from_secs(20))
+                .expect("a grpcurl event")
+        };
+        let mut ids = Vec::new();
+        for handle in [1, 2] {
+            let opened = next();
+            assert_eq!(opened["opened"]["handle"], handle, "{opened}");
+            ids.push(opened["opened"]["subscriptionId"].as_str().unwrap().to_owned());
+        }
+        let listed = broker.subscriptions().await;
+        assert!(ids.iter().all(|id| listed.iter().any(|l| &l.subscription_id == id)));
+        let mut client = broker.client().await;
+        let deploy = client
+            .publish(publish_request("deploy.rollout", "hello"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(deploy.matched_subscriptions, 2);
+        let audit = client
+            .publish(publish_request("audit.login", "hi"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(audit.matched_subscriptions, 1);
+        // (handle, sequence) of each delivery, until handle 1 ends.
+        let mut delivered = Vec::new();
+        let ended = loop {
+            let event = next();
+            if !event["ended"].is_null() {
+                break event;
+            }
+            let delivery = &event["delivery"];
+            let sequence: u64 = delivery["message"]["sequence"].as_str().unwrap().parse().unwrap();
+            for handle in delivery["handles"].as_array().unwrap() {
+                delivered.push((handle.as_u64().unwrap(), sequence));
+            }
+        };
+        delivered.sort_unstable();
+        assert_eq!(
+            delivered,
+            [(1, deploy.sequence), (2, deploy.sequence), (2, audit.sequence)]
+        );
+        assert_eq!(ended["ended"]["handle"], 1, "{ended}");
+        assert_eq!(ended["ended"]["reason"], "closed", "{ended}");
+        let ended = next();
+        assert_eq!(ended["ended"]["handle"], 2, "{ended}");
+        assert_eq!(ended["ended"]["reason"], "closed", "{ended}");
+        assert_eq!(ended["ended"]["lastSequence"], audit.sequence.to_string(), "{ended}");
+        let status = common::process::exit_status(&mut session, TEST_TIMEOUT).await;
+        assert!(status.success(), "grpcurl exits 0: the session ended with OK");
+    })
+    .await
+}

@@ -15,9 +15,22 @@
 //! how long each took. The same rules at the chart's 30 s scrape interval
 //! are shown by `promtool test rules deploy/monitoring/alerts_test.yaml`.
 //!
-//! Ignored by default: it needs the `prometheus` server and takes about
-//! 90 s. `scripts/check-alerts-live.sh` (a CI step) installs Prometheus and
-//! runs it.
+//! The cluster session does the same sums over two replicas (issue 25):
+//! two broker processes in cluster mode over one nats-server, one
+//! Prometheus scraping both, and known counts made across them (a MANUAL
+//! group with a member on each replica, acked through the other replica,
+//! nacked, redelivered and dead-lettered; a group holding messages, one
+//! overflowing, one without members and then removed after its idle TTL;
+//! broadcast deliveries on both). Every consumer-group panel of the
+//! dashboard and every group rule of alerts.yaml, evaluated over both
+//! replicas, must give the total the clients saw, not twice it (a gauge
+//! every replica reports, summed) nor a part of it (a counter each replica
+//! keeps for itself, not summed), and must hold for a few seconds on end;
+//! a group panel or rule added later without a check here fails it.
+//!
+//! Ignored by default: they need the `prometheus` server (and nats-server)
+//! and take about 90 s and 30 s. `scripts/check-alerts-live.sh` (a CI step)
+//! installs Prometheus and runs them.
 
 mod common;
 
@@ -62,9 +75,9 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts Prometheus on 127.0.0.1, scraping `target` and evaluating the
+    /// Starts Prometheus on 127.0.0.1, scraping `targets` and evaluating the
     /// shipped rules every second. The guard stops it.
-    async fn start(dir: &Path, target: SocketAddr) -> (Self, ChildGuard) {
+    async fn start(dir: &Path, targets: &[SocketAddr]) -> (Self, ChildGuard) {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let rules = std::fs::read_to_string(root.join("deploy/monitoring/alerts.yaml")).unwrap();
         let group_interval = "    interval: 30s\n";
@@ -78,11 +91,13 @@ impl Prometheus {
             rules.replace(group_interval, "    interval: 1s\n"),
         )
         .unwrap();
+        let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
         let config = format!(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
              rule_files:\n  - {}\n\
-             scrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: [\"{target}\"]\n",
-            dir.join("alerts.yaml").display()
+             scrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: [{}]\n",
+            dir.join("alerts.yaml").display(),
+            targets.join(", ")
         );
         std::fs::write(dir.join("prometheus.yml"), config).unwrap();
         // A free port can be taken between picking and binding: try a few.
@@ -216,8 +231,23 @@ fn dashboard() -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// (panel title, refId, PromQL) of every target, with the Grafana variables
-/// filled in as Grafana would for this job and instance at a 1 s scrape.
+/// (panel title, refId, PromQL) of every target, as written.
+fn dashboard_targets() -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for panel in dashboard()["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            out.push((
+                panel["title"].as_str().unwrap().to_owned(),
+                target["refId"].as_str().unwrap().to_owned(),
+                target["expr"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    out
+}
+
+/// Every target, with the Grafana variables filled in as Grafana would for
+/// this job and instance at a 1 s scrape.
 fn dashboard_queries(instance: &str) -> Vec<(String, String, String)> {
     let fill = |expr: &str| {
         expr.replace("$__rate_interval", "5s")
@@ -226,17 +256,10 @@ fn dashboard_queries(instance: &str) -> Vec<(String, String, String)> {
             .replace("$job", JOB)
             .replace("$instance", instance)
     };
-    let mut out = Vec::new();
-    for panel in dashboard()["panels"].as_array().unwrap() {
-        for target in panel["targets"].as_array().into_iter().flatten() {
-            out.push((
-                panel["title"].as_str().unwrap().to_owned(),
-                target["refId"].as_str().unwrap().to_owned(),
-                fill(target["expr"].as_str().unwrap()),
-            ));
-        }
-    }
-    out
+    dashboard_targets()
+        .into_iter()
+        .map(|(title, ref_id, expr)| (title, ref_id, fill(&expr)))
+        .collect()
 }
 
 /// Panels without a threshold step above the base colour, in their
@@ -482,12 +505,21 @@ async fn queue_depth(admin: &mut AdminClient<Channel>, id: &str) -> Option<u64> 
 }
 
 /// Polls `check` every 20 ms for up to 20 s.
-async fn wait_for<F, Fut>(what: &str, mut check: F)
+async fn wait_for<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    wait_for_long(what, Duration::from_secs(20), check).await;
+}
+
+/// Polls `check` every 20 ms for up to `limit`.
+async fn wait_for_long<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
     while !check().await {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -547,7 +579,7 @@ async fn session(dir: &Path) {
     let url = broker.url();
     let instance = broker.metrics_addr.to_string();
     log(t0, &format!("broker up: grpc {}, metrics {instance}", broker.grpc_addr));
-    let (prometheus, _prometheus_process) = Prometheus::start(dir, broker.metrics_addr).await;
+    let (prometheus, _prometheus_process) = Prometheus::start(dir, &[broker.metrics_addr]).await;
     let prometheus = Arc::new(prometheus);
     log(
         t0,
@@ -1031,6 +1063,746 @@ async fn session(dir: &Path) {
     assert!(
         failures.is_empty(),
         "{} problem(s):\n{}\n(broker and prometheus logs in {})",
+        failures.len(),
+        failures.join("\n"),
+        dir.display()
+    );
+}
+
+// === cluster mode: two replicas, known counts ===
+
+/// TINYBROKER_GROUP_IDLE_TTL_SECONDS of the cluster session's replicas.
+const CLUSTER_TTL: Duration = Duration::from_secs(20);
+/// The range counter panels are read over in the cluster session: longer
+/// than the session, so `rate(x[WHOLE]) * WHOLE` is all that happened.
+const WHOLE: &str = "10m";
+const WHOLE_SECONDS: f64 = 600.0;
+/// How long the cluster session's checks may take to agree with what
+/// happened (a heartbeat's gathering, 2 s, then a scrape, 1 s, and room).
+const SETTLE: Duration = Duration::from_secs(20);
+/// How long every check must hold, evaluated again and again, to count:
+/// longer than a heartbeat and a scrape, so a sum that only looks right
+/// while one replica's gathering lags behind the other's does not pass.
+const STEADY: Duration = Duration::from_secs(4);
+
+/// A dashboard query or a rule's expression as the cluster session reads
+/// it: over every instance (Grafana's "All"), counters over [`WHOLE`], and
+/// the 45 s thresholds of stalls and memberless groups at 5 s, the 1000
+/// messages of a growing backlog at 0 (the thresholds themselves, and how
+/// soon each fires, are the single-node session's; here it is how a
+/// query adds up the replicas).
+fn cluster_fill(expr: &str) -> String {
+    expr.replace("$__rate_interval", WHOLE)
+        .replace("$__interval", "1s")
+        .replace("$__range", WHOLE)
+        .replace("$job", JOB)
+        .replace("$instance", ".*")
+        .replace("> 45", "> 5")
+        .replace("> 1000", "> 0")
+}
+
+/// Every (alert name, expression) of deploy/monitoring/alerts.yaml.
+fn alert_rules() -> Vec<(String, String)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring/alerts.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    let mut rules = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(name) = line.trim().strip_prefix("- alert: ") else {
+            continue;
+        };
+        let (at, expr_line) = lines[i + 1..]
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.trim_start().starts_with("expr:"))
+            .unwrap_or_else(|| panic!("{name} has an expr"));
+        let at = i + 1 + at;
+        let first = expr_line.trim_start().trim_start_matches("expr:").trim();
+        let expr = if first == ">-" {
+            lines[at + 1..]
+                .iter()
+                .take_while(|l| indent(l) > indent(expr_line) && !l.trim().is_empty())
+                .map(|l| l.trim())
+                .collect::<Vec<_>>()
+                .join(" ")
+        } else {
+            first.to_owned()
+        };
+        rules.push((name.to_owned(), expr));
+    }
+    rules
+}
+
+/// Whether a query reads a consumer-group metric, or the drops (group
+/// overflow and expiry among them).
+fn about_groups(expr: &str) -> bool {
+    [
+        "tinybroker_consumer_group_",
+        "tinybroker_redeliveries_total",
+        "tinybroker_dead_lettered_total",
+        "tinybroker_recent_group_removal_",
+        "tinybroker_messages_dropped_total",
+    ]
+    .iter()
+    .any(|metric| expr.contains(metric))
+}
+
+/// One series a check wants: the one whose `label` is `value` ("" for the
+/// single series of a stat), its value (times the check's scale) within
+/// `lo..=hi`.
+struct Want {
+    label: &'static str,
+    value: String,
+    lo: f64,
+    hi: f64,
+}
+
+fn exactly(label: &'static str, value: &str, n: f64) -> Want {
+    Want {
+        label,
+        value: value.to_owned(),
+        lo: n - 0.01,
+        hi: n + 0.01,
+    }
+}
+
+/// A count read through `rate` or `increase`, which extrapolate a little
+/// past the last sample: at least `n - 0.5`, at most 10 % above.
+fn about(label: &'static str, value: &str, n: f64) -> Want {
+    Want {
+        label,
+        value: value.to_owned(),
+        lo: n - 0.5,
+        hi: n * 1.1 + 0.5,
+    }
+}
+
+/// Seconds since `since`, as a gauge refreshed every heartbeat (2 s) and
+/// scraped every second shows them (started up to 2 s late).
+fn aged(label: &'static str, value: &str, since: Instant) -> Want {
+    let seconds = since.elapsed().as_secs_f64();
+    Want {
+        label,
+        value: value.to_owned(),
+        lo: seconds - 6.0,
+        hi: seconds + 1.5,
+    }
+}
+
+struct ClusterCheck {
+    what: String,
+    expr: String,
+    /// What each series is multiplied by first ([`WHOLE_SECONDS`] for rates).
+    scale: f64,
+    /// The wanted series, worked out when checked (ages change).
+    wants: Box<dyn Fn() -> Vec<Want> + Send>,
+    /// No series but the wanted ones (rules: an alert for no other group).
+    only: bool,
+    /// Why the last evaluation did not match; None when it did.
+    failing: Option<String>,
+}
+
+impl ClusterCheck {
+    fn judge(&self, samples: &[Sample]) -> Result<(), String> {
+        let wants = (self.wants)();
+        let shown = || {
+            samples
+                .iter()
+                .map(|s| format!("{:?}={}", s.labels, s.value * self.scale))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for want in &wants {
+            let matching: Vec<f64> = samples
+                .iter()
+                .filter(|s| want.label.is_empty() || s.has(want.label, &want.value))
+                .map(|s| s.value * self.scale)
+                .collect();
+            match matching[..] {
+                [v] if (want.lo..=want.hi).contains(&v) => {}
+                _ => {
+                    return Err(format!(
+                        "{}={} wanted once in {:.2}..={:.2}; got [{}]",
+                        want.label,
+                        want.value,
+                        want.lo,
+                        want.hi,
+                        shown()
+                    ));
+                }
+            }
+        }
+        if self.only && samples.len() != wants.len() {
+            return Err(format!("only {} series wanted; got [{}]", wants.len(), shown()));
+        }
+        Ok(())
+    }
+}
+
+/// Evaluates every check, all of them every [`POLL`], until all have held
+/// together for [`STEADY`], or [`SETTLE`] passed; what did not match in the
+/// last round, with its result.
+async fn settle(prometheus: &Prometheus, checks: &mut [ClusterCheck]) -> Vec<String> {
+    let deadline = Instant::now() + SETTLE + STEADY;
+    let mut holding_since: Option<Instant> = None;
+    loop {
+        for check in checks.iter_mut() {
+            check.failing = match prometheus.query(&check.expr).await {
+                Ok(samples) => check.judge(&samples).err(),
+                Err(e) => Some(e),
+            };
+        }
+        let failing: Vec<String> = checks
+            .iter()
+            .filter_map(|c| {
+                c.failing
+                    .as_ref()
+                    .map(|why| format!("{}: {why}\n    {}", c.what, c.expr))
+            })
+            .collect();
+        if !failing.is_empty() {
+            holding_since = None;
+        } else if holding_since.get_or_insert_with(Instant::now).elapsed() >= STEADY {
+            return failing;
+        }
+        if Instant::now() > deadline {
+            return if failing.is_empty() {
+                vec![format!("the checks never held together for {STEADY:?}")]
+            } else {
+                failing
+            };
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// What the clients of the cluster session saw: the truth the dashboard
+/// must add up to.
+#[derive(Default)]
+struct Seen {
+    /// Messages read from group members' streams, every group.
+    group_deliveries: std::sync::atomic::AtomicU64,
+    /// Of those, the group `counted`'s.
+    counted: std::sync::atomic::AtomicU64,
+    /// Of `counted`'s, redeliveries (`delivery_attempt` above 1).
+    redelivered: std::sync::atomic::AtomicU64,
+    /// Acks answered `acked: 1`.
+    acked: std::sync::atomic::AtomicU64,
+    /// Messages read from broadcast streams (dead letters included).
+    broadcast_deliveries: std::sync::atomic::AtomicU64,
+    dead_letters: std::sync::atomic::AtomicU64,
+}
+
+fn bump(counter: &std::sync::atomic::AtomicU64) {
+    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn read(counter: &std::sync::atomic::AtomicU64) -> u64 {
+    counter.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A member of `counted`: acks message i < 12 at once (through the other
+/// replica: a forwarded Ack), nacks 12..16 once and acks the redelivery,
+/// and nacks 16..20 every time (two attempts: dead-lettered).
+fn counted_member(
+    mut stream: tonic::Streaming<pb::Message>,
+    id: String,
+    mut own: BrokerClient<Channel>,
+    mut other: BrokerClient<Channel>,
+    seen: Arc<Seen>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Ok(Some(m)) = stream.message().await {
+            bump(&seen.group_deliveries);
+            bump(&seen.counted);
+            if m.delivery_attempt > 1 {
+                bump(&seen.redelivered);
+            }
+            let i: u32 = std::str::from_utf8(&m.payload).unwrap().parse().unwrap();
+            let ack = i < 12 || (i < 16 && m.delivery_attempt > 1);
+            if ack {
+                let r = other
+                    .ack(pb::AckRequest {
+                        subscription_id: id.clone(),
+                        sequences: vec![m.sequence],
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                for _ in 0..r.acked {
+                    bump(&seen.acked);
+                }
+            } else {
+                own.nack(pb::NackRequest {
+                    subscription_id: id.clone(),
+                    sequences: vec![m.sequence],
+                })
+                .await
+                .unwrap();
+            }
+        }
+    })
+}
+
+/// Reads a stream to its end, counting each message into `which` of `seen`.
+fn count_into(
+    mut stream: tonic::Streaming<pb::Message>,
+    seen: Arc<Seen>,
+    which: fn(&Seen) -> Vec<&std::sync::atomic::AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Ok(Some(_)) = stream.message().await {
+            for counter in which(&seen) {
+                bump(counter);
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the prometheus server and nats-server, about 40 s; run by scripts/check-alerts-live.sh"]
+async fn dashboard_and_alerts_add_up_two_replicas_to_the_known_totals() {
+    let Some(nats) = common::nats::NatsCluster::start(1).await else {
+        return;
+    };
+    let dir = temp_dir();
+    let outcome = tokio::time::timeout(SESSION_TIMEOUT, cluster_session(&dir, &nats)).await;
+    match outcome {
+        Ok(()) => {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Err(_) => panic!("session timed out after {SESSION_TIMEOUT:?}; logs in {}", dir.display()),
+    }
+}
+
+/// A member of group `<group>` on `mon.<group>`, MANUAL.
+fn cluster_member(group: &str, max_in_flight: u32, ack_deadline_ms: u32) -> pb::OpenSubscriptionRequest {
+    pb::OpenSubscriptionRequest {
+        max_in_flight,
+        ..member(group, &format!("mon.{group}"), true, ack_deadline_ms)
+    }
+}
+
+/// Target `ref_id` of the dashboard panel `title`, as written.
+fn target(title: &str, ref_id: &str) -> String {
+    dashboard_targets()
+        .into_iter()
+        .find(|(t, r, _)| t == title && r == ref_id)
+        .map(|(_, _, expr)| expr)
+        .unwrap_or_else(|| panic!("the dashboard has no panel {title:?} {ref_id}"))
+}
+
+type Wants = Box<dyn Fn() -> Vec<Want> + Send>;
+
+fn check(what: String, expr: String, scale: f64, only: bool, wants: Wants) -> ClusterCheck {
+    ClusterCheck {
+        what,
+        expr,
+        scale,
+        wants,
+        only,
+        failing: Some("not evaluated yet".into()),
+    }
+}
+
+async fn cluster_session(dir: &Path, nats: &common::nats::NatsCluster) {
+    let t0 = Instant::now();
+    let mut replicas = Vec::new();
+    for id in ["a", "b"] {
+        let env = vec![
+            ("TINYBROKER_NATS_URL", nats.url(0)),
+            ("TINYBROKER_NATS_PREFIX", "mon".to_owned()),
+            ("TINYBROKER_NATS_REPLICAS", "1".to_owned()),
+            ("TINYBROKER_REPLICA_ID", id.to_owned()),
+            ("TINYBROKER_MAX_DELIVERY_ATTEMPTS", "2".to_owned()),
+            ("TINYBROKER_GROUP_CAPACITY", "30".to_owned()),
+            ("TINYBROKER_GROUP_MAX_BYTES", "1048576".to_owned()),
+            ("TINYBROKER_GROUP_IDLE_TTL_SECONDS", CLUSTER_TTL.as_secs().to_string()),
+            ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "1".to_owned()),
+        ];
+        let replica = tokio::task::spawn_blocking(move || BrokerProcess::spawn(&env))
+            .await
+            .unwrap();
+        common::wait_serving_at(&replica.url()).await;
+        replicas.push(replica);
+    }
+    let (a, b) = (&replicas[0], &replicas[1]);
+    log(t0, &format!("replicas a ({}) and b ({}) serve", a.url(), b.url()));
+    let (prometheus, _prometheus_process) = Prometheus::start(dir, &[a.metrics_addr, b.metrics_addr]).await;
+    log(
+        t0,
+        &format!("prometheus up on {} (logs in {})", prometheus.addr, dir.display()),
+    );
+
+    let clients = [
+        BrokerClient::new(channel(&a.url(), false).await),
+        BrokerClient::new(channel(&b.url(), false).await),
+    ];
+    let admin = AdminClient::new(channel(&a.url(), false).await);
+    let seen = Arc::new(Seen::default());
+
+    // The groups, before anything is counted: `counted` (a member on a and
+    // one on b), `holding` (a member on each that never acks, 3 in flight
+    // each), `overflow` (one member holding 1, a backlog of 30 at most)
+    // and `waiting` (its only member leaves).
+    let mut tasks = Vec::new();
+    for i in 0..2 {
+        let mut client = clients[i].clone();
+        let (stream, id) = common::open(&mut client, cluster_member("counted", 20, 3_600_000)).await;
+        tasks.push(counted_member(
+            stream,
+            id,
+            client.clone(),
+            clients[1 - i].clone(),
+            seen.clone(),
+        ));
+        let (stream, _) = common::open(&mut client, cluster_member("holding", 3, 3_600_000)).await;
+        tasks.push(count_into(stream, seen.clone(), |s| vec![&s.group_deliveries]));
+    }
+    let (stream, _) = common::open(&mut clients[0].clone(), cluster_member("overflow", 1, 3_600_000)).await;
+    tasks.push(count_into(stream, seen.clone(), |s| vec![&s.group_deliveries]));
+    let (stream, _) = common::open(&mut clients[1].clone(), cluster_member("waiting", 1, 0)).await;
+    drop(stream);
+    wait_for("waiting's member to leave", || {
+        let mut admin = admin.clone();
+        async move { group_members(&mut admin, "waiting").await == Some(0) }
+    })
+    .await;
+    let waiting_since = Instant::now();
+    for client in &clients {
+        let (stream, _) = common::open(&mut client.clone(), broadcast("", "mon.live")).await;
+        tasks.push(count_into(stream, seen.clone(), |s| vec![&s.broadcast_deliveries]));
+    }
+    let (stream, _) = common::open(&mut clients[0].clone(), broadcast("", "_dlq.counted")).await;
+    tasks.push(count_into(stream, seen.clone(), |s| {
+        vec![&s.broadcast_deliveries, &s.dead_letters]
+    }));
+    // Every group's counters scraped at 0 from both replicas first: a
+    // series that first appears above 0 loses its first count to rate().
+    wait_for("every group's counters at 0 on both replicas", || {
+        let p = &prometheus;
+        async move {
+            p.query("count by (consumer_group) (tinybroker_consumer_group_delivered_total == 0)")
+                .await
+                .is_ok_and(|r| r.len() == 4 && r.iter().all(|s| s.value == 2.0))
+        }
+    })
+    .await;
+    log(t0, "4 groups, their counters at 0 on both replicas");
+
+    // The known counts, published through both replicas in turn.
+    let through = |i: usize| clients[i % 2].clone();
+    for i in 0..20 {
+        through(i).publish(publish("mon.live", 10)).await.unwrap();
+        let mut job = publish("mon.counted", 0);
+        job.payload = i.to_string().into_bytes().into();
+        through(i).publish(job).await.unwrap();
+    }
+    let holding_since = Instant::now();
+    for i in 0..10 {
+        through(i).publish(publish("mon.holding", 10)).await.unwrap();
+    }
+    let overflow_since = Instant::now();
+    for i in 0..35 {
+        through(i).publish(publish("mon.overflow", 10)).await.unwrap();
+    }
+    for i in 0..5 {
+        through(i).publish(publish("mon.waiting", 10)).await.unwrap();
+    }
+    wait_for("the clients to see every delivery, ack and dead letter", || {
+        let seen = seen.clone();
+        async move {
+            read(&seen.counted) == 28
+                && read(&seen.acked) == 16
+                && read(&seen.dead_letters) == 4
+                && read(&seen.group_deliveries) == 28 + 6 + 1
+                && read(&seen.broadcast_deliveries) == 2 * 20 + 4
+        }
+    })
+    .await;
+    assert_eq!(read(&seen.redelivered), 8, "redeliveries seen by the members");
+    log(
+        t0,
+        "seen by the clients: 35 group deliveries (28 of counted, 8 redelivered), 16 acks, 4 dead letters, 44 broadcast deliveries",
+    );
+    // Admin's cluster-wide view says the same.
+    wait_for("Admin to list the known counts", || {
+        let mut admin = admin.clone();
+        async move {
+            let groups = common::groups(&mut admin).await;
+            let g = |name: &str| groups.iter().find(|g| g.name == name).cloned();
+            matches!(
+                (g("counted"), g("overflow")),
+                (Some(c), Some(o)) if (c.redeliveries, c.dead_lettered, o.dropped) == (8, 4, 5)
+            )
+        }
+    })
+    .await;
+
+    // Every consumer-group panel and rule, over the two replicas.
+    let rules = alert_rules();
+    let rule = |name: &str| {
+        let (_, expr) = rules
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("alerts.yaml has no rule {name}"));
+        cluster_fill(expr)
+    };
+    let cg = "consumer_group";
+    let gauges = |values: [(&'static str, f64); 4]| -> Wants {
+        Box::new(move || values.iter().map(|(g, n)| exactly("consumer_group", g, *n)).collect())
+    };
+    let backlog = [("counted", 0.0), ("holding", 4.0), ("overflow", 29.0), ("waiting", 5.0)];
+    let in_flight = [("counted", 0.0), ("holding", 6.0), ("overflow", 1.0), ("waiting", 0.0)];
+    let members = [("counted", 2.0), ("holding", 2.0), ("overflow", 1.0), ("waiting", 0.0)];
+    let stalled = move || -> Wants {
+        Box::new(move || {
+            vec![
+                exactly("consumer_group", "counted", 0.0),
+                aged("consumer_group", "holding", holding_since),
+                aged("consumer_group", "overflow", overflow_since),
+            ]
+        })
+    };
+    let memberless = move || -> Wants {
+        Box::new(move || {
+            vec![
+                exactly("consumer_group", "counted", 0.0),
+                aged("consumer_group", "waiting", waiting_since),
+            ]
+        })
+    };
+    let mut checks: Vec<ClusterCheck> = Vec::new();
+    let mut checked: BTreeSet<String> = BTreeSet::new();
+    let mut add_panel = |title: &str, ref_id: &str, scale: f64, wants: Wants| {
+        checked.insert(format!("{title} {ref_id}"));
+        let expr = cluster_fill(&target(title, ref_id));
+        checks.push(check(format!("panel {title:?} {ref_id}"), expr, scale, false, wants));
+    };
+    add_panel("Group backlog", "A", 1.0, gauges(backlog));
+    add_panel("Group in flight", "A", 1.0, gauges(in_flight));
+    add_panel("Group members", "A", 1.0, gauges(members));
+    add_panel("Seconds without progress per group", "A", 1.0, stalled());
+    add_panel("Oldest unacked message age", "A", 1.0, stalled());
+    add_panel("Seconds without members per group", "A", 1.0, memberless());
+    add_panel(
+        "Acked and delivered per group",
+        "A",
+        WHOLE_SECONDS,
+        Box::new(move || {
+            vec![
+                about(cg, "counted", 28.0),
+                about(cg, "holding", 6.0),
+                about(cg, "overflow", 1.0),
+            ]
+        }),
+    );
+    add_panel(
+        "Acked and delivered per group",
+        "B",
+        WHOLE_SECONDS,
+        Box::new(move || vec![about(cg, "counted", 16.0), exactly(cg, "holding", 0.0)]),
+    );
+    add_panel(
+        "Redeliveries and dead letters",
+        "A",
+        WHOLE_SECONDS,
+        Box::new(move || vec![about(cg, "counted", 8.0), exactly(cg, "holding", 0.0)]),
+    );
+    add_panel(
+        "Redeliveries and dead letters",
+        "B",
+        WHOLE_SECONDS,
+        Box::new(move || vec![about(cg, "counted", 4.0), exactly(cg, "holding", 0.0)]),
+    );
+    let table = "Consumer groups, most stalled first";
+    add_panel(table, "A", 1.0, stalled());
+    add_panel(table, "B", 1.0, memberless());
+    add_panel(table, "C", 1.0, gauges(backlog));
+    add_panel(table, "D", 1.0, gauges(in_flight));
+    add_panel(table, "E", 1.0, gauges(members));
+    add_panel(table, "F", 1.0, Box::new(move || vec![about(cg, "counted", 8.0)]));
+    add_panel(
+        "Stuck consumer groups",
+        "A",
+        1.0,
+        Box::new(|| vec![exactly("", "", 2.0)]),
+    );
+    add_panel(
+        "Groups without members, messages waiting",
+        "A",
+        1.0,
+        Box::new(|| vec![exactly("", "", 1.0)]),
+    );
+    add_panel(
+        "Messages lost (last 15 min)",
+        "A",
+        1.0,
+        Box::new(|| vec![about("reason", "group_overflow", 5.0)]),
+    );
+    add_panel(
+        "Dropped messages",
+        "A",
+        WHOLE_SECONDS,
+        Box::new(|| vec![about("reason", "group_overflow", 5.0)]),
+    );
+    // Not about groups alone, but counters and gauges all the same.
+    add_panel(
+        "Delivery rate",
+        "A",
+        WHOLE_SECONDS,
+        Box::new(|| vec![about("mode", "multi", 44.0), about("mode", "single", 35.0)]),
+    );
+    add_panel(
+        "Publish rate",
+        "A",
+        WHOLE_SECONDS,
+        Box::new(|| vec![about("", "", 20.0 + 20.0 + 10.0 + 35.0 + 5.0 + 4.0)]),
+    );
+    add_panel(
+        "Open subscriptions",
+        "A",
+        1.0,
+        Box::new(|| vec![exactly("mode", "multi", 3.0), exactly("mode", "single", 5.0)]),
+    );
+    let mut add_rule = |name: &str, wants: Wants| {
+        checked.insert(name.to_owned());
+        checks.push(check(format!("rule {name}"), rule(name), 1.0, true, wants));
+    };
+    add_rule(
+        "TinybrokerConsumerGroupStuck",
+        Box::new(move || vec![aged(cg, "holding", holding_since), aged(cg, "overflow", overflow_since)]),
+    );
+    add_rule(
+        "TinybrokerConsumerGroupWithoutMembers",
+        Box::new(move || vec![aged(cg, "waiting", waiting_since)]),
+    );
+    add_rule(
+        "TinybrokerConsumerGroupBacklogGrowing",
+        Box::new(|| vec![exactly(cg, "holding", 4.0), exactly(cg, "overflow", 29.0)]),
+    );
+    add_rule(
+        "TinybrokerMessagesDropped",
+        Box::new(|| vec![about("reason", "group_overflow", 5.0)]),
+    );
+    add_rule(
+        "TinybrokerMessagesDeadLettered",
+        Box::new(|| vec![about(cg, "counted", 4.0)]),
+    );
+    // Every clock far enough along that a gauge stuck at 0 reads wrong.
+    wait_for("every group clock to pass 8 s", || async {
+        [waiting_since, holding_since, overflow_since]
+            .iter()
+            .all(|since| since.elapsed() > Duration::from_secs(8))
+    })
+    .await;
+    let mut failures = settle(&prometheus, &mut checks).await;
+    log(
+        t0,
+        &format!(
+            "{} checks while every group lives: {} failing",
+            checks.len(),
+            failures.len()
+        ),
+    );
+
+    // `waiting` is removed with its 5 messages after its idle TTL.
+    wait_for_long("waiting to be removed after its idle TTL", CLUSTER_TTL + SETTLE, || {
+        let mut admin = admin.clone();
+        async move { group_members(&mut admin, "waiting").await.is_none() }
+    })
+    .await;
+    let removed_at = SystemTime::now();
+    log(t0, "waiting removed after its idle TTL");
+    let mut after: Vec<ClusterCheck> = Vec::new();
+    {
+        let mut add = |what: String, expr: String, only: bool, wants: Wants| {
+            after.push(check(what, expr, 1.0, only, wants));
+        };
+        let title = "Groups removed with messages (last 15 min)";
+        checked.insert(format!("{title} A"));
+        add(
+            format!("panel {title:?} A"),
+            cluster_fill(&target(title, "A")),
+            false,
+            Box::new(|| vec![exactly("", "", 1.0)]),
+        );
+        let title = "Groups removed with their messages (last 15 min)";
+        checked.insert(format!("{title} A"));
+        add(
+            format!("panel {title:?} A"),
+            cluster_fill(&target(title, "A")),
+            true,
+            Box::new(move || vec![exactly(cg, "waiting", 5.0)]),
+        );
+        checked.insert(format!("{title} B"));
+        let removed_ms = removed_at.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs_f64() * 1000.0;
+        add(
+            format!("panel {title:?} B"),
+            cluster_fill(&target(title, "B")),
+            true,
+            Box::new(move || {
+                vec![Want {
+                    label: "consumer_group",
+                    value: "waiting".into(),
+                    lo: removed_ms - (CLUSTER_TTL + SETTLE).as_secs_f64() * 1000.0,
+                    hi: removed_ms,
+                }]
+            }),
+        );
+        add(
+            "panel \"Messages lost (last 15 min)\" A, after the removal".into(),
+            cluster_fill(&target("Messages lost (last 15 min)", "A")),
+            false,
+            Box::new(|| {
+                vec![
+                    about("reason", "group_overflow", 5.0),
+                    about("reason", "group_expired", 5.0),
+                ]
+            }),
+        );
+        checked.insert("TinybrokerConsumerGroupRemovedWithBacklog".into());
+        add(
+            "rule TinybrokerConsumerGroupRemovedWithBacklog".into(),
+            rule("TinybrokerConsumerGroupRemovedWithBacklog"),
+            true,
+            Box::new(move || vec![exactly(cg, "waiting", 5.0)]),
+        );
+    }
+    failures.extend(settle(&prometheus, &mut after).await);
+    log(t0, &format!("{} checks after the removal", after.len()));
+
+    // Every group panel and rule was checked.
+    for (title, ref_id, expr) in dashboard_targets() {
+        if about_groups(&expr) && !checked.contains(&format!("{title} {ref_id}")) {
+            failures.push(format!(
+                "panel {title:?} {ref_id} reads group metrics and is not checked here"
+            ));
+        }
+    }
+    for (name, expr) in &rules {
+        if about_groups(expr) && !checked.contains(name) {
+            failures.push(format!("rule {name} reads group metrics and is not checked here"));
+        }
+    }
+    for task in tasks {
+        task.abort();
+    }
+    for (id, replica) in ["a", "b"].iter().zip(&replicas) {
+        std::fs::write(dir.join(format!("replica-{id}.log")), replica.drain_lines().join("\n")).unwrap();
+    }
+    log(
+        t0,
+        &format!(
+            "session over: {} checks, {} problem(s)",
+            checks.len() + after.len(),
+            failures.len()
+        ),
+    );
+    assert!(
+        failures.is_empty(),
+        "{} problem(s):\n{}\n(replica and prometheus logs in {})",
         failures.len(),
         failures.join("\n"),
         dir.display()

@@ -3,6 +3,7 @@
 //! `PublishStream` in its own small HTTP/2 DATA frame. Such a client is never
 //! cut off, also while the broker is paused (SIGSTOP, what a CPU limit does),
 //! and a subscription on the same channel gets every message in order.
+//! And grpcio holds 1,000 subscriptions on one `Session` (issue 26).
 //!
 //! The clients are the scripts in tests/clients/. `.ci/run` installs grpcio,
 //! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js and sets
@@ -377,4 +378,97 @@ fn grpc_js_publish_streams_of_10_and_100_byte_messages_lose_nothing() {
             "{size} B, channel options {options}"
         );
     }
+}
+
+/// Python grpcio, 1,000 subscriptions on one `Session` (issue 26): every
+/// handle is opened with an id of its own, gets exactly its messages in
+/// order (its own topic's and a wildcard's they all share, which come once
+/// naming many handles), 100 are closed one by one, and a half-close ends
+/// the other 900 "closed" and the stream with OK. The broker holds one
+/// session and 1,000 subscriptions meanwhile, none after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_holds_a_thousand_subscriptions_on_one_session() {
+    if !grpcio_available() {
+        return;
+    }
+    const COUNT: u64 = 1000;
+    const ROUNDS: u64 = 3;
+    const CLOSE: u64 = 100;
+    let started = Instant::now();
+    let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
+    let addr = broker.grpc_addr.clone();
+    let (mut script, line) = tokio::task::spawn_blocking(move || {
+        let mut script = Script::spawn(
+            Command::new("python3").args([
+                "grpcio_session.py",
+                &addr,
+                &proto_dir(),
+                &COUNT.to_string(),
+                &ROUNDS.to_string(),
+                &CLOSE.to_string(),
+            ]),
+            Duration::from_secs(120),
+        );
+        let line = script.line_starting(&["opened ", "result "]);
+        (script, line)
+    })
+    .await
+    .unwrap();
+    assert_eq!(line, format!("opened {COUNT}"), "stderr:\n{}", script.stderr_tail());
+    let opened = started.elapsed();
+    let scraped = common::scrape(broker.metrics_addr).await;
+    assert_eq!(metric_sum(&scraped, "tinybroker_sessions"), 1.0);
+    assert_eq!(metric_sum(&scraped, "tinybroker_subscriptions"), COUNT as f64);
+
+    // One PublishStream: its messages reach each subscription in order.
+    let requests: Vec<pb::PublishRequest> = (0..ROUNDS)
+        .flat_map(|round| {
+            (1..=COUNT)
+                .map(move |handle| (format!("load.{handle}"), format!("{handle}-{round}")))
+                .chain([("all.x".to_owned(), format!("all-{round}"))])
+        })
+        .map(|(topic, payload)| pb::PublishRequest {
+            topic,
+            payload: payload.into(),
+            headers: Default::default(),
+        })
+        .collect();
+    let mut publisher = pb::broker_client::BrokerClient::connect(broker.url()).await.unwrap();
+    let response = publisher
+        .publish_stream(futures::stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.accepted, ROUNDS * (COUNT + 1));
+    let published = started.elapsed();
+
+    let (result, stderr) = tokio::task::spawn_blocking(move || (script.result(), script.stderr_tail()))
+        .await
+        .unwrap();
+    eprintln!("grpcio session result: {result}");
+    let context = format!("client result {result}\nclient stderr:\n{stderr}");
+    assert!(result["problem"].is_null(), "{context}");
+    assert_eq!(result["stream_code"], "OK", "{context}");
+    assert_eq!(result["distinct_ids"], COUNT, "{context}");
+    assert_eq!(
+        result["complete"], COUNT,
+        "every handle got all its messages: {context}"
+    );
+    assert_eq!(result["closed_on_close"], CLOSE, "{context}");
+    assert_eq!(result["closed_on_half_close"], COUNT - CLOSE, "{context}");
+    assert!(
+        result["most_handles_in_one_delivery"].as_u64().unwrap() > 1,
+        "a wildcard message came once for several handles: {context}"
+    );
+    let scraped = common::scrape(broker.metrics_addr).await;
+    assert_eq!(metric_sum(&scraped, "tinybroker_sessions"), 0.0);
+    assert_eq!(metric_sum(&scraped, "tinybroker_subscriptions"), 0.0);
+    assert_no_warnings(&broker);
+    eprintln!(
+        "grpcio session of {COUNT} subscriptions: opened in {:.2} s, {} published by {:.2} s, all done in {:.2} s",
+        opened.as_secs_f64(),
+        ROUNDS * (COUNT + 1),
+        published.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
 }

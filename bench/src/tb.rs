@@ -322,3 +322,219 @@ impl Publisher {
         Ok(())
     }
 }
+
+/// A `Session` stream (issue 26): requests go in through a channel.
+struct Session {
+    tx: mpsc::UnboundedSender<pb::SessionRequest>,
+    events: Streaming<pb::SessionEvent>,
+}
+
+/// Credit a session's subscriber opens with (0: no credit limit): the
+/// broker sends whatever is ready, as `OpenSubscription` does.
+const SESSION_CREDIT: u32 = 0;
+
+impl Session {
+    async fn start(client: &mut BrokerClient<Channel>) -> Result<Session> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let events = within(
+            NET,
+            "opening a tinybroker session",
+            client.session(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)),
+        )
+        .await?
+        .context("Session")?
+        .into_inner();
+        Ok(Session { tx, events })
+    }
+
+    fn send(&self, request: pb::session_request::Request) -> Result<()> {
+        self.tx
+            .send(pb::SessionRequest { request: Some(request) })
+            .map_err(|_| anyhow::anyhow!("the session's request stream is closed"))
+    }
+
+    /// Opens every request under handles 1, 2, … and waits for each `opened`
+    /// (the broker registers a subscription before it says so).
+    async fn open_all(&mut self, requests: Vec<pb::OpenSubscriptionRequest>) -> Result<()> {
+        let n = requests.len();
+        for (i, subscription) in requests.into_iter().enumerate() {
+            self.send(pb::session_request::Request::Open(pb::SessionOpen {
+                handle: i as u32 + 1,
+                subscription: Some(subscription),
+                credit: SESSION_CREDIT,
+            }))?;
+        }
+        let mut opened = 0;
+        while opened < n {
+            let event = within(NET, "waiting for the session's opened events", self.events.message())
+                .await?
+                .context("Session")?
+                .context("the session ended while opening")?;
+            match event.event {
+                Some(pb::session_event::Event::Opened(_)) => opened += 1,
+                Some(pb::session_event::Event::Ended(e)) => bail!("session open refused: {} ({})", e.message, e.reason),
+                other => bail!("unexpected session event while opening: {other:?}"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The receive loop of a session: each delivery is counted once for every
+/// handle it names; `acks` (manual-ack members) acks in-band, in batches of
+/// what has arrived together (at most [`ACK_BATCH`]).
+async fn drive_session(
+    mut session: Session,
+    mut recs: Vec<Recorder>,
+    stop: CancellationToken,
+    acks: bool,
+) -> Vec<Tally> {
+    let mut pending: Vec<u64> = Vec::new();
+    let cancelled = stop.cancelled();
+    let mut cancelled = std::pin::pin!(cancelled);
+    let mut ended = None;
+    'outer: loop {
+        let event = tokio::select! {
+            biased;
+            _ = &mut cancelled => break,
+            event = session.events.message() => event,
+        };
+        let mut event = event;
+        loop {
+            match event {
+                Ok(Some(pb::SessionEvent {
+                    event: Some(pb::session_event::Event::Delivery(d)),
+                })) => {
+                    if let Some(m) = d.message {
+                        for h in &d.handles {
+                            if let Some(rec) = recs.get_mut(*h as usize - 1) {
+                                rec.record(&m.payload);
+                            }
+                        }
+                        if acks {
+                            pending.push(m.sequence);
+                        }
+                    }
+                }
+                Ok(Some(pb::SessionEvent {
+                    event: Some(pb::session_event::Event::Ended(e)),
+                })) => {
+                    if let Some(rec) = recs.get_mut(e.handle as usize - 1) {
+                        rec.ended(format!("ended by the server: {}", e.reason));
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    ended = Some("session ended by the server".to_string());
+                    break 'outer;
+                }
+                Err(e) => {
+                    ended = Some(format!("session failed: {e}"));
+                    break 'outer;
+                }
+            }
+            if acks && pending.len() >= ACK_BATCH {
+                break;
+            }
+            // What else has arrived goes in the same batch of acks.
+            match futures::FutureExt::now_or_never(session.events.message()) {
+                Some(next) => event = next,
+                None => break,
+            }
+        }
+        if !pending.is_empty() {
+            let _ = session.send(pb::session_request::Request::Ack(pb::SessionAck {
+                handle: 1,
+                sequences: std::mem::take(&mut pending),
+            }));
+        }
+    }
+    recs.into_iter()
+        .map(|mut rec| {
+            if let Some(why) = &ended {
+                rec.ended(why.clone());
+            }
+            rec.finish()
+        })
+        .collect()
+}
+
+/// Spawns a session's receive loop; one handle per recorder, each giving
+/// that subscriber's tally.
+fn spawn_session(
+    session: Session,
+    client: BrokerClient<Channel>,
+    recs: Vec<Recorder>,
+    stop: CancellationToken,
+    acks: bool,
+) -> Vec<JoinHandle<Tally>> {
+    let n = recs.len();
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| tokio::sync::oneshot::channel::<Tally>()).unzip();
+    tokio::spawn(async move {
+        // The client lives as long as the session, so its connection does too.
+        let _client = client;
+        for (tally, tx) in drive_session(session, recs, stop, acks).await.into_iter().zip(senders) {
+            let _ = tx.send(tally);
+        }
+    });
+    receivers
+        .into_iter()
+        .map(|rx| tokio::spawn(async move { rx.await.expect("the session loop hands every tally back") }))
+        .collect()
+}
+
+/// [`subscribe_shared`] on one `Session`: the connection's subscribers are
+/// handles of one stream.
+pub async fn subscribe_session_shared(
+    server: &Server,
+    pattern: &str,
+    recs: Vec<Recorder>,
+    stop: CancellationToken,
+) -> Result<Vec<JoinHandle<Tally>>> {
+    let mut client = connect(server, None).await?;
+    let mut session = Session::start(&mut client).await?;
+    session
+        .open_all((0..recs.len()).map(|_| request(pattern, Mode::Broadcast)).collect())
+        .await?;
+    Ok(spawn_session(session, client, recs, stop, false))
+}
+
+/// [`subscribe`] as the one handle of a `Session` of its own connection;
+/// a manual-ack member acks in-band.
+pub async fn subscribe_session(
+    server: &Server,
+    pattern: &str,
+    mode: Mode,
+    rec: Recorder,
+    stop: CancellationToken,
+) -> Result<JoinHandle<Tally>> {
+    let mut client = connect(server, None).await?;
+    let mut session = Session::start(&mut client).await?;
+    session.open_all(vec![request(pattern, mode)]).await?;
+    let acks = matches!(mode, Mode::Group { manual: true, .. });
+    Ok(spawn_session(session, client, vec![rec], stop, acks).remove(0))
+}
+
+/// [`idle_on`] with one `Session` per connection.
+pub async fn idle_on_sessions(
+    clients: Vec<BrokerClient<Channel>>,
+    count: usize,
+    per_conn: usize,
+) -> Result<Box<dyn Send>> {
+    let opened = futures::future::try_join_all(clients.into_iter().enumerate().map(|(c, mut client)| async move {
+        let mut session = Session::start(&mut client).await?;
+        let requests = (c * per_conn..((c + 1) * per_conn).min(count))
+            .map(|i| request(&format!("idle.{i}"), Mode::Broadcast))
+            .collect();
+        session.open_all(requests).await?;
+        anyhow::Ok((client, session.tx, session.events))
+    }))
+    .await?;
+    Ok(Box::new(opened))
+}
+
+/// [`idle`] with one `Session` per connection.
+pub async fn idle_sessions(server: &Server, count: usize, per_conn: usize) -> Result<Box<dyn Send>> {
+    let clients = idle_connections(server, count.div_ceil(per_conn)).await?;
+    idle_on_sessions(clients, count, per_conn).await
+}

@@ -114,13 +114,18 @@ pub enum Spec {
 pub struct Variant {
     pub kind: Kind,
     pub manual_ack: bool,
+    /// tinybroker: subscriptions on `Session` streams (one per connection)
+    /// instead of an `OpenSubscription` stream each.
+    pub session: bool,
 }
 
 impl fmt::Display for Variant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match (self.kind, self.manual_ack) {
-            (Kind::Tinybroker, true) => f.write_str("tinybroker MANUAL ack"),
-            (k, _) => write!(f, "{k}"),
+        match (self.kind, self.manual_ack, self.session) {
+            (Kind::Tinybroker, true, false) => f.write_str("tinybroker MANUAL ack"),
+            (Kind::Tinybroker, true, true) => f.write_str("tinybroker session, MANUAL ack in-band"),
+            (Kind::Tinybroker, false, true) => f.write_str("tinybroker session"),
+            (k, _, _) => write!(f, "{k}"),
         }
     }
 }
@@ -138,6 +143,16 @@ fn v(kind: Kind) -> Variant {
     Variant {
         kind,
         manual_ack: false,
+        session: false,
+    }
+}
+
+/// tinybroker on sessions.
+fn session(manual_ack: bool) -> Variant {
+    Variant {
+        kind: Kind::Tinybroker,
+        manual_ack,
+        session: true,
     }
 }
 
@@ -236,7 +251,9 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             Variant {
                 kind: Kind::Tinybroker,
                 manual_ack: true,
+                session: false,
             },
+            session(true),
             v(Kind::Nats),
         ],
     });
@@ -272,7 +289,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             rate: Some(wide_rate.max(1)),
             messages: (wide_rate * wide_seconds).max(1),
         },
-        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+        variants: vec![v(Kind::Tinybroker), session(false), v(Kind::Nats)],
     });
     out.push(Case {
         id: "wide-max".into(),
@@ -284,7 +301,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             rate: None,
             messages: wide_messages.max(1),
         },
-        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+        variants: vec![v(Kind::Tinybroker), session(false), v(Kind::Nats)],
     });
     out.push(Case {
         id: "idle".into(),
@@ -294,7 +311,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             per_conn: IDLE_PER_CONN,
             beyond_connections: false,
         },
-        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+        variants: vec![v(Kind::Tinybroker), session(false), v(Kind::Nats)],
     });
     out.push(Case {
         id: format!("idle-{IDLE_PER_CONN}"),
@@ -304,7 +321,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             per_conn: IDLE_PER_CONN,
             beyond_connections: true,
         },
-        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
+        variants: vec![v(Kind::Tinybroker), session(false), v(Kind::Nats)],
     });
     // Cluster mode (issue 15): 3 replicas over a 3-server NATS cluster
     // against that NATS cluster used directly.
@@ -357,6 +374,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             Variant {
                 kind: Kind::Tinybroker,
                 manual_ack: true,
+                session: false,
             },
             v(Kind::Nats),
         ],
@@ -405,7 +423,7 @@ pub async fn run(case: &Case, variant: Variant, settings: &Settings) -> Result<R
             subs,
             per_conn,
             beyond_connections,
-        } => run_idle(variant.kind, subs, per_conn, beyond_connections, settings).await,
+        } => run_idle(variant, subs, per_conn, beyond_connections, settings).await,
         _ => run_messaging(case.spec, variant, settings).await,
     }
 }
@@ -465,13 +483,19 @@ async fn subscribe(
     stop: CancellationToken,
 ) -> Result<JoinHandle<Tally>> {
     match (variant.kind, group_member) {
+        (Kind::Tinybroker, None) if variant.session => {
+            tb::subscribe_session(server, PATTERN, tb::Mode::Broadcast, rec, stop).await
+        }
         (Kind::Tinybroker, None) => tb::subscribe(server, PATTERN, tb::Mode::Broadcast, rec, stop).await,
         (Kind::Tinybroker, Some(member)) => {
             let mode = tb::Mode::Group {
                 manual: variant.manual_ack,
                 member,
             };
-            tb::subscribe(server, PATTERN, mode, rec, stop).await
+            match variant.session {
+                true => tb::subscribe_session(server, PATTERN, mode, rec, stop).await,
+                false => tb::subscribe(server, PATTERN, mode, rec, stop).await,
+            }
         }
         (Kind::Nats, None) => nats::subscribe(server, PATTERN, None, sync, rec, stop).await,
         (Kind::Nats, Some(_)) => nats::subscribe(server, PATTERN, Some(nats::QUEUE_GROUP), sync, rec, stop).await,
@@ -482,13 +506,14 @@ async fn subscribe(
 
 /// Opens the subscribers of one shared connection (the `c`th).
 async fn open_shared(
-    kind: Kind,
+    variant: Variant,
     server: &Server,
     c: usize,
     share: Vec<Recorder>,
     stop: CancellationToken,
 ) -> Result<Vec<JoinHandle<Tally>>> {
-    match kind {
+    match variant.kind {
+        Kind::Tinybroker if variant.session => tb::subscribe_session_shared(server, PATTERN, share, stop).await,
         Kind::Tinybroker => tb::subscribe_shared(server, PATTERN, share, stop).await,
         Kind::Nats => nats::subscribe_shared(server, PATTERN, share, stop).await,
         Kind::Redis => bail!("the shared-connection workloads have no Redis variant"),
@@ -743,7 +768,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         let mut connections = Vec::new();
         for (c, share) in domains.chunks(per_conn).enumerate() {
             let share: Vec<Recorder> = share.iter().map(|d| Recorder::new(d.clone())).collect();
-            connections.push(open_shared(kind, server, c, share, stop.clone()));
+            connections.push(open_shared(variant, server, c, share, stop.clone()));
         }
         let opened = within(
             Duration::from_secs(120),
@@ -978,12 +1003,13 @@ async fn stalled_flagged(server: &Server) -> Result<bool> {
 
 /// Idle subscriptions: RSS growth per subscription. See [`Spec::Idle`].
 async fn run_idle(
-    kind: Kind,
+    variant: Variant,
     subs: usize,
     per_conn: usize,
     beyond_connections: bool,
     settings: &Settings,
 ) -> Result<RunResult> {
+    let kind = variant.kind;
     // The run beyond the connections keeps the server's default (per-subscription
     // metrics on): what a subscription costs a user as shipped.
     let env = tinybroker_env(settings, subs, beyond_connections);
@@ -1001,6 +1027,7 @@ async fn run_idle(
     let opened = within(Duration::from_secs(120), "opening the idle subscriptions", async {
         if !beyond_connections {
             return match kind {
+                Kind::Tinybroker if variant.session => tb::idle_sessions(&server, subs, per_conn).await,
                 Kind::Tinybroker => tb::idle(&server, subs, per_conn).await,
                 Kind::Nats => nats::idle(&server, subs, per_conn).await,
                 Kind::Redis => bail!("the idle workload has no Redis variant"),
@@ -1020,6 +1047,7 @@ async fn run_idle(
         tokio::time::sleep(SETTLE).await;
         before = server.stats()?;
         match clients {
+            Conns::Tb(c) if variant.session => tb::idle_on_sessions(c, subs, per_conn).await,
             Conns::Tb(c) => tb::idle_on(c, subs, per_conn).await,
             Conns::Nats(c) => nats::idle_on(c, subs, per_conn).await,
         }

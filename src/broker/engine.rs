@@ -5,8 +5,8 @@ use super::subscription::SubscriptionStream;
 use super::{Broker, RouteCache};
 use crate::config::Limits;
 use crate::engine::{
-    Acked, BrokerError, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord, GroupInfo, Nacked,
-    NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
+    Acked, BrokerError, CloseReason, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord, GroupInfo,
+    Nacked, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
 };
 use std::future::{Future, ready};
 
@@ -111,6 +111,19 @@ impl DeliveryStream for SubscriptionStream {
             reason,
             dropped: subscription.dropped_at_close(),
             last_sequence: subscription.last_delivered_sequence(),
+        })
+    }
+
+    fn poll_ended(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        self.subscription().queue.poll_closed(cx)
+    }
+
+    fn close(&mut self) -> StreamEnd {
+        SubscriptionStream::close(self);
+        self.end().unwrap_or(StreamEnd {
+            reason: CloseReason::Cancelled,
+            dropped: 0,
+            last_sequence: self.subscription().last_delivered_sequence(),
         })
     }
 }

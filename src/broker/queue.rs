@@ -207,6 +207,20 @@ impl Queue {
         Poll::Pending
     }
 
+    /// Ready once the queue is closed; otherwise leaves the waker, as
+    /// [`Queue::poll_pop`] does, without taking anything.
+    pub(crate) fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut state = self.state.lock();
+        if state.closed.is_some() {
+            return Poll::Ready(());
+        }
+        match &mut state.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            slot => *slot = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
     /// Closes the queue and returns what it held (never delivered), or `None`
     /// when it was already closed. `lost` is what the subscriber loses with
     /// it: `None` when what the queue held is not lost (a group member's

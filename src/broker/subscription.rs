@@ -269,6 +269,15 @@ impl SubscriptionStream {
     }
 }
 
+impl SubscriptionStream {
+    /// Closes the subscription as its client going away does (see
+    /// [`crate::engine::DeliveryStream::close`]).
+    pub(crate) fn close(&mut self) {
+        self.flush_delivered();
+        self.broker.close_on_drop(&self.subscription);
+    }
+}
+
 impl Stream for SubscriptionStream {
     type Item = Delivery;
 

@@ -150,6 +150,10 @@ pub(super) async fn info(args: ListArgs) -> anyhow::Result<()> {
             ("max message bytes", l.max_message_bytes.to_string()),
             ("max memory bytes", l.max_memory_bytes.to_string()),
             ("max subscriptions", l.max_subscriptions.to_string()),
+            (
+                "max subscriptions per session",
+                l.max_subscriptions_per_session.to_string(),
+            ),
             ("max connections", l.max_connections.to_string()),
             (
                 "max patterns per subscription",
@@ -452,6 +456,7 @@ fn info_json(i: &pb::GetBrokerInfoResponse) -> Value {
             "max_message_bytes": l.max_message_bytes,
             "max_memory_bytes": l.max_memory_bytes,
             "max_subscriptions": l.max_subscriptions,
+            "max_subscriptions_per_session": l.max_subscriptions_per_session,
             "max_connections": l.max_connections,
             "max_patterns_per_subscription": l.max_patterns_per_subscription,
             "max_topic_bytes": l.max_topic_bytes,

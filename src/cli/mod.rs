@@ -304,11 +304,15 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
     let stdout = std::io::stdout();
     loop {
         if args.count.is_some_and(|n| received >= n) {
+            close(&mut subscriber).await;
             return Ok(());
         }
         let message = tokio::select! {
             m = subscriber.next() => m.map_err(|s| failed("subscribe", &addr, s))?,
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = tokio::signal::ctrl_c() => {
+                close(&mut subscriber).await;
+                return Ok(());
+            }
         };
         let Some(message) = message else {
             return Ok(());
@@ -325,18 +329,24 @@ async fn subscribe(args: SubscribeArgs) -> anyhow::Result<()> {
         }
         received += 1;
         if args.manual_ack {
-            let id = message.subscription_id.clone();
-            subscriber
-                .client()
-                .ack(&id, vec![message.sequence])
-                .await
-                .map_err(|s| failed("ack", &addr, s))?;
+            // In-band on the session; a message of a session that was lost
+            // meanwhile is redelivered by the broker anyway.
+            if let Err(status) = subscriber.ack(vec![message.sequence]) {
+                tracing::debug!(%status, "ack not sent");
+            }
         }
     }
 }
 
+/// Closes the subscription before `subscribe` exits: once the broker has
+/// ended it, the acks sent on the session were applied. A broker that does
+/// not answer within 5 s redelivers what was not acked.
+async fn close(subscriber: &mut crate::client::Subscriber) {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), subscriber.close()).await;
+}
+
 /// What `subscribe` says once its subscription is open: its id (from the
-/// `tinybroker-subscription-id` response header), group and patterns.
+/// session's `opened` event), group and patterns.
 fn subscribed_line(subscriber: &crate::client::Subscriber) -> String {
     let request = subscriber.request();
     let mut line = format!("subscribed: id={}", subscriber.subscription_id().unwrap_or("?"));

@@ -1,20 +1,18 @@
 //! Messages between this replica's fan-out and NATS: a publish goes to the
 //! local subscribers and out on `<prefix>.m.<topic>`; what other replicas
 //! publish comes in on `<prefix>.m.>` and goes to the local subscribers with
-//! the publisher's sequence and time.
+//! the publisher's sequence and time. The envelope's format is `wire.rs`'s.
 
 use super::groups::{GroupRoute, backlog_full};
+use super::wire;
 use super::{ClusterEngine, REMOTE_BURST, Ready};
 use crate::broker::{RouteCache, WakeBatch};
 use crate::engine::validate::truncate;
 use crate::engine::{BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
-use crate::pb;
 use async_nats::jetstream;
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
-use prost::Message as _;
 use std::sync::Arc;
-use std::time::SystemTime;
 
 impl ClusterEngine {
     /// Hands messages other replicas published to this replica's fan-out.
@@ -49,7 +47,7 @@ impl ClusterEngine {
         routes: &mut RouteCache,
         gaps: &mut Gaps,
     ) {
-        if let Some((sender, count)) = count_prefix(&message.payload) {
+        if let Some((sender, count)) = wire::count_prefix(&message.payload) {
             let lost = gaps.lost_before(sender, count);
             if lost > 0 {
                 self.count_nats_drops(sender, lost);
@@ -65,9 +63,9 @@ impl ClusterEngine {
         if targets.is_empty() {
             return;
         }
-        match pb::Message::decode(message.payload) {
+        match wire::decode(message.payload) {
             Ok(m) if m.topic == topic => {
-                let (message, sequence, publish_time) = from_envelope(m);
+                let (message, sequence, publish_time) = wire::from_envelope(m);
                 self.inner
                     .local
                     .deliver_remote(message, sequence, publish_time, arrived, &targets);
@@ -180,50 +178,46 @@ impl ClusterEngine {
             subject.push_str(&message.topic);
             subject
         });
-        // Everything but the sequence, which routing assigns; protobuf
-        // takes fields in any order, so it is appended after. The message's
-        // fields are moved in for the encoding and back out after it.
-        let head = pb::Message {
+        // Everything but the sequence, which routing assigns, and the count,
+        // given as it goes out (`wire.rs`). The message's fields are moved
+        // in for the encoding and back out after it.
+        let head = wire::pb::Envelope {
             topic: message.topic,
             payload: message.payload,
             headers: message.headers,
             publish_time: Some(at.wall.into()),
             ..Default::default()
         };
-        // Room for the count and the sequence too: one allocation, no growing.
-        let mut body = BytesMut::with_capacity(COUNT_PREFIX_MAX + head.encoded_len() + 11);
-        // Where its count goes, when it goes out on core NATS.
-        let core = core.map(|subject| {
-            let incarnation = self.inner.incarnation.load(std::sync::atomic::Ordering::Relaxed);
-            (subject, put_count_prefix(&mut body, incarnation))
-        });
-        let encoded = head.encode(&mut body);
+        // Sent by this replica's incarnation, when it goes out on core NATS.
+        let incarnation = core
+            .is_some()
+            .then(|| self.inner.incarnation.load(std::sync::atomic::Ordering::Relaxed));
+        let encoded = wire::encode_head(&head, incarnation);
         let message = NewMessage {
             topic: head.topic,
             payload: head.payload,
             headers: head.headers,
             tracing: message.tracing,
         };
-        encoded.map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
-        // With its sequence (at most 11 bytes more), before anyone has it.
+        let (mut body, count_at) = encoded.map_err(|e| BrokerError::InvalidArgument(e.to_string()))?;
+        // With its sequence, before anyone has it.
         let max_payload = self.inner.max_payload.load(std::sync::atomic::Ordering::Relaxed);
-        if body.len() + 11 > max_payload {
+        if body.len() + wire::SEQUENCE_MAX > max_payload {
             return Err(BrokerError::ResourceExhausted(format!(
                 "message to {:?} takes {} bytes encoded for NATS, above the NATS server's max_payload {max_payload} (raise it, or keep messages that far below TINYBROKER_MAX_MESSAGE_BYTES)",
                 truncate(&message.topic),
-                body.len() + 11,
+                body.len() + wire::SEQUENCE_MAX,
             )));
         }
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
-        body.put_u8(4 << 3); // field 4 (sequence), varint
-        prost::encoding::encode_varint(outcome.sequence, &mut body);
-        let body = match core {
+        wire::put_sequence(&mut body, outcome.sequence);
+        let body = match core.zip(count_at) {
             Some((subject, count_at)) => {
                 // Numbered and queued in one go, so the numbers go out in
                 // order whichever of this replica's streams publishes.
                 let mut sent = self.inner.core_sent.lock().await;
                 *sent += 1;
-                body[count_at..count_at + 8].copy_from_slice(&sent.to_le_bytes());
+                wire::set_count(&mut body, count_at, *sent);
                 let body = body.freeze();
                 let queued = self.inner.client.publish(subject, body.clone()).await;
                 drop(sent);
@@ -238,44 +232,6 @@ impl ClusterEngine {
         };
         Ok((outcome, Routed { ready, groups, body }))
     }
-}
-
-/// Ahead of the envelope of a message sent on core NATS: the sending
-/// replica's incarnation (field 101, varint) and its count of messages sent
-/// on core NATS (field 100, fixed64, from 1). The `Message` type has no
-/// such fields, so whoever decodes the envelope skips them (a replica of an
-/// earlier version too); a replica receiving the messages of another in
-/// order sees every gap NATS left. At most this many bytes.
-const COUNT_PREFIX_MAX: usize = 2 + 10 + 2 + 8;
-const SENDER_FIELD: u32 = 101;
-const COUNT_FIELD: u32 = 100;
-
-/// Writes the count prefix with a count of 0 (to be filled in as it is
-/// sent); where the count's 8 bytes are.
-fn put_count_prefix(body: &mut BytesMut, incarnation: u64) -> usize {
-    use prost::encoding::{WireType, encode_key, encode_varint};
-    encode_key(SENDER_FIELD, WireType::Varint, body);
-    encode_varint(incarnation, body);
-    encode_key(COUNT_FIELD, WireType::SixtyFourBit, body);
-    let at = body.len();
-    body.put_u64_le(0);
-    at
-}
-
-/// The sender and count of a message's count prefix, if it has one with a
-/// count (a replica of an earlier version sends none).
-fn count_prefix(payload: &[u8]) -> Option<(u64, u64)> {
-    use prost::encoding::{WireType, decode_key, decode_varint};
-    let mut buf = payload;
-    if decode_key(&mut buf).ok()? != (SENDER_FIELD, WireType::Varint) {
-        return None;
-    }
-    let sender = decode_varint(&mut buf).ok()?;
-    if decode_key(&mut buf).ok()? != (COUNT_FIELD, WireType::SixtyFourBit) {
-        return None;
-    }
-    let count = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?);
-    (count > 0).then_some((sender, count))
 }
 
 /// The highest count heard from each replica incarnation: a count more
@@ -311,48 +267,9 @@ pub(super) struct Routed {
     body: Bytes,
 }
 
-/// What a message the cluster carries (a `Message` envelope, encoded by the
-/// publishing replica) gives the local engine: the message, its cluster-wide
-/// sequence and its publish time (now, if it has none that converts).
-pub(super) fn from_envelope(m: pb::Message) -> (NewMessage, u64, SystemTime) {
-    let publish_time = m
-        .publish_time
-        .and_then(|t| SystemTime::try_from(t).ok())
-        .unwrap_or_else(SystemTime::now);
-    let message = NewMessage {
-        topic: m.topic,
-        payload: m.payload,
-        headers: m.headers,
-        ..Default::default()
-    };
-    (message, m.sequence, publish_time)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_count_prefix_is_read_back_and_skipped_by_the_envelope_decoder() {
-        let envelope = pb::Message {
-            topic: "a.b".into(),
-            payload: Bytes::from_static(b"hello"),
-            sequence: 42,
-            ..Default::default()
-        };
-        let mut body = BytesMut::new();
-        let at = put_count_prefix(&mut body, 300);
-        envelope.encode(&mut body).unwrap();
-        assert_eq!(count_prefix(&body), None, "a count of 0 is no count");
-        body[at..at + 8].copy_from_slice(&7u64.to_le_bytes());
-        assert!(body.len() <= COUNT_PREFIX_MAX + envelope.encoded_len());
-        assert_eq!(count_prefix(&body), Some((300, 7)));
-        // A replica of any version decodes the same message from it.
-        assert_eq!(pb::Message::decode(body.freeze()).unwrap(), envelope);
-        // An envelope without one (an earlier version's) has no count.
-        assert_eq!(count_prefix(&envelope.encode_to_vec()), None);
-        assert_eq!(count_prefix(&[]), None);
-    }
 
     #[test]
     fn gaps_count_what_went_missing_between_two_messages_of_a_sender() {

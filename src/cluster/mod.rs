@@ -38,9 +38,12 @@
 //! attempts JetStream does not count; `handover.rs` nacked messages offered
 //! to other replicas; `interest.rs` which replicas need core-NATS
 //! publishes; `registry.rs` live replicas, replica ids and subscription
-//! ids; `rpc.rs` calls between replicas, both ends; `recovery.rs` the
-//! buckets, JetStream's refusals explained, and the rebuild after NATS lost
-//! its state.
+//! ids; `stalls.rs` how long each group went without progress; `rpc.rs`
+//! calls between replicas, both ends; `recovery.rs` the buckets,
+//! JetStream's refusals explained, and the rebuild after NATS lost its
+//! state; `wire.rs` the formats replicas exchange (declared in
+//! `proto/tinybroker/cluster/v1/cluster.proto`) and how two versions
+//! interoperate.
 //!
 //! # Tasks
 //!
@@ -80,7 +83,8 @@
 //!    NATS), then none.
 //!
 //! Leaves: `Inner::ready`, `Inner::live`, `Inner::groups_seen`,
-//! `Inner::beat_revision`, the others' interest, the groups' `hubs`,
+//! `Inner::stalls`, `Inner::beat_revision`, the others' interest, the
+//! replicas known to speak protobuf (`rpc.rs`), the groups' `hubs`,
 //! `members`, `idle` and `overflowed`, and each hub's view and backend
 //! locks. A hub's answer may be awaited under 2 (the rebuild asks each hub
 //! to forget what it held): no hub takes any of these async locks.
@@ -93,6 +97,8 @@ mod interest;
 mod recovery;
 mod registry;
 mod rpc;
+mod stalls;
+mod wire;
 
 use registry::{Release, key};
 
@@ -183,6 +189,8 @@ struct Inner {
     /// Every group of the cluster as last gathered (every [`HEARTBEAT`]),
     /// for the metrics.
     groups_seen: Mutex<Vec<GroupInfo>>,
+    /// How long each group has gone without progress, from the gatherings.
+    stalls: stalls::Stalls,
     /// The live replicas, this one included, as of the last heartbeat
     /// (where a nacked message is offered: no registry read per Nack).
     live: Mutex<Vec<String>>,
@@ -277,6 +285,7 @@ impl ClusterEngine {
                 core_sent: tokio::sync::Mutex::new(0),
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
+                stalls: stalls::Stalls::default(),
                 live: Mutex::new(Vec::new()),
                 interest: interest::Interest::default(),
                 presence: registry::Presence::of_this_process(),
@@ -624,6 +633,17 @@ impl DeliveryStream for ClusterStream {
 
     fn end(&self) -> Option<StreamEnd> {
         self.inner.end()
+    }
+
+    fn poll_ended(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.inner.poll_ended(cx)
+    }
+
+    fn close(&mut self) -> StreamEnd {
+        // As when dropped: a member's held messages go back to its group
+        // first, then the local subscription closes.
+        self.member.take();
+        DeliveryStream::close(&mut self.inner)
     }
 }
 

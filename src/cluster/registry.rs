@@ -128,6 +128,7 @@ impl ClusterEngine {
                 && let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await
             {
                 self.expire_idle_groups(&ready, &mut groups, complete).await;
+                self.inner.stalls.stamp(&mut groups, Instant::now());
                 *self.inner.groups_seen.lock() = groups;
             }
         }

@@ -141,6 +141,18 @@ pub trait DeliveryStream: Stream<Item = Delivery> + Send + Unpin + 'static {
     fn consumer_group(&self) -> Option<&str>;
     /// Why the engine ended it, once it has (None while open).
     fn end(&self) -> Option<StreamEnd>;
+    /// Ready once the engine has ended the subscription, without taking a
+    /// delivery: a session polls this for a subscription it may not send to
+    /// (no credit), so that it still learns of an eviction at once. Pending
+    /// registers the task to be woken when a message is queued or the
+    /// subscription ends.
+    fn poll_ended(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()>;
+    /// The client closed the subscription (a session's `close`, or its
+    /// half-close): ends it now, as a cancelled stream ends (a broadcast
+    /// subscription's queued messages dropped and counted, a member's handed
+    /// back to its group), and says what it lost. A subscription the engine
+    /// had ended already keeps that end.
+    fn close(&mut self) -> StreamEnd;
 }
 
 /// What a publisher sends.

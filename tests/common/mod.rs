@@ -5,6 +5,7 @@
 
 pub mod nats;
 pub mod process;
+pub mod session;
 pub mod tls;
 
 use std::future::Future;

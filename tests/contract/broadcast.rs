@@ -2,6 +2,7 @@
 //! ordering, eviction, subscription ids and error codes.
 
 use crate::common::*;
+use crate::transport::{subscribe, try_open};
 use std::collections::HashMap;
 use tinybroker::config::Limits;
 use tinybroker::pb;
@@ -272,14 +273,10 @@ async fn subscription_ids_are_returned_and_unique_while_open() {
         let mut client = broker.client().await;
         let mut request = subscribe_request(&["a.b"]);
         request.subscription_id = "worker-1".into();
-        let response = client.open_subscription(request.clone()).await.unwrap();
-        assert_eq!(
-            response.metadata().get("tinybroker-subscription-id").unwrap(),
-            "worker-1"
-        );
-        let stream = response.into_inner();
+        let (stream, id) = try_open(&mut client, request.clone()).await.unwrap();
+        assert_eq!(id, "worker-1");
         let mut other = broker.client().await;
-        let err = other.open_subscription(request.clone()).await.unwrap_err();
+        let err = try_open(&mut other, request.clone()).await.unwrap_err();
         assert_eq!(err.code(), Code::AlreadyExists);
         assert!(err.message().contains("worker-1"), "{}", err.message());
 
@@ -288,7 +285,7 @@ async fn subscription_ids_are_returned_and_unique_while_open() {
         wait_until("the cancelled subscription to be removed", || {
             let mut client = other.clone();
             let request = request.clone();
-            async move { client.open_subscription(request).await.is_ok() }
+            async move { try_open(&mut client, request).await.is_ok() }
         })
         .await;
     })
@@ -355,19 +352,16 @@ async fn bad_topics_and_patterns_are_invalid_argument_naming_the_value() {
         client.publish(publish_request(&ok, "x")).await.unwrap();
 
         for pattern in ["a.>.b", "a*", "a..b", "", "x y"] {
-            let err = client
-                .open_subscription(subscribe_request(&[pattern]))
-                .await
-                .unwrap_err();
+            let err = try_open(&mut client, subscribe_request(&[pattern])).await.unwrap_err();
             assert_eq!(err.code(), Code::InvalidArgument, "{pattern:?}");
             assert!(err.message().contains("invalid topic pattern"), "{}", err.message());
         }
-        let err = client.open_subscription(subscribe_request(&[])).await.unwrap_err();
+        let err = try_open(&mut client, subscribe_request(&[])).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().contains("topic_patterns is empty"), "{}", err.message());
         let too_many: Vec<String> = (0..65).map(|i| format!("p.{i}")).collect();
         let refs: Vec<&str> = too_many.iter().map(String::as_str).collect();
-        let err = client.open_subscription(subscribe_request(&refs)).await.unwrap_err();
+        let err = try_open(&mut client, subscribe_request(&refs)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().contains("65 topic_patterns"), "{}", err.message());
     })
@@ -381,22 +375,22 @@ async fn mode_and_group_must_agree() {
         let mut client = broker.client().await;
         let mut multi_with_group = subscribe_request(&["a"]);
         multi_with_group.consumer_group = "workers".into();
-        let err = client.open_subscription(multi_with_group.clone()).await.unwrap_err();
+        let err = try_open(&mut client, multi_with_group.clone()).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().contains("workers"), "{}", err.message());
         multi_with_group.mode = pb::DeliveryMode::Multi as i32;
-        let err = client.open_subscription(multi_with_group).await.unwrap_err();
+        let err = try_open(&mut client, multi_with_group).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
 
         let mut single_without_group = subscribe_request(&["a"]);
         single_without_group.mode = pb::DeliveryMode::Single as i32;
-        let err = client.open_subscription(single_without_group).await.unwrap_err();
+        let err = try_open(&mut client, single_without_group).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().contains("consumer_group"), "{}", err.message());
 
         let mut bad_mode = subscribe_request(&["a"]);
         bad_mode.mode = 9;
-        let err = client.open_subscription(bad_mode).await.unwrap_err();
+        let err = try_open(&mut client, bad_mode).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().contains("mode 9"), "{}", err.message());
     })
@@ -454,13 +448,13 @@ async fn too_many_subscriptions_is_resource_exhausted() {
         let mut client = broker.client().await;
         let _a = subscribe(&mut client, &["a"]).await;
         let b = subscribe(&mut client, &["a"]).await;
-        let err = client.open_subscription(subscribe_request(&["a"])).await.unwrap_err();
+        let err = try_open(&mut client, subscribe_request(&["a"])).await.unwrap_err();
         assert_eq!(err.code(), Code::ResourceExhausted);
         assert!(err.message().contains("max_subscriptions 2"), "{}", err.message());
         drop(b);
         wait_until("a slot to free up", || {
             let mut client = client.clone();
-            async move { client.open_subscription(subscribe_request(&["a"])).await.is_ok() }
+            async move { try_open(&mut client, subscribe_request(&["a"])).await.is_ok() }
         })
         .await;
     })
@@ -477,7 +471,7 @@ async fn bad_input_does_not_disturb_other_subscribers() {
         let mut client = broker.client().await;
         client.publish(publish_request("ok.1", "1")).await.unwrap();
         let _ = client.publish(publish_request("bad topic", "x")).await.unwrap_err();
-        let _ = client.open_subscription(subscribe_request(&[">.x"])).await.unwrap_err();
+        let _ = try_open(&mut client, subscribe_request(&[">.x"])).await.unwrap_err();
         client.publish(publish_request("ok.2", "2")).await.unwrap();
         for expected in ["1", "2"] {
             assert_eq!(stream.message().await.unwrap().unwrap().payload, expected.as_bytes());

@@ -2,6 +2,7 @@
 //! backlog, manual ack, redelivery, dead letters, overflow and idle TTL.
 
 use crate::common::*;
+use crate::transport::{open, subscribe, try_open};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tinybroker::config::{Config, Limits};
@@ -360,8 +361,7 @@ async fn an_idle_group_is_removed_after_its_ttl() {
         // the new first member fixes them anew.
         let mut client = broker.client().await;
         let (mut again, again_id) = open(&mut client, member_request(&["other"], "idle", true, 0)).await;
-        let err = client
-            .open_subscription(member_request(&["other"], "idle", false, 0))
+        let err = try_open(&mut client, member_request(&["other"], "idle", false, 0))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
@@ -397,8 +397,7 @@ async fn members_must_share_the_groups_ack_mode() {
             let (mut first, first_id) = open(&mut client, member_request(&[&pattern], group, first_manual, 0)).await;
             // Another connection (in cluster mode, possibly another replica).
             let mut client = broker.client().await;
-            let err = client
-                .open_subscription(member_request(&[&pattern], group, !first_manual, 0))
+            let err = try_open(&mut client, member_request(&[&pattern], group, !first_manual, 0))
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
@@ -424,7 +423,7 @@ async fn members_must_share_the_groups_ack_mode() {
             // UNSPECIFIED is AUTO: admitted to the AUTO group only.
             let mut unspecified = member_request(&[&pattern], group, false, 0);
             unspecified.ack_mode = pb::AckMode::Unspecified as i32;
-            let _unspecified = match client.open_subscription(unspecified).await {
+            let _unspecified = match try_open(&mut client, unspecified).await {
                 Ok(stream) => {
                     assert!(!first_manual, "an UNSPECIFIED member joined the MANUAL group");
                     Some(stream)
@@ -457,23 +456,21 @@ async fn members_must_share_the_groups_patterns() {
         let mut client = broker.client().await;
         // The same set in another order (and with a repeat) is the same set.
         let _second = open(&mut client, member_request(&["b.>", "a.*", "a.*"], "g", false, 0)).await;
-        let err = client
-            .open_subscription(member_request(&["a.*"], "g", false, 0))
+        let err = try_open(&mut client, member_request(&["a.*"], "g", false, 0))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition);
         assert!(err.message().contains("[a.*, b.>]"), "{}", err.message());
         assert!(err.message().contains("[a.*]"), "{}", err.message());
         for bad in ["", "has space", "a.*", "x>"] {
-            let err = client
-                .open_subscription(member_request(&["a.*"], bad, false, 0))
+            let err = try_open(&mut client, member_request(&["a.*"], bad, false, 0))
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), Code::InvalidArgument, "group {bad:?}");
         }
         let mut bad_ack_mode = member_request(&["a.*"], "h", false, 0);
         bad_ack_mode.ack_mode = 7;
-        let err = client.open_subscription(bad_ack_mode).await.unwrap_err();
+        let err = try_open(&mut client, bad_ack_mode).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().contains("ack_mode 7"), "{}", err.message());
     })

@@ -31,3 +31,4 @@ mod common;
 mod broadcast;
 mod groups;
 mod sizes;
+mod transport;

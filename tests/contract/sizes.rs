@@ -5,6 +5,7 @@
 //! frame threshold, and come in one burst so that several share a frame.
 
 use crate::common::*;
+use crate::transport::{open, subscribe};
 use std::collections::HashMap;
 use tinybroker::pb;
 

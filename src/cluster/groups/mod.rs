@@ -79,7 +79,6 @@ use super::{ClusterEngine, ClusterStream, Ready};
 use crate::broker::{ExternalMember, RouteCache};
 use crate::engine::validate::{self, truncate};
 use crate::engine::{AckMode, BrokerError, Delivery, GroupInfo, NewMessage, PublishTime, SubscribeRequest};
-use crate::pb;
 use crate::sublist::Sublist;
 use crate::topic::TopicPattern;
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
@@ -88,7 +87,6 @@ use futures::StreamExt;
 use hub::{HubConfig, HubHandle};
 use nats::Nats;
 use parking_lot::{Mutex, RwLock};
-use prost::Message as _;
 use state::{Pulled, Settings};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -1009,7 +1007,7 @@ impl ClusterEngine {
     /// `remembered`: its attempts were read from the `<prefix>_attempts`
     /// bucket, where its entry goes once it is dead-lettered.
     async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32, remembered: bool) {
-        let Ok(m) = pb::Message::decode(message.payload.clone()) else {
+        let Ok(m) = super::wire::decode(message.payload.clone()) else {
             return;
         };
         tracing::warn!(

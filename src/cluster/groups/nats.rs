@@ -8,11 +8,9 @@ use super::super::ClusterEngine;
 use super::hub::{Backend, HubHandle, PULL_EXPIRES, Pull, Pulling};
 use super::state::{Outbound, Pulled};
 use crate::engine::{AckMode, BrokerError};
-use crate::pb;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use parking_lot::Mutex;
-use prost::Message as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -173,8 +171,8 @@ impl Nats {
 /// What a group message (the publishing replica's envelope) gives the
 /// members; None when it does not decode.
 pub(crate) fn published(engine: &ClusterEngine, message: &jetstream::Message) -> Option<Arc<crate::broker::Published>> {
-    let m = pb::Message::decode(message.payload.clone()).ok()?;
-    let (new_message, sequence, publish_time) = super::super::fanout::from_envelope(m);
+    let m = super::super::wire::decode(message.payload.clone()).ok()?;
+    let (new_message, sequence, publish_time) = super::super::wire::from_envelope(m);
     Some(
         engine
             .inner

@@ -1,0 +1,425 @@
+//! The client's `Session` (docs/contract.md, "Sessions"): one task per
+//! [`super::Client`] connection owns the session stream and the table of
+//! its subscriptions; [`super::Subscriber`]s send it [`Command`]s and each
+//! gets its own channel of [`HandleEvent`]s.
+//!
+//! - **Opening.** The session is started by the first open and kept while
+//!   the client lives. Each subscription is opened with a credit of
+//!   [`CREDIT_WINDOW`]; its subscriber gives credit back as the application
+//!   takes messages, so the broker never sends a subscription more than the
+//!   window beyond what its application has taken, and an application that
+//!   stops taking stalls only its own subscription (whose queue then
+//!   overflows and is evicted by the broker's usual rules).
+//! - **Losing it.** When the session stream fails, every subscription hears
+//!   [`HandleEvent::Lost`]; those that reconnect stay in the table, and the
+//!   task starts a new session after a backoff ([`HandleEvent::Retrying`]
+//!   each time) and opens every one of them again on it, with a fresh
+//!   window ([`HandleEvent::Opened`] with the next generation). Credit given
+//!   for an older generation is not passed on.
+//! - **Ends.** An `ended` event (evicted, closed by an admin, shutdown,
+//!   rejected) takes the subscription out of the table; whether and when it
+//!   is opened again is its subscriber's business, as it was with
+//!   `OpenSubscription`.
+
+use super::Backoff;
+use crate::pb;
+use crate::pb::broker_client::BrokerClient;
+use crate::pb::session_event::Event;
+use crate::pb::session_request::Request as SessionRequest;
+use futures::channel::mpsc as requests_channel;
+use std::collections::HashMap;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
+
+/// Deliveries the broker may send one subscription beyond what its
+/// application has taken.
+pub(crate) const CREDIT_WINDOW: u32 = 64;
+/// Taken messages are given back as credit this many at a time.
+pub(crate) const CREDIT_BATCH: u32 = CREDIT_WINDOW / 2;
+/// How long the broker has to accept a session (it answers at once).
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a subscriber asks of the session task.
+pub(crate) enum Command {
+    /// Open a subscription under `handle` (unique among the client's); its
+    /// events go to `events`.
+    Open {
+        handle: u32,
+        request: pb::OpenSubscriptionRequest,
+        /// Open it again on a new session after a lost one.
+        reconnect: bool,
+        events: mpsc::UnboundedSender<HandleEvent>,
+    },
+    /// The application took `messages` deliveries of `generation`.
+    Credit {
+        handle: u32,
+        generation: u64,
+        messages: u32,
+    },
+    /// In-band Ack (or Nack) for the subscription's current stream.
+    Ack {
+        handle: u32,
+        sequences: Vec<u64>,
+        nack: bool,
+    },
+    /// End the subscription: `ended` (closed) follows, or `Lost` if the
+    /// session goes first.
+    Close { handle: u32 },
+}
+
+/// What the session task tells one subscriber, in order.
+#[derive(Debug)]
+pub(crate) enum HandleEvent {
+    /// Open on the current session; `generation` counts the opens.
+    Opened {
+        subscription_id: String,
+        generation: u64,
+    },
+    Delivery(pb::Message),
+    /// The broker ended the subscription (or rejected its open); it is out
+    /// of the table.
+    Ended(pb::SessionEnded),
+    /// The session failed. With `retrying`, the subscription stays in the
+    /// table and is opened again on the next session; without, it is gone.
+    Lost {
+        status: Status,
+        retrying: bool,
+    },
+    /// A new session is tried in `delay`; `cause`: why the last try failed.
+    Retrying {
+        delay: Duration,
+        cause: Option<Status>,
+    },
+}
+
+/// Starts the task of one client connection; it ends when every sender of
+/// commands is dropped (then the session is half-closed by dropping it).
+pub(crate) fn spawn(
+    broker: BrokerClient<Channel>,
+    authorization: Option<MetadataValue<Ascii>>,
+) -> mpsc::UnboundedSender<Command> {
+    let (commands, receiver) = mpsc::unbounded_channel();
+    let task = SessionTask {
+        broker,
+        authorization,
+        session: None,
+        entries: HashMap::new(),
+        retry_at: None,
+        backoff: Backoff::default(),
+    };
+    tokio::spawn(task.run(receiver));
+    commands
+}
+
+/// The task's state: nothing else holds it.
+struct SessionTask {
+    broker: BrokerClient<Channel>,
+    authorization: Option<MetadataValue<Ascii>>,
+    /// The current session; None before the first open, and between a lost
+    /// session and the next.
+    session: Option<Live>,
+    /// Every subscription the task answers for, by handle.
+    entries: HashMap<u32, Entry>,
+    /// When to try a new session, after a lost or refused one.
+    retry_at: Option<Instant>,
+    backoff: Backoff,
+}
+
+struct Live {
+    requests: requests_channel::UnboundedSender<pb::SessionRequest>,
+    events: Streaming<pb::SessionEvent>,
+}
+
+struct Entry {
+    request: pb::OpenSubscriptionRequest,
+    reconnect: bool,
+    events: mpsc::UnboundedSender<HandleEvent>,
+    state: State,
+    /// The id the broker gave its current stream (filled into deliveries
+    /// that name several handles, which carry none).
+    subscription_id: String,
+    /// How many times it was sent `open`.
+    generation: u64,
+    /// Its subscriber asked to close it: not opened again.
+    closing: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not on the current session (there is none yet).
+    Waiting,
+    /// `open` sent, `opened` not yet received.
+    Opening,
+    Open,
+}
+
+enum Step {
+    Command(Option<Command>),
+    Event(Result<Option<pb::SessionEvent>, Status>),
+    Retry,
+}
+
+impl SessionTask {
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            let step = tokio::select! {
+                command = commands.recv() => Step::Command(command),
+                event = next_event(&mut self.session) => Step::Event(event),
+                () = sleep_until(self.retry_at) => Step::Retry,
+            };
+            match step {
+                Step::Command(None) => return,
+                Step::Command(Some(command)) => self.command(command).await,
+                Step::Event(event) => self.event(event),
+                Step::Retry => {
+                    self.retry_at = None;
+                    self.start().await;
+                }
+            }
+        }
+    }
+
+    async fn command(&mut self, command: Command) {
+        match command {
+            Command::Open {
+                handle,
+                request,
+                reconnect,
+                events,
+            } => {
+                self.entries.insert(
+                    handle,
+                    Entry {
+                        request,
+                        reconnect,
+                        events,
+                        state: State::Waiting,
+                        subscription_id: String::new(),
+                        generation: 0,
+                        closing: false,
+                    },
+                );
+                if self.session.is_some() {
+                    self.send_open(handle);
+                } else if self.retry_at.is_none() {
+                    self.start().await;
+                }
+                // Otherwise it is opened with the others at the next try.
+            }
+            Command::Credit {
+                handle,
+                generation,
+                messages,
+            } => {
+                if self
+                    .entries
+                    .get(&handle)
+                    .is_some_and(|e| e.generation == generation && e.state != State::Waiting)
+                {
+                    self.send(SessionRequest::Credit(pb::SessionCredit { handle, messages }));
+                }
+            }
+            Command::Ack {
+                handle,
+                sequences,
+                nack,
+            } => {
+                // A message of a lost session is redelivered by the broker
+                // anyway; the ack would name a stream that is gone.
+                if self.entries.get(&handle).is_some_and(|e| e.state != State::Waiting) {
+                    self.send(match nack {
+                        false => SessionRequest::Ack(pb::SessionAck { handle, sequences }),
+                        true => SessionRequest::Nack(pb::SessionNack { handle, sequences }),
+                    });
+                }
+            }
+            Command::Close { handle } => {
+                let Some(entry) = self.entries.get_mut(&handle) else {
+                    return;
+                };
+                if entry.state == State::Waiting {
+                    let entry = self.entries.remove(&handle).expect("looked up above");
+                    let _ = entry.events.send(HandleEvent::Ended(pb::SessionEnded {
+                        handle,
+                        reason: "closed".into(),
+                        ..Default::default()
+                    }));
+                } else if !entry.closing {
+                    entry.closing = true;
+                    self.send(SessionRequest::Close(pb::SessionClose { handle }));
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, request: SessionRequest) {
+        if let Some(live) = &self.session {
+            // A session that is gone says so on its event stream.
+            let _ = live
+                .requests
+                .unbounded_send(pb::SessionRequest { request: Some(request) });
+        }
+    }
+
+    fn send_open(&mut self, handle: u32) {
+        let Some(entry) = self.entries.get_mut(&handle) else {
+            return;
+        };
+        entry.generation += 1;
+        entry.state = State::Opening;
+        let open = SessionRequest::Open(pb::SessionOpen {
+            handle,
+            subscription: Some(entry.request.clone()),
+            credit: CREDIT_WINDOW,
+        });
+        self.send(open);
+    }
+
+    /// Starts a session and opens every waiting subscription on it.
+    async fn start(&mut self) {
+        if !self.entries.values().any(|e| e.state == State::Waiting) {
+            return;
+        }
+        match self.connect().await {
+            Ok(live) => {
+                self.session = Some(live);
+                let waiting: Vec<u32> = self
+                    .entries
+                    .iter()
+                    .filter(|(_, e)| e.state == State::Waiting)
+                    .map(|(h, _)| *h)
+                    .collect();
+                for handle in waiting {
+                    self.send_open(handle);
+                }
+            }
+            Err(status) => self.lost(status, true),
+        }
+    }
+
+    async fn connect(&mut self) -> Result<Live, Status> {
+        let (requests, stream) = requests_channel::unbounded();
+        let mut request = tonic::Request::new(stream);
+        if let Some(auth) = &self.authorization {
+            request.metadata_mut().insert("authorization", auth.clone());
+        }
+        let response = tokio::time::timeout(START_TIMEOUT, self.broker.session(request))
+            .await
+            .map_err(|_| Status::deadline_exceeded("the broker did not accept a session within 10 s"))??;
+        Ok(Live {
+            requests,
+            events: response.into_inner(),
+        })
+    }
+
+    fn event(&mut self, event: Result<Option<pb::SessionEvent>, Status>) {
+        match event {
+            Ok(Some(pb::SessionEvent { event: Some(event) })) => self.forward(event),
+            Ok(Some(_)) => {}
+            Ok(None) if self.entries.is_empty() => self.session = None,
+            Ok(None) => self.lost(Status::unavailable("the broker ended the session"), false),
+            Err(status) => self.lost(status, false),
+        }
+    }
+
+    fn forward(&mut self, event: Event) {
+        match event {
+            Event::Opened(opened) => {
+                let Some(entry) = self.entries.get_mut(&opened.handle) else {
+                    return;
+                };
+                self.backoff.reset();
+                entry.state = State::Open;
+                entry.subscription_id = opened.subscription_id.clone();
+                let _ = entry.events.send(HandleEvent::Opened {
+                    subscription_id: opened.subscription_id,
+                    generation: entry.generation,
+                });
+            }
+            Event::Delivery(delivery) => {
+                let Some(message) = delivery.message else {
+                    return;
+                };
+                let last = delivery.handles.len().saturating_sub(1);
+                let mut message = Some(message);
+                for (i, handle) in delivery.handles.iter().enumerate() {
+                    let Some(entry) = self.entries.get(handle) else {
+                        continue;
+                    };
+                    let mut copy = match i == last {
+                        true => message.take().unwrap_or_default(),
+                        false => message.clone().unwrap_or_default(),
+                    };
+                    if copy.subscription_id.is_empty() {
+                        copy.subscription_id = entry.subscription_id.clone();
+                    }
+                    let _ = entry.events.send(HandleEvent::Delivery(copy));
+                }
+            }
+            Event::Ended(ended) => {
+                if let Some(entry) = self.entries.remove(&ended.handle) {
+                    let _ = entry.events.send(HandleEvent::Ended(ended));
+                }
+            }
+        }
+    }
+
+    /// The session failed (`starting`: a new one could not be started):
+    /// the subscriptions that reconnect wait for the next try, the others
+    /// are told and forgotten.
+    fn lost(&mut self, status: Status, starting: bool) {
+        self.session = None;
+        let retry = retryable(&status);
+        self.entries.retain(|_, entry| {
+            let keep = retry && entry.reconnect && !entry.closing;
+            // A failed start is no news to those already told of the loss.
+            if !(starting && keep) {
+                let _ = entry.events.send(HandleEvent::Lost {
+                    status: status.clone(),
+                    retrying: keep,
+                });
+            }
+            entry.state = State::Waiting;
+            keep
+        });
+        if self.entries.is_empty() {
+            return;
+        }
+        let delay = self.backoff.next_delay();
+        let cause = starting.then_some(status);
+        for entry in self.entries.values() {
+            let _ = entry.events.send(HandleEvent::Retrying {
+                delay,
+                cause: cause.clone(),
+            });
+        }
+        self.retry_at = Some(Instant::now() + delay);
+    }
+}
+
+/// Whether a failed session is worth trying again: the broker was away,
+/// not refusing.
+pub(crate) fn retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted | Code::DeadlineExceeded
+    )
+}
+
+async fn next_event(session: &mut Option<Live>) -> Result<Option<pb::SessionEvent>, Status> {
+    match session {
+        Some(live) => live.events.message().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
