@@ -42,7 +42,8 @@ mod snapshot;
 mod subscribe;
 pub mod subscription;
 
-pub(crate) use group::{attempts_exhausted, pick_member};
+pub use group::MemberSettings;
+pub(crate) use group::machine;
 pub use message::{Delivery, Published, message_size};
 pub use publish::{RemoteRoutes, RouteCache};
 pub use queue::WakeBatch;

@@ -504,7 +504,7 @@ impl<B: Backend> Hub<B> {
                 self.core.join(id, subscription, settings, now);
                 let _ = joined.send(true);
             }
-            Command::Leave { id } => self.core.leave(&id),
+            Command::Leave { id } => self.core.leave(&id, now),
             Command::Streamed { id, sequence } => {
                 self.core.done(&id, sequence, now);
             }

@@ -254,6 +254,7 @@ async fn join(
 ) -> TestMember {
     let subscription = subscription(id, max_in_flight, ack_mode);
     let settings = Settings {
+        ack_mode,
         max_in_flight,
         ack_deadline: deadline,
     };
@@ -336,12 +337,30 @@ async fn a_member_leaving_gives_back_what_it_held_to_another() {
     assert_eq!(at(&a.next(&hub).await), (1, 1));
     let b = join(&hub, "b", 2, AckMode::Manual, Duration::from_secs(30)).await;
     hub.leave(a.id.clone());
-    // Not the last member: nacked at once, and JetStream redelivers it to
-    // the member left.
+    // Another member here has room: it gets the message at once, its
+    // attempt one higher, as in single-node mode; JetStream hears nothing
+    // until it is acked.
     assert_eq!(at(&b.next(&hub).await), (1, 2));
-    assert_eq!(fake.sent(), [Seen::Nak(1, 1)]);
     assert_eq!(hub.ack("a", &[1]).await, Acked { acked: 0, unknown: 1 }, "gone");
     assert_eq!(hub.ack("b", &[1]).await, Acked { acked: 1, unknown: 0 });
+    let sent = fake.wait_for(SECOND, |s| s.contains(&Seen::Ack(1))).await;
+    assert_eq!(sent, [Seen::Ack(1)]);
+    assert_eq!(hub.view().counters.redeliveries, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_member_leaving_offers_what_it_held_to_the_other_replicas() {
+    let fake = Arc::new(Fake::default());
+    let (hub, _closing) = start(&fake, 0, Duration::from_secs(30));
+    let a = join(&hub, "a", 2, AckMode::Manual, Duration::from_secs(30)).await;
+    fake.publish(1);
+    fake.publish(2);
+    assert_eq!(at(&a.next(&hub).await), (1, 1));
+    // 2 is still in a's queue: never delivered, it has used no attempt.
+    fake.others_take.store(true, Ordering::Relaxed);
+    hub.leave(a.id.clone());
+    let sent = fake.wait_for(SECOND, |s| s.contains(&Seen::TakenElsewhere(2, 1))).await;
+    assert_eq!(sent, [Seen::TakenElsewhere(1, 2), Seen::TakenElsewhere(2, 1)]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -384,6 +403,43 @@ async fn jetstream_sees_acks_and_naks_in_the_order_they_were_decided() {
     }
     let sent = fake.wait_for(SECOND, |s| s.len() >= 5).await;
     assert_eq!(sent, (1..=5).map(Seen::Ack).collect::<Vec<_>>());
+    assert_eq!(
+        hub.view().counters.acked,
+        0,
+        "acked counts MANUAL members' acks, as in single-node mode"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_auto_members_queued_messages_have_no_deadline() {
+    let fake = Arc::new(Fake::default());
+    let (hub, _closing) = start(&fake, 0, Duration::from_secs(3));
+    // Its stream takes nothing for 5 ack deadlines: what waits in its queue
+    // stays there (as in single-node mode), reported in progress to
+    // JetStream, neither redelivered nor handed to the other member.
+    let m = join(&hub, "auto", 2, AckMode::Auto, SECOND).await;
+    fake.publish(1);
+    fake.publish(2);
+    tokio::time::timeout(SECOND, async {
+        while m.subscription.queue.len() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both handed out");
+    let other = join(&hub, "other", 2, AckMode::Auto, SECOND).await;
+    tokio::time::sleep(5 * SECOND).await;
+    assert_eq!(m.subscription.queue.len(), 2);
+    assert_eq!(other.subscription.queue.len(), 0);
+    let sent = fake.sent();
+    assert!(
+        sent.iter().all(|s| matches!(s, Seen::Progress(_))) && !sent.is_empty(),
+        "{sent:?}"
+    );
+    assert_eq!(at(&m.next(&hub).await), (1, 1));
+    assert_eq!(at(&m.next(&hub).await), (2, 1));
+    fake.wait_for(SECOND, |s| s.ends_with(&[Seen::Ack(1), Seen::Ack(2)]))
+        .await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -471,6 +527,7 @@ async fn the_last_member_leaving_closes_the_pull_before_the_naks_and_the_hub_sto
     assert!(fake.unregistered.load(Ordering::Relaxed));
     assert!(left.elapsed() >= LINGER, "stopped after {:?}", left.elapsed());
     let settings = Settings {
+        ack_mode: AckMode::Manual,
         max_in_flight: 1,
         ack_deadline: SECOND,
     };
@@ -496,9 +553,10 @@ async fn a_member_whose_stream_closed_leaves_the_rotation_and_what_waits_goes_ba
     tokio::time::timeout(10 * SECOND, hub.pulled())
         .await
         .expect("the hub stops");
-    // Its one pull was answered in full: nothing to close.
-    let sent = fake.wait_for(SECOND, |s| s.contains(&Seen::Nak(1, 1))).await;
-    assert_eq!(sent, [Seen::Nak(1, 1)]);
+    // Its one pull was answered in full: nothing to close. It was never
+    // handed out: no attempt made.
+    let sent = fake.wait_for(SECOND, |s| s.contains(&Seen::Nak(1, 0))).await;
+    assert_eq!(sent, [Seen::Nak(1, 0)]);
     assert!(fake.unregistered.load(Ordering::Relaxed));
 }
 
@@ -629,13 +687,13 @@ mod property {
                         let id: Arc<str> = format!("m{next_member}").into();
                         let mode = if manual { AckMode::Manual } else { AckMode::Auto };
                         let sub = subscription(&id, max, mode);
-                        core.join(id.clone(), sub.clone(), Settings { max_in_flight: max, ack_deadline: Duration::from_secs(10) }, now);
+                        core.join(id.clone(), sub.clone(), Settings { ack_mode: mode, max_in_flight: max, ack_deadline: Duration::from_secs(10) }, now);
                         members.push((id, sub, manual, max, Vec::new()));
                     }
                     Op::Leave(i) if !members.is_empty() => {
                         let (id, sub, ..) = members.remove(i % members.len());
                         sub.queue.close(crate::engine::CloseReason::Cancelled, None);
-                        core.leave(&id);
+                        core.leave(&id, now);
                     }
                     Op::Stream(i) if !members.is_empty() => {
                         let n = members.len();

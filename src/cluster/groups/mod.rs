@@ -15,13 +15,16 @@
 //!   ([`ClusterEngine::make_room`]): JetStream discarding the oldest itself
 //!   would say nothing, and every loss must be counted.
 //! - A replica with members of a group runs a hub (`hub.rs`): it pulls only
-//!   as many messages as its members have room for (`max_in_flight`), hands
-//!   them out round-robin, and holds each JetStream message until it is
+//!   as many messages as its members have room for (`max_in_flight`), and
+//!   decides what happens to each with the consumer-group state machine
+//!   single-node groups use (`broker/group/machine.rs`): round-robin with
+//!   room, the member a message failed with passed over, deadlines,
+//!   attempts, dead letters. It holds each JetStream message until it is
 //!   done: acked when an AUTO member's stream takes it, or by a MANUAL
-//!   member's Ack; on Nack handed to another member with room, here or on
-//!   another replica (src/cluster/handover.rs), else nacked (redelivered at
-//!   once, to any member); the same at the member's ack deadline; nacked
-//!   when the member's stream closes. A replica that dies leaves its
+//!   member's Ack. A message taken back (a Nack, the member's ack deadline,
+//!   the member leaving) goes to another member here with room, else to
+//!   one on another replica (src/cluster/handover.rs), else is nacked
+//!   (redelivered at once, to any member). A replica that dies leaves its
 //!   messages to the consumer's `ack_wait`.
 //! - A message whose attempt fails after `max_delivery_attempts` is
 //!   published to `_dlq.<group>` by the replica holding it, then acked.
@@ -37,7 +40,9 @@
 //!   group's stream and making room in a full one, joining, idle removal,
 //!   the listings, the rebuild after NATS lost its state, shutdown's hand
 //!   back, dead letters;
-//! - `state.rs`: a hub's state machine, no I/O, time passed in;
+//! - `state.rs`: a hub's state: the shared group state machine with
+//!   JetStream's rules, and what JetStream must hear of its decisions (no
+//!   I/O, time passed in);
 //! - `hub.rs`: the hub's three tasks (hub, puller, sender), its commands,
 //!   and the [`hub::Backend`] trait it does its I/O through;
 //! - `nats.rs`: that backend over async-nats;
@@ -503,6 +508,7 @@ impl ClusterEngine {
         };
         let inner = self.inner.local.open_external(&request, max_in_flight, member)?;
         let settings = Settings {
+            ack_mode: request.ack_mode,
             max_in_flight,
             ack_deadline,
         };
