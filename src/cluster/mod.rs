@@ -33,15 +33,17 @@
 //!
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
 //! between the local fan-out and NATS; `groups/` consumer groups (`mod.rs`
-//! the table, publishing and joining; `state.rs` a hub's state machine;
-//! `hub.rs` its tasks; `nats.rs` its JetStream); `attempts.rs` delivery
-//! attempts JetStream does not count; `handover.rs` nacked messages offered
-//! to other replicas; `interest.rs` which replicas need core-NATS
-//! publishes; `registry.rs` live replicas, replica ids and subscription
-//! ids; `stalls.rs` how long each group went without progress; `rpc.rs`
-//! calls between replicas, both ends; `recovery.rs` the buckets,
-//! JetStream's refusals explained, and the rebuild after NATS lost its
-//! state; `wire.rs` the formats replicas exchange (declared in
+//! the table, publishing and joining; `state.rs` a hub's state, which is
+//! the group state machine single-node mode uses,
+//! `broker/group/machine.rs`, run with JetStream's rules; `hub.rs` its
+//! tasks; `nats.rs` its JetStream); `attempts.rs` delivery attempts
+//! JetStream does not count; `handover.rs` nacked messages offered to
+//! other replicas; `interest.rs` which replicas need core-NATS publishes;
+//! `registry.rs` live replicas, replica ids and subscription ids;
+//! `stalls.rs` how long each group went without progress; `rpc.rs` calls
+//! between replicas, both ends; `recovery.rs` the buckets, JetStream's
+//! refusals explained, and the rebuild after NATS lost its state; `wire.rs`
+//! the formats replicas exchange (declared in
 //! `proto/tinybroker/cluster/v1/cluster.proto`) and how two versions
 //! interoperate.
 //!
