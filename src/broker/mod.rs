@@ -11,7 +11,7 @@
 //! - `lifecycle.rs`: shutdown, draining, and the maintenance tick;
 //! - `snapshot.rs`: what Admin and the metrics read, as plain values;
 //! - `engine.rs`: the [`crate::engine::Engine`] implementation;
-//! - [`queue`], [`subscription`], `group.rs`: one subscription's queue and
+//! - [`queue`], [`subscription`], `group/` (a group, and its state machine `group/machine.rs`, which cluster hubs use too): one subscription's queue and
 //!   stream, and a consumer group's state machine.
 //!
 //! # Lock order
@@ -23,7 +23,7 @@
 //! 1. `Shared::groups` (the group registry),
 //! 2. `Shared::subscriptions` (the subscription registry),
 //! 3. `Shared::routes` (the pattern trie),
-//! 4. a group's state (`group.rs`),
+//! 4. a group's state (`group/mod.rs`),
 //! 5. a subscription's queue ([`queue`]).
 //!
 //! `Shared::evictions` and `Shared::group_removals` are leaves: nothing is

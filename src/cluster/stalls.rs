@@ -1,6 +1,6 @@
 //! How long each consumer group has had work without completing any, in
 //! cluster mode: [`GroupInfo::stalled`], which the single-node engine keeps
-//! per group (`broker/group.rs`) and a cluster has nowhere in one place.
+//! per group (`broker/group/mod.rs`) and a cluster has nowhere in one place.
 //! Every replica works it out from each gathering of the cluster's groups
 //! (every heartbeat, `registry.rs`): a group has work while its backlog or
 //! its members hold messages, and completes one when the cluster's count of

@@ -8,7 +8,7 @@
 //!   [`set_count`], from `fanout.rs`), sends it on core NATS to the other
 //!   replicas (`<prefix>.m.<topic>`) and stores the same bytes in the stream
 //!   of each consumer group the message matches; `fanout.rs` and
-//!   `groups.rs` read it back with [`decode`], and `handover.rs` passes it
+//!   `groups/` read it back with [`decode`], and `handover.rs` passes it
 //!   on unchanged. Its fields 1 to 5 are the public `tinybroker.v1.Message`'s
 //!   (same numbers and types), and its sender and count (fields 101 and
 //!   100) are written first, in that order: byte for byte what replicas
@@ -38,7 +38,7 @@
 //! - **What the buckets hold**: `<prefix>_replicas` each replica's presence
 //!   (JSON, `registry::Presence`; a field added is skipped by earlier
 //!   readers), `<prefix>_subscriptions` the id of the replica serving each
-//!   subscription, `<prefix>_groups` the group table (JSON, `groups.rs`),
+//!   subscription, `<prefix>_groups` the group table (JSON, `groups/mod.rs`),
 //!   `<prefix>_attempts` delivery attempts (`attempts.rs`) and
 //!   `<prefix>_incarnations` nothing (an entry's revision is the number).
 //!
