@@ -11,8 +11,9 @@
 //! - `lifecycle.rs`: shutdown, draining, and the maintenance tick;
 //! - `snapshot.rs`: what Admin and the metrics read, as plain values;
 //! - `engine.rs`: the [`crate::engine::Engine`] implementation;
-//! - [`queue`], [`subscription`], `group/` (a group, and its state machine `group/machine.rs`, which cluster hubs use too): one subscription's queue and
-//!   stream, and a consumer group's state machine.
+//! - [`queue`], [`subscription`]: one subscription's queue and stream;
+//! - `group/`: a consumer group (`mod.rs`) and its state machine
+//!   (`machine.rs`, which a cluster hub runs too).
 //!
 //! # Lock order
 //!
