@@ -521,13 +521,17 @@ where
                     }
                     continue;
                 }
-                match Pin::new(&mut sub.stream).poll_next(&mut sub_cx) {
-                    Poll::Ready(Some(delivery)) => {
+                match sub.stream.poll_next_drained(&mut sub_cx) {
+                    Poll::Ready(Some((delivery, drained))) => {
                         if let Some(credit) = &mut sub.credit {
                             *credit -= 1;
                         }
                         self.out.take(key, sub.handle, sub.group, delivery);
-                        self.again.push(key);
+                        // Drained: its waker is left, and the next push puts
+                        // it on the ready list; else it goes again next round.
+                        if !drained {
+                            self.again.push(key);
+                        }
                     }
                     Poll::Ready(None) => ended.push(key),
                     Poll::Pending => {}

@@ -118,6 +118,13 @@ impl DeliveryStream for SubscriptionStream {
         self.subscription().queue.poll_closed(cx)
     }
 
+    fn poll_next_drained(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<(crate::engine::Delivery, bool)>> {
+        self.poll_delivery(cx, true)
+    }
+
     fn close(&mut self) -> StreamEnd {
         SubscriptionStream::close(self);
         self.end().unwrap_or(StreamEnd {

@@ -207,6 +207,33 @@ impl Queue {
         Poll::Pending
     }
 
+    /// As [`Queue::poll_pop`], and with a delivery says whether it was the
+    /// last one queued (`true`): the waker is then left as a `Pending`
+    /// would leave it, so the next push wakes the reader, which need not
+    /// poll again to find the queue empty.
+    pub(crate) fn poll_pop_drained(&self, cx: &mut Context<'_>) -> Poll<Option<(Delivery, bool)>> {
+        let mut state = self.state.lock();
+        if let Some(item) = state.items.pop_front() {
+            state.bytes -= item.message.size();
+            let drained = state.items.is_empty();
+            if drained {
+                match &mut state.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    slot => *slot = Some(cx.waker().clone()),
+                }
+            }
+            return Poll::Ready(Some((item, drained)));
+        }
+        if state.closed.is_some() {
+            return Poll::Ready(None);
+        }
+        match &mut state.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            slot => *slot = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
     /// Ready once the queue is closed; otherwise leaves the waker, as
     /// [`Queue::poll_pop`] does, without taking anything.
     pub(crate) fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
@@ -487,5 +514,37 @@ mod tests {
         assert!(matches!(q.poll_pop(&mut cx), Poll::Ready(None)));
         assert!(matches!(q.push(delivery(3)), Push::Closed(_)));
         assert_eq!(q.close_reason(), Some(CloseReason::Evicted));
+    }
+
+    #[test]
+    fn popping_the_last_one_leaves_the_waker_for_the_next_push() {
+        let q = Queue::new(4, usize::MAX);
+        let counter = Arc::new(CountingWaker(Default::default()));
+        let waker = Waker::from(counter.clone());
+        let mut cx = Context::from_waker(&waker);
+        q.push(delivery(1));
+        q.push(delivery(2));
+        let Poll::Ready(Some((first, drained))) = q.poll_pop_drained(&mut cx) else {
+            panic!("queued");
+        };
+        assert_eq!((first.message.sequence, drained), (1, false), "one more behind it");
+        q.push(delivery(3));
+        assert_eq!(counter.wakes(), 0, "not drained: no waker left");
+        let Poll::Ready(Some((_, drained))) = q.poll_pop_drained(&mut cx) else {
+            panic!("queued");
+        };
+        assert!(!drained);
+        let Poll::Ready(Some((last, drained))) = q.poll_pop_drained(&mut cx) else {
+            panic!("queued");
+        };
+        assert_eq!((last.message.sequence, drained), (3, true));
+        // No poll in between: the push alone wakes the reader.
+        q.push(delivery(4));
+        assert_eq!(counter.wakes(), 1);
+        // And a close does too.
+        assert!(matches!(q.poll_pop_drained(&mut cx), Poll::Ready(Some((_, true)))));
+        q.close(CloseReason::Cancelled, None);
+        assert_eq!(counter.wakes(), 2);
+        assert!(matches!(q.poll_pop_drained(&mut cx), Poll::Ready(None)));
     }
 }

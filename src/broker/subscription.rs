@@ -282,15 +282,29 @@ impl Stream for SubscriptionStream {
     type Item = Delivery;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        self.poll_delivery(cx, false)
+            .map(|next| next.map(|(delivery, _)| delivery))
+    }
+}
+
+impl SubscriptionStream {
+    /// The next delivery. `drained`: ask the queue whether it was the last
+    /// one queued, and if so do now what finding it empty would do.
+    pub(crate) fn poll_delivery(&mut self, cx: &mut Context<'_>, drained: bool) -> Poll<Option<(Delivery, bool)>> {
         const FLUSH_EVERY: u64 = 256;
         if self.turn >= TURN {
             self.turn = 0;
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        let polled = self.subscription.queue.poll_pop(cx);
+        let queue = &self.subscription.queue;
+        let polled = if drained {
+            queue.poll_pop_drained(cx)
+        } else {
+            queue.poll_pop(cx).map(|next| next.map(|delivery| (delivery, false)))
+        };
         match &polled {
-            Poll::Ready(Some(delivery)) => {
+            Poll::Ready(Some((delivery, emptied))) => {
                 self.turn += 1;
                 let sub = &self.subscription;
                 sub.delivered.fetch_add(1, Ordering::Relaxed);
@@ -303,20 +317,24 @@ impl Stream for SubscriptionStream {
                     }
                 }
                 self.unflushed += 1;
-                if self.unflushed >= FLUSH_EVERY {
+                if *emptied {
+                    self.waiting();
+                } else if self.unflushed >= FLUSH_EVERY {
                     self.flush_delivered();
                 }
             }
             Poll::Ready(None) => self.flush_delivered(),
-            Poll::Pending => {
-                self.turn = 0;
-                self.flush_delivered();
-                // The group refills this member now; its pushes wake the
-                // waker `poll_pop` just left.
-                self.report_streamed();
-            }
+            Poll::Pending => self.waiting(),
         }
         polled
+    }
+
+    /// The queue is empty and the waker left: what was counted goes out,
+    /// and a group refills this member now (its pushes wake that waker).
+    fn waiting(&mut self) {
+        self.turn = 0;
+        self.flush_delivered();
+        self.report_streamed();
     }
 }
 

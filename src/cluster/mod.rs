@@ -641,6 +641,14 @@ impl DeliveryStream for ClusterStream {
         self.inner.poll_ended(cx)
     }
 
+    fn poll_next_drained(&mut self, cx: &mut Context<'_>) -> Poll<Option<(Delivery, bool)>> {
+        let polled = self.inner.poll_delivery(cx, true);
+        if let (Poll::Ready(Some((delivery, _))), Some(member)) = (&polled, &self.member) {
+            member.streamed(delivery);
+        }
+        polled
+    }
+
     fn close(&mut self) -> StreamEnd {
         // As when dropped: a member's held messages go back to its group
         // first, then the local subscription closes.

@@ -147,6 +147,14 @@ pub trait DeliveryStream: Stream<Item = Delivery> + Send + Unpin + 'static {
     /// registers the task to be woken when a message is queued or the
     /// subscription ends.
     fn poll_ended(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()>;
+    /// As `poll_next`, and with a delivery says whether nothing else is
+    /// queued behind it (`true`): the task is then registered to be woken
+    /// as by a `Pending`, so a session need not poll again to learn it
+    /// (one poll per delivery instead of two when a subscriber keeps up).
+    /// `false` says nothing: poll again.
+    fn poll_next_drained(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<(Delivery, bool)>> {
+        futures::StreamExt::poll_next_unpin(self, cx).map(|next| next.map(|delivery| (delivery, false)))
+    }
     /// The client closed the subscription (a session's `close`, or its
     /// half-close): ends it now, as a cancelled stream ends (a broadcast
     /// subscription's queued messages dropped and counted, a member's handed
