@@ -28,9 +28,13 @@
 //!   only) become one `SessionDelivery` naming all their handles; since a
 //!   handle appears at most once in a round and rounds go out in order, each
 //!   subscription still sees its messages in its own order. A subscription
-//!   that gave a delivery is polled again in the next round; one that was
-//!   pending is polled again when its waker fires. Rounds go on until
-//!   nothing is ready or [`FRAME_THRESHOLD`] bytes are encoded.
+//!   that gave a delivery with more queued behind it is polled again in the
+//!   next round; one whose delivery emptied its queue
+//!   ([`DeliveryStream::poll_next_drained`]: the pop left the waker, as a
+//!   `Pending` would) or that was pending is polled again when its waker
+//!   fires. A subscriber that keeps up is so polled once per delivery, not
+//!   twice. Rounds go on until nothing is ready or [`FRAME_THRESHOLD`]
+//!   bytes are encoded.
 //! - **Framing.** Deliveries are encoded by hand straight into the body's
 //!   buffer ([`put_delivery`]): the `SessionEvent` and `SessionDelivery`
 //!   headers, the packed handles, then the `Message` as
