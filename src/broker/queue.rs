@@ -141,6 +141,31 @@ struct State {
     lost: u64,
 }
 
+impl State {
+    fn pop(&mut self) -> Option<Delivery> {
+        let item = self.items.pop_front()?;
+        self.bytes -= item.message.size();
+        Some(item)
+    }
+
+    /// Ready once closed; otherwise leaves the waker for the next push or
+    /// the close.
+    fn poll_closed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.closed.is_some() {
+            return Poll::Ready(());
+        }
+        self.leave_waker(cx);
+        Poll::Pending
+    }
+
+    fn leave_waker(&mut self, cx: &mut Context<'_>) {
+        match &mut self.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            slot => *slot = Some(cx.waker().clone()),
+        }
+    }
+}
+
 impl Queue {
     pub(crate) fn new(capacity: usize, max_bytes: usize) -> Self {
         Self {
@@ -193,18 +218,10 @@ impl Queue {
     /// queue holds nothing: closing discards what was left.
     pub(crate) fn poll_pop(&self, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
         let mut state = self.state.lock();
-        if let Some(item) = state.items.pop_front() {
-            state.bytes -= item.message.size();
+        if let Some(item) = state.pop() {
             return Poll::Ready(Some(item));
         }
-        if state.closed.is_some() {
-            return Poll::Ready(None);
-        }
-        match &mut state.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            slot => *slot = Some(cx.waker().clone()),
-        }
-        Poll::Pending
+        state.poll_closed(cx).map(|()| None)
     }
 
     /// As [`Queue::poll_pop`], and with a delivery says whether it was the
@@ -213,39 +230,20 @@ impl Queue {
     /// poll again to find the queue empty.
     pub(crate) fn poll_pop_drained(&self, cx: &mut Context<'_>) -> Poll<Option<(Delivery, bool)>> {
         let mut state = self.state.lock();
-        if let Some(item) = state.items.pop_front() {
-            state.bytes -= item.message.size();
+        if let Some(item) = state.pop() {
             let drained = state.items.is_empty();
             if drained {
-                match &mut state.waker {
-                    Some(w) if w.will_wake(cx.waker()) => {}
-                    slot => *slot = Some(cx.waker().clone()),
-                }
+                state.leave_waker(cx);
             }
             return Poll::Ready(Some((item, drained)));
         }
-        if state.closed.is_some() {
-            return Poll::Ready(None);
-        }
-        match &mut state.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            slot => *slot = Some(cx.waker().clone()),
-        }
-        Poll::Pending
+        state.poll_closed(cx).map(|()| None)
     }
 
     /// Ready once the queue is closed; otherwise leaves the waker, as
     /// [`Queue::poll_pop`] does, without taking anything.
     pub(crate) fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
-        let mut state = self.state.lock();
-        if state.closed.is_some() {
-            return Poll::Ready(());
-        }
-        match &mut state.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            slot => *slot = Some(cx.waker().clone()),
-        }
-        Poll::Pending
+        self.state.lock().poll_closed(cx)
     }
 
     /// Closes the queue and returns what it held (never delivered), or `None`

@@ -743,7 +743,7 @@ pub(crate) fn attempts_exhausted(attempt: u32, max: u32) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::broker::queue::Queue;
     use crate::engine::CloseReason;
@@ -773,7 +773,8 @@ mod tests {
         }
     }
 
-    fn member(key: u64, capacity: usize) -> Arc<Subscription> {
+    /// A member's subscription whose queue holds `capacity`.
+    pub(in crate::broker::group) fn member(key: u64, capacity: usize) -> Arc<Subscription> {
         Arc::new(Subscription::new(
             key,
             format!("m{key}").into(),
@@ -784,7 +785,8 @@ mod tests {
         ))
     }
 
-    fn pop(sub: &Subscription) -> Option<Delivery> {
+    /// What the member's stream would take next.
+    pub(in crate::broker::group) fn pop(sub: &Subscription) -> Option<Delivery> {
         match sub.queue.poll_pop(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(d) => d,
             Poll::Pending => None,

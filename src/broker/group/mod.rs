@@ -349,23 +349,11 @@ impl GroupState {
 
 #[cfg(test)]
 mod tests {
+    use super::machine::tests::{member, pop};
     use super::*;
-    use crate::broker::queue::Queue;
-    use std::task::{Context, Poll, Waker};
 
     fn published(seq: u64) -> Arc<Published> {
         Arc::new(Published::for_test("t", seq))
-    }
-
-    fn member(key: u64, capacity: usize) -> Arc<Subscription> {
-        Arc::new(Subscription::new(
-            key,
-            format!("m{key}").into(),
-            vec![TopicPattern::parse("t").unwrap()],
-            None,
-            Queue::new(capacity, usize::MAX),
-            None,
-        ))
     }
 
     fn settings(mode: AckMode, max_in_flight: u32) -> MemberSettings {
@@ -373,13 +361,6 @@ mod tests {
             ack_mode: mode,
             max_in_flight,
             ack_deadline: Duration::from_secs(10),
-        }
-    }
-
-    fn pop(sub: &Subscription) -> Option<Delivery> {
-        match sub.queue.poll_pop(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(d) => d,
-            Poll::Pending => None,
         }
     }
 
