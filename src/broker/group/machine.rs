@@ -207,11 +207,6 @@ pub(crate) struct GroupMachine<T, K> {
     pub(crate) out: Vec<Event<T>>,
 }
 
-/// Messages taken back in one transition, placed at its end.
-struct TakenBack<T, K> {
-    retries: Vec<Pending<T, K>>,
-}
-
 impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     pub(crate) fn new(rules: Rules) -> Self {
         Self {
@@ -341,7 +336,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     pub(crate) fn leave(&mut self, key: &K, unstreamed: impl IntoIterator<Item = (Delivery, T)>, now: Instant) {
         let index = self.members.iter().position(|m| m.key == *key);
         let member = index.map(|i| self.members.remove(i));
-        let mut taken = TakenBack { retries: Vec::new() };
+        let mut retries = Vec::new();
         let mut never_streamed = HashSet::new();
         for (delivery, token) in unstreamed {
             let seq = delivery.message.sequence;
@@ -350,7 +345,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
                 Some(held) => held.token,
                 None => token,
             };
-            taken.retries.push(Pending {
+            retries.push(Pending {
                 message: delivery.message,
                 token,
                 attempts: delivery.attempt - 1,
@@ -370,17 +365,17 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
                 .as_ref()
                 .is_some_and(|m| m.subscription.queue.remove(seq).is_some());
             if queued {
-                taken.retries.push(Pending {
+                retries.push(Pending {
                     message: held.message,
                     token: held.token,
                     attempts: held.attempt - 1,
                     avoid: None,
                 });
             } else {
-                self.attempt_failed(held, None, &mut taken);
+                self.attempt_failed(held, None, &mut retries);
             }
         }
-        self.settle(taken, now);
+        self.settle(retries, now);
     }
 
     /// An AUTO member's stream took `count` messages (AutoDone::Counted):
@@ -436,17 +431,17 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     /// still counted as requeued: the member no longer holds it).
     pub(crate) fn nack(&mut self, key: &K, sequences: &[u64], now: Instant) -> Nacked {
         let mut result = Nacked::default();
-        let mut taken = TakenBack { retries: Vec::new() };
+        let mut retries = Vec::new();
         for &seq in sequences {
             let Some(held) = self.take_held(seq, key) else {
                 result.unknown += 1;
                 continue;
             };
             self.release(key);
-            self.take_back(held, &mut taken);
+            self.take_back(held, &mut retries);
             result.requeued += 1;
         }
-        self.settle(taken, now);
+        self.settle(retries, now);
         result
     }
 
@@ -463,15 +458,15 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             return;
         }
         expired.sort_unstable();
-        let mut taken = TakenBack { retries: Vec::new() };
+        let mut retries = Vec::new();
         for seq in expired {
             if let Some(held) = self.held.remove(&seq) {
                 let holder = held.member.clone();
                 self.release(&holder);
-                self.take_back(held, &mut taken);
+                self.take_back(held, &mut retries);
             }
         }
-        self.settle(taken, now);
+        self.settle(retries, now);
     }
 
     /// The held messages not reported for `every`, lowest sequence first,
@@ -526,7 +521,8 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     /// Empties the group (removed); how many messages it still held.
     pub(crate) fn clear(&mut self) -> usize {
         let left = self.backlog.items.len() + self.held.len();
-        self.take_backlog();
+        self.backlog.items.clear();
+        self.backlog.bytes = 0;
         self.held.clear();
         left
     }
@@ -605,10 +601,10 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     /// A held message taken back from its member (a Nack, its deadline
     /// passed): never delivered if still in the member's queue, else an
     /// attempt that failed. Passed over that member next time.
-    fn take_back(&mut self, held: Held<T, K>, taken: &mut TakenBack<T, K>) {
+    fn take_back(&mut self, held: Held<T, K>, retries: &mut Vec<Pending<T, K>>) {
         let holder = self.members.iter().find(|m| m.key == held.member);
         if holder.is_some_and(|m| m.subscription.queue.remove(held.message.sequence).is_some()) {
-            taken.retries.push(Pending {
+            retries.push(Pending {
                 message: held.message,
                 token: held.token,
                 attempts: held.attempt - 1,
@@ -617,13 +613,13 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             return;
         }
         let avoid = Some(held.member.clone());
-        self.attempt_failed(held, avoid, taken);
+        self.attempt_failed(held, avoid, retries);
     }
 
     /// A delivery that reached a member's stream did not complete: the
     /// message goes again, or is dead-lettered after its last allowed
     /// attempt.
-    fn attempt_failed(&mut self, held: Held<T, K>, avoid: Option<K>, taken: &mut TakenBack<T, K>) {
+    fn attempt_failed(&mut self, held: Held<T, K>, avoid: Option<K>, retries: &mut Vec<Pending<T, K>>) {
         if attempts_exhausted(held.attempt, self.rules.max_delivery_attempts) {
             self.counters.dead_lettered += 1;
             self.out.push(Event::DeadLetter {
@@ -634,7 +630,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             return;
         }
         self.counters.redeliveries += 1;
-        taken.retries.push(Pending {
+        retries.push(Pending {
             message: held.message,
             token: held.token,
             attempts: held.attempt,
@@ -646,11 +642,11 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     /// to the front of the backlog and dispatched; with NoRoom::Elsewhere,
     /// one that no member but the one it failed with has room for goes out
     /// instead.
-    fn settle(&mut self, mut taken: TakenBack<T, K>, now: Instant) {
-        taken.retries.sort_by_key(|p| p.message.sequence);
+    fn settle(&mut self, mut retries: Vec<Pending<T, K>>, now: Instant) {
+        retries.sort_by_key(|p| p.message.sequence);
         match self.rules.no_room {
             NoRoom::Wait => {
-                for pending in taken.retries.into_iter().rev() {
+                for pending in retries.into_iter().rev() {
                     self.backlog.push_front(pending);
                 }
                 self.dispatch(now);
@@ -661,7 +657,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             // room that is left.
             NoRoom::Elsewhere => {
                 let mut elsewhere = Vec::new();
-                for pending in taken.retries {
+                for pending in retries {
                     let room_here = self
                         .members
                         .iter()
