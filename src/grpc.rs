@@ -414,14 +414,36 @@ fn with_accepted(error: Status, accepted: u64) -> Status {
     )
 }
 
+/// The inverse of [`decoding_limit`]: the `max_message_bytes` a decoding
+/// limit was made from.
+fn max_message_bytes_of(decoding_limit: usize) -> usize {
+    decoding_limit.saturating_sub(64 * 1024)
+}
+
+/// The RESOURCE_EXHAUSTED text for a request tonic refused as over the
+/// decoding limit, from tonic's own text ("... found N bytes, the limit is:
+/// L bytes"): it names the request's size and `max_message_bytes`, not
+/// the decoding limit the operator never set. Falls back to tonic's text
+/// when it has another shape.
+fn oversized_message(tonic_message: &str) -> String {
+    let number_after = |label: &str| -> Option<usize> {
+        let rest = &tonic_message[tonic_message.find(label)? + label.len()..];
+        rest.trim_start().split(' ').next()?.parse().ok()
+    };
+    match (number_after("found"), number_after("the limit is:")) {
+        (Some(found), Some(limit)) => format!(
+            "request of {found} bytes is larger than max_message_bytes {} (TINYBROKER_MAX_MESSAGE_BYTES) allows",
+            max_message_bytes_of(limit)
+        ),
+        _ => format!("message larger than max_message_bytes (TINYBROKER_MAX_MESSAGE_BYTES): {tonic_message}"),
+    }
+}
+
 /// tonic reports a request over the decoding limit as OUT_OF_RANGE; the
 /// contract says an oversized message is RESOURCE_EXHAUSTED.
 pub(crate) fn oversized_to_exhausted(error: Status) -> Status {
     if error.code() == Code::OutOfRange && error.message().contains("message length too large") {
-        return Status::resource_exhausted(format!(
-            "message larger than max_message_bytes (TINYBROKER_MAX_MESSAGE_BYTES): {}",
-            error.message()
-        ));
+        return Status::resource_exhausted(oversized_message(error.message()));
     }
     error
 }
@@ -437,16 +459,53 @@ pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Respo
             .and_then(|m| m.to_str().ok())
             .is_some_and(|m| m.contains("message%20length%20too%20large") || m.contains("message length too large"));
     if is_oversized {
+        let tonic_message = headers
+            .get("grpc-message")
+            .and_then(|m| m.to_str().ok())
+            .map(percent_decode)
+            .unwrap_or_default();
+        let text = percent_encode(&oversized_message(&tonic_message));
         let headers = response.headers_mut();
         headers.insert("grpc-status", http::HeaderValue::from_static("8"));
-        headers.insert(
-            "grpc-message",
-            http::HeaderValue::from_static(
-                "message%20larger%20than%20max_message_bytes%20(TINYBROKER_MAX_MESSAGE_BYTES)",
-            ),
-        );
+        if let Ok(value) = http::HeaderValue::from_str(&text) {
+            headers.insert("grpc-message", value);
+        }
     }
     response
+}
+
+/// `grpc-message` is percent-encoded (the gRPC HTTP/2 protocol): bytes
+/// outside printable ASCII, and `%`, as `%XX`.
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if (0x20..0x7f).contains(&byte) && byte != b'%' {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// How much a subscription's body encodes before it hands the frame to h2,
@@ -921,6 +980,34 @@ mod tests {
         Trailers(http::HeaderMap),
         End,
         Pending,
+    }
+
+    /// A 2 MB publish is refused naming its size and the configured limit,
+    /// not the decoding limit (max_message_bytes + 64 KiB) nobody set.
+    #[test]
+    fn an_oversized_request_names_its_size_and_max_message_bytes() {
+        let tonic = format!(
+            "Error, decoded message length too large: found 2000010 bytes, the limit is: {} bytes",
+            decoding_limit(1_048_576)
+        );
+        let status = oversized_to_exhausted(Status::out_of_range(tonic.clone()));
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(
+            status.message(),
+            "request of 2000010 bytes is larger than max_message_bytes 1048576 (TINYBROKER_MAX_MESSAGE_BYTES) allows"
+        );
+        // The unary path: tonic's trailers-only response, percent-encoded.
+        let response = http::Response::builder()
+            .header("grpc-status", "11")
+            .header("grpc-message", percent_encode(&tonic))
+            .body(())
+            .unwrap();
+        let response = map_oversized_response(response);
+        assert_eq!(response.headers()["grpc-status"], "8");
+        assert_eq!(
+            percent_decode(response.headers()["grpc-message"].to_str().unwrap()),
+            status.message()
+        );
     }
 
     /// One poll of `body`, its data frame split into gRPC messages as a

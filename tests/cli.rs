@@ -472,6 +472,13 @@ async fn admin_subcommands_send_the_token_and_say_when_it_is_refused() {
             let (status, _, stderr) = run_cli(&[sub, "--addr", &url], &[]);
             assert!(!status.success(), "{sub} without the token");
             assert!(stderr.contains("Unauthenticated"), "{sub}: {stderr}");
+            assert!(stderr.contains("set TINYBROKER_AUTH_TOKEN"), "{sub}: {stderr}");
+            let (status, _, stderr) = run_cli(&[sub, "--addr", &url], &[("TINYBROKER_AUTH_TOKEN", "wrong")]);
+            assert!(!status.success(), "{sub} with a wrong token");
+            assert!(
+                stderr.contains("the token in TINYBROKER_AUTH_TOKEN is not the broker's"),
+                "{sub}: {stderr}"
+            );
             let (status, stdout, stderr) = run_cli(&[sub, "--addr", &url], &[("TINYBROKER_AUTH_TOKEN", "s3cret")]);
             assert!(status.success(), "{sub} with the token: {stderr}");
             assert!(!stdout.is_empty(), "{sub}");
@@ -479,6 +486,45 @@ async fn admin_subcommands_send_the_token_and_say_when_it_is_refused() {
         let (status, _, stderr) = run_cli(&["groups", "--addr", "http://127.0.0.1:1"], &[]);
         assert!(!status.success());
         assert!(stderr.contains("cannot connect to http://127.0.0.1:1"), "{stderr}");
+    })
+    .await
+}
+
+/// `tinybroker subscriptions --json | head -n 1`: the reader goes away
+/// after one line while the CLI still has rows to write (more than a pipe
+/// holds, so it cannot have finished before), and the CLI ends as a Unix
+/// filter does: killed by SIGPIPE, nothing on stderr.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_goes_away_ends_the_cli_quietly() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    timeout(async {
+        let broker = start().await;
+        let mut client = broker.client().await;
+        // 8 subscriptions of 64 patterns of 250 bytes: over 128 KiB of JSON.
+        let patterns: Vec<String> = (0..64).map(|i| format!("p{i:03}.{}", "x".repeat(245))).collect();
+        let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+        let mut streams = Vec::new();
+        for _ in 0..8 {
+            streams.push(subscribe(&mut client, &patterns).await);
+        }
+        let mut child = ChildGuard::new(
+            cli(&["subscriptions", "--json", "--addr", &broker.url()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut stdout = std::io::BufReader::new(child.child.stdout.take().unwrap());
+        let mut first = String::new();
+        stdout.read_line(&mut first).unwrap();
+        assert!(first.starts_with('{'), "{first}");
+        drop(stdout);
+        let mut stderr = String::new();
+        child.child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        let status = exit_status(&mut child, TEST_TIMEOUT).await;
+        assert_eq!(status.signal(), Some(libc::SIGPIPE), "{status:?}, stderr: {stderr}");
+        assert_eq!(stderr, "", "nothing on stderr");
     })
     .await
 }

@@ -146,6 +146,9 @@ fn worker_threads() -> Result<Option<usize>, String> {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, None | Some(Command::Serve)) {
+        stdout_closed_ends_quietly();
+    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     match worker_threads() {
         Ok(Some(n)) => {
@@ -183,6 +186,19 @@ pub fn main() -> ExitCode {
             eprintln!("tinybroker: {e:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// A client command whose reader goes away (`tinybroker subscriptions
+/// --json | head`) ends as any Unix filter does, by SIGPIPE, instead of
+/// printing "Broken pipe (os error 32)" or panicking in `println!`: Rust
+/// ignores SIGPIPE by default, so writes to a closed pipe fail instead.
+/// Never for `serve`, whose sockets must not kill the broker.
+fn stdout_closed_ends_quietly() {
+    // SAFETY: called once at start-up, before any other thread exists, with
+    // the default disposition, which needs no handler.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 
@@ -365,8 +381,17 @@ fn failed(call: &str, addr: &str, status: tonic::Status) -> anyhow::Error {
     // the status's sources.
     let causes = std::error::Error::source(&status).map_or_else(String::new, crate::client::error_chain);
     let failure = format!("{}: {causes}", status.message());
-    let hint = crate::client::scheme_hint(&crate::client::with_scheme(addr), &failure)
-        .map_or_else(String::new, |h| format!(" ({h})"));
+    let hint = match status.code() {
+        tonic::Code::Unauthenticated => {
+            let token = match std::env::var_os("TINYBROKER_AUTH_TOKEN") {
+                Some(_) => "the token in TINYBROKER_AUTH_TOKEN is not the broker's",
+                None => "the broker needs a token: set TINYBROKER_AUTH_TOKEN",
+            };
+            format!(" ({token})")
+        }
+        _ => crate::client::scheme_hint(&crate::client::with_scheme(addr), &failure)
+            .map_or_else(String::new, |h| format!(" ({h})")),
+    };
     anyhow::anyhow!("{call} failed: {:?}: {}{hint}", status.code(), status.message())
 }
 

@@ -327,9 +327,14 @@ impl View {
             None => "published n/a · delivered n/a (rates need two samples)".to_owned(),
         };
         let scope = if i.cluster_mode { " (this replica)" } else { "" };
+        // The totals of the lists below, not GetBrokerInfo's counts: in
+        // cluster mode those are this replica's own, while the lists are the
+        // cluster's (docs/contract.md, "tinybroker top").
         let second = format!(
             "{rates}{scope} · subscriptions {} · groups {} · last sequence {}",
-            i.subscriptions, i.consumer_groups, i.last_sequence
+            sample.subscriptions.len(),
+            sample.groups.len(),
+            i.last_sequence
         );
         vec![Line::styled(first, bold), Line::raw(second)]
     }
@@ -683,6 +688,21 @@ mod tests {
         assert!(!text.contains("sub-029"), "{text}");
         assert!(text.contains("workers"), "{text}");
         assert!(lines.last().unwrap().starts_with("q or Ctrl-C: quit"), "{text}");
+    }
+
+    /// In cluster mode GetBrokerInfo counts this replica's subscriptions
+    /// and groups, the lists the cluster's: the header says what the lists
+    /// hold (r2 once said "subscriptions 2 · groups 0" over 3 and 1).
+    #[test]
+    fn the_headers_totals_are_those_of_the_lists_under_it() {
+        let mut view = View::new("http://b:1");
+        let mut sample = sample(3);
+        sample.info.cluster_mode = true;
+        sample.info.subscriptions = 2;
+        sample.info.consumer_groups = 0;
+        view.sample = Some(sample);
+        let text = screen(&view, 120, 30).join("\n");
+        assert!(text.contains("subscriptions 3 · groups 1 ·"), "{text}");
     }
 
     #[test]

@@ -426,7 +426,13 @@ async fn oversized_messages_are_resource_exhausted() {
         let huge = publish_request("big", &"x".repeat(1 << 20));
         let err = client.publish(huge.clone()).await.unwrap_err();
         assert_eq!(err.code(), Code::ResourceExhausted, "{}", err.message());
-        assert!(err.message().contains("max_message_bytes"), "{}", err.message());
+        // Both sizes: the encoded request's (1 MiB of payload, the topic and
+        // their framing) and the limit the operator set.
+        assert!(
+            err.message().contains("request of 1048585 bytes") && err.message().contains("max_message_bytes 1000"),
+            "{}",
+            err.message()
+        );
         let err = client
             .publish_stream(futures::stream::iter(vec![publish_request("big", "ok"), huge]))
             .await
