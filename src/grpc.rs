@@ -929,7 +929,16 @@ impl From<crate::engine::SubscriptionInfo> for pb::SubscriptionInfo {
             peer_address: peer_address(info.peer),
             ack_mode: pb::AckMode::from(info.ack_mode) as i32,
             replica_id: info.replica_id,
+            unacked: info.unacked,
+            oldest_unacked_age: info.oldest_unacked_age.map(duration_to_pb),
         }
+    }
+}
+
+fn duration_to_pb(age: std::time::Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: age.as_secs() as i64,
+        nanos: age.subsec_nanos() as i32,
     }
 }
 
@@ -944,10 +953,7 @@ impl From<crate::engine::GroupInfo> for pb::ConsumerGroupInfo {
             redeliveries: group.redeliveries,
             dead_lettered: group.dead_lettered,
             dropped: group.dropped,
-            oldest_unacked_age: group.oldest_unacked_age.map(|age| prost_types::Duration {
-                seconds: age.as_secs() as i64,
-                nanos: age.subsec_nanos() as i32,
-            }),
+            oldest_unacked_age: group.oldest_unacked_age.map(duration_to_pb),
         }
     }
 }

@@ -463,6 +463,7 @@ const PATTERNS_LABEL_BYTES: usize = 200;
 #[derive(Clone)]
 struct OperatorTemplates {
     queue_depth_peak: IntGaugeVec,
+    subscription_unacked: IntGaugeVec,
     recent_eviction: GaugeVec,
     group_stalled: GaugeVec,
     group_memberless: GaugeVec,
@@ -480,6 +481,13 @@ impl OperatorTemplates {
                 Opts::new(
                     "tinybroker_subscription_queue_depth_peak",
                     "Highest depth of one subscription's queue over the last two scrape intervals (consumer_group empty for broadcast): a queue that fills and drains between scrapes still shows.",
+                ),
+                &["subscription_id", "consumer_group"],
+            )?,
+            subscription_unacked: IntGaugeVec::new(
+                Opts::new(
+                    "tinybroker_subscription_unacked",
+                    "Messages delivered to one manual-ack group member and not acked or nacked yet: a hung member among healthy ones holds many (up to its max_in_flight) while its queue depth stays 0.",
                 ),
                 &["subscription_id", "consumer_group"],
             )?,
@@ -538,6 +546,7 @@ impl OperatorTemplates {
     fn collectors(&self) -> Vec<&dyn Collector> {
         vec![
             &self.queue_depth_peak,
+            &self.subscription_unacked,
             &self.recent_eviction,
             &self.group_stalled,
             &self.group_memberless,
@@ -673,6 +682,9 @@ impl BrokerCollector {
                 let labels = &[sub.subscription_id.as_str(), sub.consumer_group.as_str()];
                 m.queue_depth.with_label_values(labels).set(sub.queue_depth as i64);
                 o.queue_depth_peak.with_label_values(labels).set(sub.queue_peak as i64);
+                if sub.ack_mode == Some(crate::engine::AckMode::Manual) {
+                    o.subscription_unacked.with_label_values(labels).set(sub.unacked as i64);
+                }
             }
         }
         // An evicted subscription's queue was full.
@@ -971,6 +983,64 @@ mod tests {
                 ..Default::default()
             })
             .unwrap()
+    }
+
+    /// A member that never acks beside one that does: its queue reads 0
+    /// like the healthy one's, but Admin's record and the per-member
+    /// metric name what it holds and for how long.
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_member_is_named_by_its_unacked_messages() {
+        let broker = Broker::new(Limits::default());
+        let metrics = Metrics::new(broker.clone(), true);
+        let member = |id: &str| {
+            broker
+                .subscribe(SubscribeRequest {
+                    topic_patterns: vec!["t".into()],
+                    subscription_id: id.into(),
+                    mode: DeliveryMode::Single,
+                    consumer_group: "g".into(),
+                    ack_mode: crate::engine::AckMode::Manual,
+                    ..Default::default()
+                })
+                .unwrap()
+        };
+        let (mut hung, mut healthy) = (member("hung"), member("healthy"));
+        for _ in 0..6 {
+            publish(&broker, "t");
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut taken = 0;
+        while let Poll::Ready(Some(_)) = hung.poll_next_unpin(&mut cx) {
+            taken += 1;
+        }
+        assert_eq!(taken, 3, "round-robin: half each");
+        tokio::time::advance(Duration::from_secs(7)).await;
+        while let Poll::Ready(Some(d)) = healthy.poll_next_unpin(&mut cx) {
+            broker.ack("healthy", &[d.message.sequence]).unwrap();
+        }
+        let list = broker.subscriptions(Peaks::Keep);
+        let record = |id: &str| list.iter().find(|s| s.subscription_id == id).unwrap();
+        assert_eq!((record("hung").queue_depth, record("hung").unacked), (0, 3));
+        assert_eq!(record("hung").oldest_unacked_age, Some(Duration::from_secs(7)));
+        assert_eq!(
+            (record("healthy").unacked, record("healthy").oldest_unacked_age),
+            (0, None)
+        );
+        let text = metrics.render();
+        assert_eq!(
+            value(
+                &text,
+                r#"tinybroker_subscription_unacked{consumer_group="g",subscription_id="hung"}"#
+            ),
+            Some(3.0)
+        );
+        assert_eq!(
+            value(
+                &text,
+                r#"tinybroker_subscription_unacked{consumer_group="g",subscription_id="healthy"}"#
+            ),
+            Some(0.0)
+        );
     }
 
     #[test]

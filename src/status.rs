@@ -86,6 +86,9 @@ pub struct SubscriptionRow {
     pub opened_at: f64,
     pub peer: Option<String>,
     pub replica_id: String,
+    /// A MANUAL member's messages delivered and not acked yet.
+    pub unacked: u64,
+    pub oldest_unacked_age_seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -147,13 +150,15 @@ fn assemble(
 ) -> Status {
     let limit = if limit == 0 { usize::MAX } else { limit };
     let (subscription_count, group_count) = (subscriptions.len(), groups.len());
-    // Fill as a cross product, so that no float is compared: a/b > c/d.
+    // Fill as a cross product, so that no float is compared: a/b > c/d. A
+    // group member's fill counts what it holds unacked too (its capacity is
+    // max_in_flight), so a hung member comes first, not among the empty.
     subscriptions.sort_by(|a, b| {
-        let fill =
-            |s: &SubscriptionInfo, other: &SubscriptionInfo| s.queue_depth as u128 * other.capacity.max(1) as u128;
+        let held = |s: &SubscriptionInfo| s.queue_depth as u128 + u128::from(s.unacked);
+        let fill = |s: &SubscriptionInfo, other: &SubscriptionInfo| held(s) * other.capacity.max(1) as u128;
         fill(b, a)
             .cmp(&fill(a, b))
-            .then(b.queue_depth.cmp(&a.queue_depth))
+            .then(held(b).cmp(&held(a)))
             .then_with(|| a.subscription_id.cmp(&b.subscription_id))
     });
     groups.sort_by(|a, b| {
@@ -191,6 +196,8 @@ fn assemble(
                 opened_at: unix_seconds(s.opened_at),
                 peer: s.peer.map(|p| p.to_string()),
                 replica_id: s.replica_id,
+                unacked: s.unacked,
+                oldest_unacked_age_seconds: s.oldest_unacked_age.map(|age| age.as_secs_f64()),
             })
             .collect(),
         groups: groups
@@ -270,6 +277,8 @@ mod tests {
             opened_at: SystemTime::UNIX_EPOCH + Duration::from_millis(1_500),
             peer: None,
             replica_id: String::new(),
+            unacked: 0,
+            oldest_unacked_age: None,
         }
     }
 

@@ -306,8 +306,10 @@ async fn subscriptions_lists_what_admin_lists_fullest_queue_first() {
 
         let rows = json_lines(&cli_ok(&url, &["subscriptions", "--json"]));
         assert_eq!(rows.len(), listed.len());
-        // The watcher's queue holds 3 of 8, the others' none.
-        assert_eq!(rows[0]["subscription_id"], "watcher");
+        // worker-1 holds its max_in_flight (2) unacked: full; the watcher's
+        // queue holds 3 of 8, the others' none.
+        assert_eq!(rows[0]["subscription_id"], "worker-1");
+        assert_eq!(rows[1]["subscription_id"], "watcher");
         for s in &listed {
             let row = rows
                 .iter()
@@ -319,18 +321,22 @@ async fn subscriptions_lists_what_admin_lists_fullest_queue_first() {
             assert_eq!(row["consumer_group"], s.consumer_group.as_str(), "{row}");
             assert_eq!(row["topic_patterns"], serde_json::json!(s.topic_patterns), "{row}");
             assert_eq!(row["peer_address"], s.peer_address.as_str(), "{row}");
+            assert_eq!(row["unacked"], s.unacked, "{row}");
         }
         let worker = rows.iter().find(|r| r["subscription_id"] == "worker-1").unwrap();
         assert_eq!(
             (&worker["mode"], &worker["ack_mode"]),
             (&"single".into(), &"manual".into())
         );
-        assert_eq!((&rows[0]["mode"], &rows[0]["ack_mode"]), (&"multi".into(), &"".into()));
+        assert_eq!(worker["unacked"], 2, "{worker}");
+        assert!(worker["oldest_unacked_age_seconds"].as_f64().is_some(), "{worker}");
+        assert_eq!((&rows[1]["mode"], &rows[1]["ack_mode"]), (&"multi".into(), &"".into()));
 
         let table = cli_ok(&url, &["subscriptions"]);
         let lines: Vec<&str> = table.lines().collect();
         assert!(lines[0].starts_with("ID "), "{table}");
-        assert!(lines[1].starts_with("watcher "), "fullest first: {table}");
+        assert!(lines[1].starts_with("worker-1 "), "fullest first: {table}");
+        assert!(lines[2].starts_with("watcher "), "fullest first: {table}");
         assert!(!lines[0].contains("REPLICA"), "no replica column on one node: {table}");
         assert_eq!(cell(&table, "watcher", "QUEUE"), "3/8", "{table}");
         assert_eq!(cell(&table, "watcher", "FILL"), "38%", "{table}");
@@ -338,6 +344,9 @@ async fn subscriptions_lists_what_admin_lists_fullest_queue_first() {
         assert_eq!(cell(&table, "worker-1", "GROUP"), "workers", "{table}");
         assert_eq!(cell(&table, "worker-1", "QUEUE"), "0/2", "{table}");
         assert_eq!(cell(&table, "worker-1", "MODE"), "single/manual", "{table}");
+        assert_eq!(cell(&table, "worker-1", "UNACKED"), "2", "{table}");
+        assert_eq!(cell(&table, "worker-1", "FILL"), "100%", "{table}");
+        assert_eq!(cell(&table, "watcher", "UNACKED"), "-", "{table}");
 
         let rows = json_lines(&cli_ok(&url, &["subscriptions", "--group", "workers", "--json"]));
         let ids: Vec<&str> = rows.iter().map(|r| r["subscription_id"].as_str().unwrap()).collect();

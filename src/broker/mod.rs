@@ -48,6 +48,7 @@ pub(crate) use group::machine;
 pub use message::{Delivery, Published, message_size};
 pub use publish::{RemoteRoutes, RouteCache};
 pub use queue::WakeBatch;
+pub(crate) use snapshot::set_unacked;
 pub use subscription::{ExternalMember, Subscription, SubscriptionStream};
 
 use crate::config::Limits;

@@ -7,8 +7,18 @@ use super::subscription::Subscription;
 use crate::engine::{
     Counters, EngineInfo, EvictionRecord, GroupInfo, GroupRemoval, MemoryUse, Peaks, Snapshot, SubscriptionInfo,
 };
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A group member's unacked messages in its record: `held` handed to it,
+/// the oldest `age` ago. What still waits in its queue was not delivered:
+/// `unacked` is the rest (the record's `queue_depth` says how many wait).
+pub(crate) fn set_unacked(info: &mut SubscriptionInfo, held: u32, age: Duration) {
+    info.unacked = u64::from(held).saturating_sub(info.queue_depth as u64);
+    info.oldest_unacked_age = Some(age);
+}
 
 impl Broker {
     /// Every open subscription, oldest first.
@@ -28,9 +38,23 @@ impl Broker {
     /// Every open subscription, oldest first; with [`Peaks::Take`] each
     /// queue starts a new peak period.
     pub fn subscriptions(&self, peaks: Peaks) -> Vec<SubscriptionInfo> {
+        let now = tokio::time::Instant::now();
+        // Each group's members' unacked messages, in one pass per group.
+        let mut unacked = HashMap::new();
         self.live_subscriptions()
             .iter()
-            .map(|s| s.info(peaks, &self.shared.replica_id))
+            .map(|s| {
+                let mut info = s.info(peaks, &self.shared.replica_id);
+                if let Some(group) = s.membership().map(|m| &m.group) {
+                    let by_member = unacked
+                        .entry(group.name().to_owned())
+                        .or_insert_with(|| group.unacked_by_member());
+                    if let Some(u) = by_member.get(&s.key) {
+                        set_unacked(&mut info, u.count, now.saturating_duration_since(u.oldest));
+                    }
+                }
+                info
+            })
             .collect()
     }
 

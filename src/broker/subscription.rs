@@ -182,6 +182,8 @@ impl Subscription {
             opened_at: self.opened_at,
             peer: self.peer,
             replica_id: replica_id.to_owned(),
+            unacked: 0,
+            oldest_unacked_age: None,
         }
     }
 }

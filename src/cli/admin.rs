@@ -202,18 +202,26 @@ fn print_json_rows(rows: impl Iterator<Item = Value>) -> anyhow::Result<()> {
 
 // === order of the rows ===
 
-/// How full a subscription's queue is, 0 to 1 (beyond for a member holding
-/// more than its max_in_flight).
-pub(super) fn fill(s: &pb::SubscriptionInfo) -> f64 {
-    s.queue_depth as f64 / s.capacity.max(1) as f64
+/// What a subscription holds: its queue, and for a manual-ack member the
+/// messages on its stream not acked yet.
+fn held(s: &pb::SubscriptionInfo) -> u64 {
+    s.queue_depth.saturating_add(s.unacked)
 }
 
-/// Fullest queue first, then deepest, then by id.
+/// How full a subscription is, 0 to 1: its queue over its capacity, and
+/// for a group member what it holds (queued and unacked) over its
+/// max_in_flight, so a hung member is as full as its unacked messages
+/// make it (beyond 1 for a member holding more than its max_in_flight).
+pub(super) fn fill(s: &pb::SubscriptionInfo) -> f64 {
+    held(s) as f64 / s.capacity.max(1) as f64
+}
+
+/// Fullest first, then the most held, then by id.
 pub(super) fn sort_by_fill(list: &mut [pb::SubscriptionInfo]) {
     list.sort_by(|a, b| {
         fill(b)
             .total_cmp(&fill(a))
-            .then(b.queue_depth.cmp(&a.queue_depth))
+            .then(held(b).cmp(&held(a)))
             .then(a.subscription_id.cmp(&b.subscription_id))
     });
 }
@@ -309,6 +317,8 @@ fn subscriptions_table(list: &[pb::SubscriptionInfo], replica: bool, now: System
         ("QUEUE", Right),
         ("FILL", Right),
         ("DELIVERED", Right),
+        ("UNACKED", Right),
+        ("OLDEST UNACKED", Right),
         ("AGE", Right),
         ("PEER", Left),
     ];
@@ -325,6 +335,8 @@ fn subscriptions_table(list: &[pb::SubscriptionInfo], replica: bool, now: System
             format!("{}/{}", s.queue_depth, s.capacity),
             percent(fill(s)),
             s.delivered.to_string(),
+            unacked_cell(s),
+            s.oldest_unacked_age.map(duration).map_or_else(dash, human_duration),
             s.opened_at.map_or_else(dash, |t| human_duration(age(t, now))),
             or_dash(&s.peer_address),
         ];
@@ -334,6 +346,16 @@ fn subscriptions_table(list: &[pb::SubscriptionInfo], replica: bool, now: System
         table.row(row);
     }
     table
+}
+
+/// A manual-ack member's unacked count; a dash for every other
+/// subscription (which has nothing to ack).
+pub(super) fn unacked_cell(s: &pb::SubscriptionInfo) -> String {
+    if s.ack_mode == pb::AckMode::Manual as i32 && !s.consumer_group.is_empty() {
+        s.unacked.to_string()
+    } else {
+        dash()
+    }
 }
 
 fn groups_table(list: &[pb::ConsumerGroupInfo]) -> Table {
@@ -410,6 +432,8 @@ fn subscription_json(s: &pb::SubscriptionInfo) -> Value {
         "queue_depth": s.queue_depth,
         "capacity": s.capacity,
         "delivered": s.delivered,
+        "unacked": s.unacked,
+        "oldest_unacked_age_seconds": s.oldest_unacked_age.map(|d| duration(d).as_secs_f64()),
         "opened_at": s.opened_at.map(|t| t.to_string()),
         "peer_address": s.peer_address,
         "replica_id": s.replica_id,
@@ -566,6 +590,44 @@ mod tests {
         sort_by_fill(&mut list);
         let ids: Vec<&str> = list.iter().map(|s| s.subscription_id.as_str()).collect();
         assert_eq!(ids, ["member", "half", "empty"]);
+    }
+
+    /// `tinybroker subscriptions --group`: a member that never acks holds
+    /// its max_in_flight unacked with an empty queue; it comes first and
+    /// its UNACKED and OLDEST UNACKED cells name it.
+    #[test]
+    fn a_hung_member_comes_first_with_its_unacked_messages() {
+        let member = |id: &str, unacked: u64, age: Option<i64>| pb::SubscriptionInfo {
+            consumer_group: "workers".into(),
+            mode: pb::DeliveryMode::Single as i32,
+            ack_mode: pb::AckMode::Manual as i32,
+            unacked,
+            oldest_unacked_age: age.map(|seconds| prost_types::Duration { seconds, nanos: 0 }),
+            ..sub(id, 0, 64)
+        };
+        let mut list = vec![
+            member("ok-1", 1, Some(0)),
+            member("hung", 43, Some(21)),
+            member("ok-2", 0, None),
+        ];
+        sort_by_fill(&mut list);
+        assert_eq!(list[0].subscription_id, "hung");
+        let text = subscriptions_table(&list, false, SystemTime::now()).render();
+        assert_eq!(cell(&text, "hung", "UNACKED"), "43", "{text}");
+        assert_eq!(cell(&text, "hung", "OLDEST UNACKED"), "21s", "{text}");
+        assert_eq!(cell(&text, "ok-2", "OLDEST UNACKED"), "-", "{text}");
+        // A broadcast subscription has nothing to ack.
+        let text = subscriptions_table(&[sub("b", 0, 8)], false, SystemTime::now()).render();
+        assert_eq!(cell(&text, "b", "UNACKED"), "-", "{text}");
+    }
+
+    /// The cell of `column` in the row starting with `row` (columns are
+    /// right-aligned numbers here: the cell ends where the header ends).
+    fn cell(table: &str, row: &str, column: &str) -> String {
+        let header = table.lines().next().unwrap();
+        let end = header.find(column).unwrap() + column.len();
+        let line = table.lines().find(|l| l.starts_with(row)).unwrap();
+        line[..end].split_whitespace().last().unwrap().to_owned()
     }
 
     #[test]

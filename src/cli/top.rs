@@ -7,6 +7,7 @@
 use super::Connection;
 use super::admin::{
     age, duration, fill, human_duration, or_dash, percent, sort_by_backlog, sort_by_fill, sort_newest_first,
+    unacked_cell,
 };
 use crate::client::{Client, error_chain};
 use crate::pb;
@@ -519,6 +520,7 @@ fn subscriptions_list(sample: &Sample, replica: bool) -> ListWidget {
         text("PATTERNS", Constraint::Fill(1), 8, 6),
         number("QUEUE", 13, 2),
         number("FILL", 5, 3),
+        number("UNACKED", 8, 3),
         number("DELIVERED", 10, 4),
     ];
     if replica {
@@ -534,6 +536,7 @@ fn subscriptions_list(sample: &Sample, replica: bool) -> ListWidget {
                 s.topic_patterns.join(","),
                 format!("{}/{}", s.queue_depth, s.capacity),
                 percent(fill(s)),
+                unacked_cell(s),
                 s.delivered.to_string(),
             ];
             if replica {
@@ -543,7 +546,7 @@ fn subscriptions_list(sample: &Sample, replica: bool) -> ListWidget {
         })
         .collect();
     ListWidget {
-        title: "Subscriptions, fullest queue first",
+        title: "Subscriptions, fullest first",
         columns,
         rows,
     }

@@ -783,6 +783,7 @@ impl Engine for ClusterEngine {
 
     fn snapshot(&self, peaks: Peaks) -> Snapshot {
         let mut snapshot = self.inner.local.snapshot(peaks);
+        self.fill_unacked(&mut snapshot.subscriptions);
         // Gauges cluster-wide (the last gathering), counters this
         // replica's own: summed over the replicas, they are the cluster's.
         let mut groups = self.inner.groups_seen.lock().clone();

@@ -320,7 +320,7 @@ impl ClusterEngine {
             Call::Ack { id, sequences } => self.ack_here(&id, &sequences).await.map(Answer::Acked),
             Call::Nack { id, sequences } => self.nack_here(&id, &sequences).await.map(Answer::Nacked),
             Call::Close { id } => local.close_subscription(&id).map(|()| Answer::Closed),
-            Call::ListSubscriptions => Ok(Answer::Subscriptions(local.subscriptions(Peaks::Keep))),
+            Call::ListSubscriptions => Ok(Answer::Subscriptions(self.local_subscriptions(Peaks::Keep))),
             Call::ListEvictions => Ok(Answer::Evictions(local.evictions())),
             Call::ListGroups => Ok(Answer::Groups(self.local_groups())),
             Call::RouteGroup { name, patterns } => {
@@ -472,6 +472,9 @@ mod tests {
             opened_at: SystemTime::UNIX_EPOCH + Duration::new(1_700_000_000, 5),
             peer: Some("127.0.0.1:5".parse().unwrap()),
             replica_id: "a".into(),
+            // Not in the previous version's JSON: see the proto round trip.
+            unacked: 0,
+            oldest_unacked_age: None,
         }
     }
 
@@ -564,7 +567,12 @@ mod tests {
             assert_eq!(format!("{:?}", read.unwrap()), format!("{call:?}"));
             assert!(proto);
         }
-        for answer in answers() {
+        let hung = SubscriptionInfo {
+            unacked: 6,
+            oldest_unacked_age: Some(Duration::from_millis(7)),
+            ..subscription()
+        };
+        for answer in answers().into_iter().chain([Answer::Subscriptions(vec![hung])]) {
             let (_, body) = encode_answer(answer.clone(), true);
             let read = decode_answer(&body, true).unwrap();
             assert_eq!(format!("{read:?}"), format!("{answer:?}"));

@@ -353,6 +353,14 @@ pub struct SubscriptionInfo {
     pub peer: Option<SocketAddr>,
     /// The replica serving it (cluster mode; empty otherwise).
     pub replica_id: String,
+    /// A MANUAL group member's messages on its stream and not acked or
+    /// nacked yet (0 for any other subscription). Not in the JSON that
+    /// replicas of the previous version speak (they have no such field).
+    #[serde(skip)]
+    pub unacked: u64,
+    /// How long ago the oldest message it holds unacked was handed to it.
+    #[serde(skip)]
+    pub oldest_unacked_age: Option<Duration>,
 }
 
 /// One consumer group, at one moment.

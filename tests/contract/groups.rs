@@ -112,6 +112,82 @@ async fn a_member_with_max_in_flight_1_that_never_acks_gets_only_1() {
     .await
 }
 
+/// A member that never acks beside two that do: its queue reads 0 like
+/// theirs, but ListSubscriptions names it by the messages it holds unacked
+/// and how long it has held the oldest (the CLI, `top`, the status page and
+/// `tinybroker_subscription_unacked` show the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_member_is_named_by_its_unacked_messages() {
+    timeout(async {
+        let broker = start().await;
+        let mut request = member_request(&["jobs.>"], "hang", true, 8);
+        request.ack_deadline_ms = 60_000;
+        let (mut hung, hung_id) = open(&mut broker.client().await, request.clone()).await;
+        let (tx, mut rx) = mpsc::unbounded_channel::<pb::Message>();
+        let mut healthy_ids = Vec::new();
+        for _ in 0..2 {
+            let (mut stream, id) = open(&mut broker.client().await, request.clone()).await;
+            healthy_ids.push(id.clone());
+            let tx = tx.clone();
+            let mut acker = broker.client().await;
+            tokio::spawn(async move {
+                while let Ok(Some(m)) = stream.message().await {
+                    acker
+                        .ack(pb::AckRequest {
+                            subscription_id: id.clone(),
+                            sequences: vec![m.sequence],
+                        })
+                        .await
+                        .unwrap();
+                    if tx.send(m).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        wait_members(&broker, "hang", 3).await;
+        publish_many(&broker, "jobs.x", 60).await;
+        // The hung member takes what its max_in_flight allows; the others
+        // everything else.
+        let mut held = 0;
+        while held < 8 {
+            hung.message().await.unwrap().unwrap();
+            held += 1;
+        }
+        for _ in 0..52 {
+            rx.recv().await.unwrap();
+        }
+        wait_until("the hung member's record to name its 8 unacked messages", || async {
+            let list = broker.subscriptions().await;
+            let record = |id: &str| list.iter().find(|s| s.subscription_id == id).cloned().unwrap();
+            let hung = record(&hung_id);
+            hung.unacked == 8
+                && hung.queue_depth == 0
+                && hung.oldest_unacked_age.is_some()
+                && healthy_ids.iter().all(|id| {
+                    let s = record(id);
+                    s.unacked == 0 && s.oldest_unacked_age.is_none()
+                })
+        })
+        .await;
+        // Its oldest unacked message ages.
+        let age = |list: Vec<pb::SubscriptionInfo>| {
+            let d = list
+                .into_iter()
+                .find(|s| s.subscription_id == hung_id)
+                .and_then(|s| s.oldest_unacked_age)
+                .unwrap();
+            Duration::new(d.seconds as u64, d.nanos as u32)
+        };
+        let first = age(broker.subscriptions().await);
+        wait_until("the oldest unacked age to grow", || async {
+            age(broker.subscriptions().await) >= first + Duration::from_millis(300)
+        })
+        .await;
+    })
+    .await
+}
+
 #[tokio::test]
 async fn messages_published_while_no_member_is_connected_arrive_when_one_joins() {
     timeout(async {

@@ -177,6 +177,16 @@ struct Member<K> {
     held: u32,
 }
 
+/// A MANUAL member's messages not acked or nacked yet (Admin's
+/// `unacked` and `oldest_unacked_age` of a member).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MemberUnacked {
+    /// Handed to it: on its stream, or still in its queue.
+    pub(crate) count: u32,
+    /// When the oldest of them was handed to it.
+    pub(crate) oldest: Instant,
+}
+
 /// A message handed to a member and not done yet (MANUAL, or AUTO per
 /// message).
 struct Held<T, K> {
@@ -257,6 +267,29 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             .filter(|h| h.deadline.is_some())
             .map(|h| h.handed_out)
             .min()
+    }
+
+    /// What each member holds unacked (MANUAL: handed to it, not acked
+    /// or nacked yet), in one pass over what is held: members holding
+    /// nothing are absent.
+    pub(crate) fn unacked_by_member(&self) -> HashMap<K, MemberUnacked>
+    where
+        K: std::hash::Hash + Eq,
+    {
+        let mut by_member: HashMap<K, MemberUnacked> = HashMap::new();
+        for held in self.held.values().filter(|h| h.deadline.is_some()) {
+            by_member
+                .entry(held.member.clone())
+                .and_modify(|u| {
+                    u.count += 1;
+                    u.oldest = u.oldest.min(held.handed_out);
+                })
+                .or_insert(MemberUnacked {
+                    count: 1,
+                    oldest: held.handed_out,
+                });
+        }
+        by_member
     }
 
     /// The ack mode of the first member (all have the same), if any.

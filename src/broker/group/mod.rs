@@ -166,6 +166,11 @@ impl ConsumerGroup {
         self.delivered.fetch_add(count, Ordering::Relaxed);
     }
 
+    /// What each MANUAL member holds unacked, by subscription key.
+    pub(crate) fn unacked_by_member(&self) -> std::collections::HashMap<u64, machine::MemberUnacked> {
+        self.state.lock().machine.unacked_by_member()
+    }
+
     /// What Admin and the metrics see.
     pub fn info(&self, now: Instant) -> GroupInfo {
         let state = self.state.lock();

@@ -892,6 +892,33 @@ impl ClusterEngine {
         self.inner.groups.members.lock().get(id).cloned()
     }
 
+    /// The records of this replica's subscriptions, with what each MANUAL
+    /// member holds unacked (its hub's view, as of its last tick).
+    pub(super) fn local_subscriptions(&self, peaks: crate::engine::Peaks) -> Vec<crate::engine::SubscriptionInfo> {
+        let mut list = self.inner.local.subscriptions(peaks);
+        self.fill_unacked(&mut list);
+        list
+    }
+
+    /// Sets what each MANUAL member in `list` holds unacked, from its
+    /// hub's view (as of the hub's last tick).
+    pub(super) fn fill_unacked(&self, list: &mut [crate::engine::SubscriptionInfo]) {
+        let hubs = self.inner.groups.hubs.lock().clone();
+        let now = Instant::now();
+        let mut views = HashMap::new();
+        for info in list.iter_mut().filter(|i| !i.consumer_group.is_empty()) {
+            let Some(hub) = hubs.get(&info.consumer_group) else {
+                continue;
+            };
+            let view = views
+                .entry(info.consumer_group.clone())
+                .or_insert_with(|| hub.view().unacked);
+            if let Some(u) = view.get(info.subscription_id.as_str()) {
+                crate::broker::set_unacked(info, u.count, now.saturating_duration_since(u.oldest));
+            }
+        }
+    }
+
     /// This replica's view of its groups.
     pub(super) fn local_groups(&self) -> Vec<LocalGroup> {
         let hubs: Vec<HubHandle<Nats>> = self.inner.groups.hubs.lock().values().cloned().collect();

@@ -32,9 +32,10 @@
 //! and held messages, or has left it in one operation of [`HubCore::out`]
 //! (property tests here and in the machine check it after every step).
 
-use crate::broker::machine::{AutoDone, Event, GroupMachine, NoRoom, Rules};
+use crate::broker::machine::{AutoDone, Event, GroupMachine, MemberUnacked, NoRoom, Rules};
 use crate::broker::{Published, Subscription};
 use crate::engine::{Acked, Nacked};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -110,6 +111,9 @@ pub(crate) struct View {
     pub(crate) counters: Counters,
     /// The ack mode its members asked for (None without members).
     pub(crate) ack_mode: Option<crate::engine::AckMode>,
+    /// What each MANUAL member here holds unacked, by subscription id
+    /// (brought up to date at ticks, with `oldest_given_at`).
+    pub(crate) unacked: Arc<HashMap<Arc<str>, MemberUnacked>>,
 }
 
 /// A group's members on this replica and the JetStream messages they hold.
@@ -150,8 +154,12 @@ impl<M: Clone> HubCore<M> {
         view.ack_mode = self.machine.ack_mode();
         if view.held == 0 {
             view.oldest_given_at = None;
+            if !view.unacked.is_empty() {
+                view.unacked = Arc::default();
+            }
         } else if full || view.oldest_given_at.is_none() {
             view.oldest_given_at = self.machine.oldest_unacked();
+            view.unacked = Arc::new(self.machine.unacked_by_member());
         }
     }
 

@@ -195,6 +195,8 @@ pub(super) fn subscription_to_wire(s: SubscriptionInfo) -> pb::Subscription {
         opened_at: Some(s.opened_at.into()),
         peer: s.peer.map(|p| p.to_string()).unwrap_or_default(),
         replica_id: s.replica_id,
+        unacked: s.unacked,
+        oldest_unacked_ms: s.oldest_unacked_age.map(|age| age.as_millis() as u64),
     }
 }
 
@@ -229,6 +231,8 @@ pub(super) fn subscription_from_wire(s: pb::Subscription) -> Result<Subscription
         topic_patterns: s.topic_patterns,
         delivered: s.delivered,
         replica_id: s.replica_id,
+        unacked: s.unacked,
+        oldest_unacked_age: s.oldest_unacked_ms.map(std::time::Duration::from_millis),
     })
 }
 
