@@ -77,6 +77,9 @@ const MARKUP_ID: &str = "<i>not-markup</i>";
 const GROUP: &str = "billing";
 /// A subscription whose queue holds 10 of its 16.
 const LAGGING_ID: &str = "reports-export";
+/// The group's one member (max_in_flight 1, never acks): it holds its one
+/// message unacked, so it is full and listed first.
+const MEMBER_ID: &str = "invoices-worker";
 const EVICTED_ID: &str = "slow-dashboard";
 
 /// Sets the scene on a broker whose consumer capacity is small (16):
@@ -106,7 +109,14 @@ async fn set_scene(broker: &TestBroker, backlog: usize) -> Scene {
     for mut stream in [audit, markup] {
         tokio::spawn(async move { while let Ok(Some(_)) = stream.message().await {} });
     }
-    let (member, _) = open(&mut client, member_request(&["invoices.>"], GROUP, true, 1)).await;
+    let (member, _) = open(
+        &mut client,
+        pb::OpenSubscriptionRequest {
+            subscription_id: MEMBER_ID.into(),
+            ..member_request(&["invoices.>"], GROUP, true, 1)
+        },
+    )
+    .await;
     publish_many(broker, "invoices.new", backlog + 1).await;
     wait_until("the group's backlog", || async {
         broker.group(GROUP).await.is_some_and(|g| g.backlog == backlog as u64)
@@ -202,16 +212,23 @@ async fn status_page_and_status_json_over_http() {
         } else {
             assert!(field(&s, "cluster.replica_id").is_string(), "{s:#}");
         }
-        // The subscriptions, fullest queue first: orders-audit is there with
-        // every field the page shows.
+        // The subscriptions, fullest first (the member holds its
+        // max_in_flight unacked, the lagging queue 10 of 16): orders-audit
+        // is there with every field the page shows.
         assert_eq!(
             field(&s, "subscription_count"),
             4,
             "three broadcast subscriptions and the member: {s:#}"
         );
         assert_eq!(
-            s["subscriptions"][0]["subscription_id"], LAGGING_ID,
-            "the fullest queue first: {s:#}"
+            s["subscriptions"][0]["subscription_id"], MEMBER_ID,
+            "the fullest first: {s:#}"
+        );
+        assert_eq!(s["subscriptions"][0]["unacked"], 1, "{s:#}");
+        assert!(s["subscriptions"][0]["oldest_unacked_age_seconds"].is_number(), "{s:#}");
+        assert_eq!(
+            s["subscriptions"][1]["subscription_id"], LAGGING_ID,
+            "the fullest first: {s:#}"
         );
         let audit = s["subscriptions"]
             .as_array()
@@ -574,6 +591,8 @@ const VIEW: &str = r#"JSON.stringify((() => {
     markup_in_rows: document.querySelectorAll("td.id *, td.patterns *").length,
     backlog: Object.fromEntries(rows("groups").filter((r) => r.querySelector("td.name"))
       .map((r) => [r.querySelector("td.name").textContent, r.querySelector("td.backlog").textContent])),
+    unacked: Object.fromEntries(rows("subscriptions").filter((r) => r.querySelector("td.id"))
+      .map((r) => [r.querySelector("td.id").textContent, r.querySelector("td.unacked").textContent])),
     evictions: rows("evictions").flatMap((r) => text(r, "td.id")),
     published_rate: document.getElementById("published-rate").textContent,
     delivered_rate: document.getElementById("delivered-rate").textContent,
@@ -650,9 +669,12 @@ async fn status_page_in_a_browser_shows_the_broker_and_follows_it() {
         assert_eq!(view["markup_in_rows"], 0, "{view:#}");
         assert_eq!(view["form"], false);
         assert_eq!(
-            view["subscriptions"][0], LAGGING_ID,
-            "the fullest queue first: {view:#}"
+            (&view["subscriptions"][0], &view["subscriptions"][1]),
+            (&json!(MEMBER_ID), &json!(LAGGING_ID)),
+            "the fullest first: {view:#}"
         );
+        assert_eq!(view["unacked"][MEMBER_ID], "1", "{view:#}");
+        assert_eq!(view["unacked"][LAGGING_ID], "—", "{view:#}");
 
         let shot = artifacts().join("status-page.png");
         browser.screenshot(&shot).await;
