@@ -311,6 +311,12 @@ impl TestBroker {
 
     /// `tinybroker_messages_dropped_total{reason}`, summed over the
     /// replicas (each counts what it dropped).
+    /// The NATS server of [`start_cluster`]'s replicas (None with the
+    /// memory engine).
+    pub fn nats_mut(&mut self) -> Option<&mut nats::NatsCluster> {
+        self.nats.as_mut()
+    }
+
     pub async fn dropped_total(&self, reason: &str) -> f64 {
         dropped_total(std::iter::once(self).chain(&self.peers), reason).await
     }

@@ -138,6 +138,11 @@ pub(super) struct Groups {
     idle: Mutex<HashMap<String, Idle>>,
     /// Messages this replica dropped from a full group backlog, per group.
     overflowed: Mutex<HashMap<String, u64>>,
+    /// Messages of each group that this replica counted as lost with NATS's
+    /// memory (`nats_state_lost`): the backlogs, by the replica that counts
+    /// them, and what its hubs held. With `overflowed`, the group's
+    /// `dropped` in ListConsumerGroups (summed over the replicas).
+    state_lost: Mutex<HashMap<String, u64>>,
 }
 
 struct Idle {
@@ -313,6 +318,7 @@ impl ClusterEngine {
     fn unroute_group(&self, name: &str) {
         let groups = &self.inner.groups;
         groups.overflowed.lock().remove(name);
+        groups.state_lost.lock().remove(name);
         if let Some(old) = groups.table.lock().remove(name) {
             let mut routes = groups.routes.write();
             for p in old.iter().filter_map(|p| TopicPattern::parse(p).ok()) {
@@ -844,9 +850,11 @@ impl ClusterEngine {
         // Taken, not read: a second rebuild before the next gathering (a
         // replica's witness purged by another's rebuild) counts them once.
         let mut lost: u64 = 0;
+        let mut by_group: HashMap<String, u64> = HashMap::new();
         for group in self.inner.groups_seen.lock().iter_mut() {
-            if counts_backlogs {
+            if counts_backlogs && group.backlog > 0 {
                 lost += group.backlog as u64;
+                *by_group.entry(group.name.clone()).or_default() += group.backlog as u64;
             }
             group.backlog = 0;
         }
@@ -859,12 +867,20 @@ impl ClusterEngine {
                 Some(hub) => {
                     let consumer = self.group_consumer(ready, &name, hub.backend().ack_wait).await?;
                     hub.backend().set_consumer(consumer);
-                    lost += hub.forget_held().await as u64;
+                    let held = hub.forget_held().await as u64;
+                    lost += held;
+                    if held > 0 {
+                        *by_group.entry(name.clone()).or_default() += held;
+                    }
                 }
                 None => {
                     self.group_stream(ready, &name).await?;
                 }
             }
+        }
+        let mut state_lost = self.inner.groups.state_lost.lock();
+        for (name, n) in by_group {
+            *state_lost.entry(name).or_default() += n;
         }
         Ok(lost)
     }
@@ -922,7 +938,12 @@ impl ClusterEngine {
     /// This replica's view of its groups.
     pub(super) fn local_groups(&self) -> Vec<LocalGroup> {
         let hubs: Vec<HubHandle<Nats>> = self.inner.groups.hubs.lock().values().cloned().collect();
-        let overflowed = self.inner.groups.overflowed.lock().clone();
+        // What this replica counted as dropped, per group: overflow, and
+        // what NATS lost.
+        let mut overflowed = self.inner.groups.overflowed.lock().clone();
+        for (name, n) in self.inner.groups.state_lost.lock().iter() {
+            *overflowed.entry(name.clone()).or_default() += n;
+        }
         let now = Instant::now();
         let mut groups: Vec<LocalGroup> = hubs
             .iter()
