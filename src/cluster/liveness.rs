@@ -40,10 +40,14 @@
 //!   second or so of each other (NTP); a drop says the age it saw, so a
 //!   skewed clock shows in the log.
 //!
-//! The connection itself is left open: the client's reconnection logic is
-//! unchanged, so the moment the partition heals the same connection carries
-//! on (no reconnection to wait for), and a connection that is reset goes
-//! the usual way (`Event::Disconnected`, NOT_SERVING at once).
+//! The connection itself is left open, so the moment the partition heals
+//! the same connection carries on (no reconnection to wait for). A
+//! connection that is reset goes the usual way (`Event::Disconnected`:
+//! NOT_SERVING, and requests waiting on NATS answered, at once); the
+//! client then tries to reconnect at least every
+//! [`RECONNECT_DELAY_AT_MOST`] ([`reconnect_delay`], instead of its own
+//! backoff of up to 4 s), so that it serves again within 5 s of NATS
+//! taking connections again.
 
 use super::registry::key;
 use super::{ClusterEngine, Ready};
@@ -61,6 +65,10 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(500);
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long without a byte from the NATS server makes it unreachable.
 pub const SILENT_FOR: Duration = Duration::from_secs(2);
+/// The longest wait between two attempts to reconnect (the client's own
+/// backoff goes up to 4 s): a replica serves again within a second or so
+/// of its NATS server taking connections again.
+pub const RECONNECT_DELAY_AT_MOST: Duration = Duration::from_secs(1);
 /// How old a broadcast message of another replica may be when it arrives
 /// here; older, it is dropped and counted (`nats_unreachable`).
 pub const DELIVER_WITHIN: Duration = Duration::from_secs(5);
@@ -143,12 +151,17 @@ impl ClusterEngine {
                 last_heard = Instant::now();
                 continue;
             }
-            let answered = probe(client, &subject).await;
+            // Bytes read since the last look: heard by now (looked at before
+            // the probe, so that bytes read before a partition are not
+            // taken for an answer after the probe's wait).
             let now_read = client.statistics().in_bytes.load(Ordering::Relaxed);
-            if answered || now_read != read {
+            if now_read != read {
                 last_heard = Instant::now();
             }
             read = now_read;
+            if probe(client, &subject).await {
+                last_heard = Instant::now();
+            }
             let silent = last_heard.elapsed();
             let answering = self.inner.liveness.answering();
             if answering && silent >= SILENT_FOR {
@@ -213,6 +226,16 @@ impl ClusterEngine {
     }
 }
 
+/// The wait before reconnection attempt `attempts` (1 after the first
+/// failure): at once, then doubling from 2 ms, at most
+/// [`RECONNECT_DELAY_AT_MOST`].
+pub(super) fn reconnect_delay(attempts: usize) -> Duration {
+    match attempts {
+        0 | 1 => Duration::ZERO,
+        n => Duration::from_millis(1u64 << (n - 1).min(20)).min(RECONNECT_DELAY_AT_MOST),
+    }
+}
+
 /// One probe: whether the server answered (with no responders, as it
 /// should, or anything else) within [`PROBE_TIMEOUT`].
 async fn probe(client: &async_nats::Client, subject: &str) -> bool {
@@ -229,6 +252,15 @@ async fn probe(client: &async_nats::Client, subject: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnection_attempts_back_off_to_a_second_at_most() {
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(2));
+        assert_eq!(reconnect_delay(5), Duration::from_millis(16));
+        assert_eq!(reconnect_delay(11), RECONNECT_DELAY_AT_MOST);
+        assert_eq!(reconnect_delay(usize::MAX), RECONNECT_DELAY_AT_MOST);
+    }
 
     #[test]
     fn a_broadcast_message_is_too_late_only_past_the_bound() {

@@ -244,6 +244,7 @@ impl ClusterEngine {
             // own first server).
             .retain_servers_order()
             .max_reconnects(None)
+            .reconnect_delay_callback(liveness::reconnect_delay)
             .request_timeout(Some(RPC_TIMEOUT))
             .event_callback(move |event| {
                 let events_tx = events_tx.clone();
