@@ -38,7 +38,8 @@
 //!   because only it sees when a message arrives: the sender cannot take
 //!   back what its socket holds. This needs the replicas' clocks within a
 //!   second or so of each other (NTP); a drop says the age it saw, so a
-//!   skewed clock shows in the log.
+//!   skewed clock shows in the log. A replica too slow to read what NATS
+//!   sends it for 5 s drops the same way (late is late, whatever held it).
 //!
 //! The connection itself is left open, so the moment the partition heals
 //! the same connection carries on (no reconnection to wait for). A
@@ -218,7 +219,7 @@ impl ClusterEngine {
                 dropped_so_far = after,
                 sender_incarnation = sender,
                 age_ms = late.as_millis() as u64,
-                "a broadcast message of another replica arrived {:.1} s after it was published, later than {} s: dropped, not delivered (reason nats_unreachable: its replica was cut off from NATS, or the replicas' clocks differ)",
+                "a broadcast message of another replica arrived {:.1} s after it was published, later than {} s: dropped, not delivered (reason nats_unreachable: its replica was cut off from NATS for a while, this replica read too slowly, or the replicas' clocks differ)",
                 late.as_secs_f64(),
                 DELIVER_WITHIN.as_secs()
             );
