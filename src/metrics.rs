@@ -343,7 +343,7 @@ impl Templates {
             dropped: IntCounterVec::new(
                 Opts::new(
                     "tinybroker_messages_dropped_total",
-                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL), dead_letter_invalid (a dead letter that the broker's two headers took over a message limit), nats_slow_consumer (cluster mode: other replicas' messages NATS dropped on the way to this one).",
+                    "Messages lost before delivery, by reason: evicted (queued for an evicted subscriber), closed (queued for a cancelled or admin-closed subscription), group_overflow (oldest of a full group backlog), group_expired (backlog of a group removed after its idle TTL), dead_letter_invalid (a dead letter that the broker's two headers took over a message limit), nats_slow_consumer (cluster mode: other replicas' messages NATS dropped on the way to this one), nats_state_lost (cluster mode: group messages lost when NATS lost what it kept in memory), nats_unreachable (cluster mode: other replicas' broadcast messages that arrived more than 5 s after they were published, held up while a replica was cut off from NATS).",
                 ),
                 &["reason"],
             )?,
@@ -670,6 +670,9 @@ impl BrokerCollector {
             m.dropped
                 .with_label_values(&["nats_state_lost"])
                 .inc_by(nats.state_lost);
+            m.dropped
+                .with_label_values(&["nats_unreachable"])
+                .inc_by(nats.unreachable_dropped);
         }
 
         let (mut subs, mut queued) = ([0i64; 2], [0i64; 2]);

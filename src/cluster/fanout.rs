@@ -2,8 +2,17 @@
 //! local subscribers and out on `<prefix>.m.<topic>`; what other replicas
 //! publish comes in on `<prefix>.m.>` and goes to the local subscribers with
 //! the publisher's sequence and time. The envelope's format is `wire.rs`'s.
+//!
+//! A message that arrives more than [`DELIVER_WITHIN`] after it was
+//! published (its replica queued it while cut off from NATS, and the
+//! partition healed later) is dropped and counted, not delivered late
+//! (`liveness.rs`). The NATS work of a publish is bounded by NATS
+//! answering: found unreachable meanwhile, the publish is UNAVAILABLE at
+//! that moment, saying what became of the message.
+//!
+//! [`DELIVER_WITHIN`]: super::liveness::DELIVER_WITHIN
 
-use super::groups::{GroupRoute, backlog_full};
+use super::groups::{GroupRoute, NotStored};
 use super::wire;
 use super::{ClusterEngine, REMOTE_BURST, Ready};
 use crate::broker::{RouteCache, WakeBatch};
@@ -47,7 +56,9 @@ impl ClusterEngine {
         routes: &mut RouteCache,
         gaps: &mut Gaps,
     ) {
-        if let Some((sender, count)) = wire::count_prefix(&message.payload) {
+        let mut sender = 0;
+        if let Some((incarnation, count)) = wire::count_prefix(&message.payload) {
+            sender = incarnation;
             let lost = gaps.lost_before(sender, count);
             if lost > 0 {
                 self.count_nats_drops(sender, lost);
@@ -66,6 +77,10 @@ impl ClusterEngine {
         match wire::decode(message.payload) {
             Ok(m) if m.topic == topic => {
                 let (message, sequence, publish_time) = wire::from_envelope(m);
+                if let Some(late) = super::liveness::too_late(publish_time, arrived.wall) {
+                    self.count_late(sender, late);
+                    return;
+                }
                 self.inner
                     .local
                     .deliver_remote(message, sequence, publish_time, arrived, &targets);
@@ -129,30 +144,58 @@ impl ClusterEngine {
         }
         let id = format!("{}-{}", self.inner.config.replica_id, outcome.sequence);
         let mut sent = Vec::with_capacity(routed.groups.len());
-        for route in routed.groups {
+        for route in &routed.groups {
             let message = jetstream::message::PublishMessage::build()
                 .payload(routed.body.clone())
                 .message_id(id.clone());
-            let ack = routed.ready.js.send_publish(route.subject.clone(), message).await;
-            sent.push((route, ack));
+            // Waits for room in the client's queue: only while NATS answers.
+            let send = routed.ready.js.send_publish(route.subject.clone(), message);
+            let Some(ack) = self.unless_cut_off(send).await else {
+                return Err(self.cut_off(&match sent.len() {
+                    0 => "no consumer group took the message; it reached broadcast subscribers".to_owned(),
+                    n => format!(
+                        "the message was sent to consumer groups {} and may still be taken by them, not to {}; it reached broadcast subscribers",
+                        group_names(&routed.groups[..n]),
+                        group_names(&routed.groups[n..])
+                    ),
+                }));
+            };
+            sent.push((route.clone(), ack));
         }
         let engine = self.clone();
         let confirmation = async move {
-            let mut took = 0;
-            for (route, ack) in sent {
-                let first = match ack {
-                    Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
-                    Err(e) => Err((false, e.to_string())),
-                };
-                // The retries' future is boxed only when needed: held
-                // inline, it made every message's confirmation large to
-                // allocate and copy.
-                let stored = first.is_ok()
-                    || Box::pin(engine.publish_to_group(&routed.ready, &route, routed.body.clone(), id.clone(), first))
+            let confirmed = async {
+                let mut took = 0;
+                for (route, ack) in sent {
+                    let first = match ack {
+                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| NotStored::of_answer(&e)),
+                        Err(e) => Err(NotStored::Refused(e.to_string())),
+                    };
+                    // The retries' future is boxed only when needed: held
+                    // inline, it made every message's confirmation large to
+                    // allocate and copy.
+                    let stored = first.is_ok()
+                        || Box::pin(engine.publish_to_group(
+                            &routed.ready,
+                            &route,
+                            routed.body.clone(),
+                            id.clone(),
+                            first,
+                        ))
                         .await?;
-                took += u32::from(stored);
+                    took += u32::from(stored);
+                }
+                Ok(took)
+            };
+            // Found unreachable meanwhile: said at once, not after the
+            // retries (JetStream's own timeouts, then 10 s of them).
+            match engine.unless_cut_off(confirmed).await {
+                Some(took) => took,
+                None => Err(engine.cut_off(&format!(
+                    "consumer groups {} did not confirm the message: it was sent, and may still have been taken (then a member gets it once NATS answers); it reached broadcast subscribers",
+                    group_names(&routed.groups)
+                ))),
             }
-            Ok(took)
         };
         Ok((outcome, Some(Box::pin(confirmation))))
     }
@@ -219,19 +262,37 @@ impl ClusterEngine {
                 *sent += 1;
                 wire::set_count(&mut body, count_at, *sent);
                 let body = body.freeze();
-                let queued = self.inner.client.publish(subject, body.clone()).await;
-                drop(sent);
-                queued.map_err(|e| {
-                    BrokerError::Unavailable(format!(
+                // A full client queue (NATS cut off) waits only until the
+                // probe says so.
+                let queued = self
+                    .unless_cut_off(self.inner.client.publish(subject, body.clone()))
+                    .await;
+                let queued = match queued {
+                    Some(Ok(())) => Ok(()),
+                    Some(Err(e)) => Err(BrokerError::Unavailable(format!(
                         "NATS is unreachable ({e}): the message reached this replica's subscribers only"
-                    ))
-                })?;
+                    ))),
+                    None => Err(self.cut_off("the message reached this replica's subscribers only")),
+                };
+                if queued.is_err() {
+                    // Not sent: its number is the next one's, so the other
+                    // replicas see no gap.
+                    *sent -= 1;
+                }
+                drop(sent);
+                queued?;
                 body
             }
             None => body.freeze(),
         };
         Ok((outcome, Routed { ready, groups, body }))
     }
+}
+
+/// Group names for a message: `"a", "b"`.
+fn group_names(routes: &[Arc<GroupRoute>]) -> String {
+    let names: Vec<String> = routes.iter().map(|r| format!("{:?}", truncate(&r.name))).collect();
+    names.join(", ")
 }
 
 /// The highest count heard from each replica incarnation: a count more

@@ -22,7 +22,9 @@
 //!   forwarded to its replica (`<prefix>.rpc.<replica>`, a request), and the
 //!   Admin listings gather from every live replica.
 //! - **Health**: NOT_SERVING until the connection, the buckets and the
-//!   fan-out subscription are up, and whenever the connection is lost.
+//!   fan-out subscription are up, whenever the connection is lost, and
+//!   whenever NATS stops answering over an open connection (a partition:
+//!   `liveness.rs`, within 2 to 3 s).
 //!
 //! - **Consumer groups** run over JetStream: see `groups/mod.rs`.
 //!
@@ -39,7 +41,9 @@
 //! tasks; `nats.rs` its JetStream); `attempts.rs` delivery attempts
 //! JetStream does not count; `handover.rs` nacked messages offered to
 //! other replicas; `interest.rs` which replicas need core-NATS publishes;
-//! `registry.rs` live replicas, replica ids and subscription ids;
+//! `liveness.rs` whether NATS answers over an open connection, and
+//! broadcast messages that arrive too late; `registry.rs` live replicas,
+//! replica ids and subscription ids;
 //! `stalls.rs` how long each group went without progress; `rpc.rs` calls
 //! between replicas, both ends; `recovery.rs` the buckets, JetStream's
 //! refusals explained, and the rebuild after NATS lost its state; `wire.rs`
@@ -64,7 +68,9 @@
 //! - the **group table watch** (`groups/mod.rs`): the table into the
 //!   local trie;
 //! - the **heartbeat** (`registry.rs`): presence, the live replicas, the
-//!   groups' listing, idle groups removed, lost NATS state noticed.
+//!   groups' listing, idle groups removed, lost NATS state noticed;
+//! - the **probe** (`liveness.rs`): a round trip to the NATS server every
+//!   half second, into the health.
 //!
 //! Per consumer group with members here, three (`groups/hub.rs`): the
 //! **hub task**, which alone owns the group's state on this replica; the
@@ -96,6 +102,7 @@ mod fanout;
 mod groups;
 mod handover;
 mod interest;
+mod liveness;
 mod recovery;
 mod registry;
 mod rpc;
@@ -173,6 +180,9 @@ struct Inner {
     slow_consumer_dropped: AtomicU64,
     /// Group messages lost with NATS's memory (`recovery.rs`).
     state_lost: AtomicU64,
+    /// Whether NATS answers over the open connection, and the broadcast
+    /// messages dropped for arriving too late (`liveness.rs`).
+    liveness: liveness::Liveness,
     /// Held while this replica checks for lost NATS state, or rebuilds it:
     /// one at a time (the heartbeat and a reconnection both start one).
     recovering: tokio::sync::Mutex<()>,
@@ -234,6 +244,7 @@ impl ClusterEngine {
             // own first server).
             .retain_servers_order()
             .max_reconnects(None)
+            .reconnect_delay_callback(liveness::reconnect_delay)
             .request_timeout(Some(RPC_TIMEOUT))
             .event_callback(move |event| {
                 let events_tx = events_tx.clone();
@@ -281,6 +292,7 @@ impl ClusterEngine {
                 reconnects: AtomicU64::new(0),
                 slow_consumer_dropped: AtomicU64::new(0),
                 state_lost: AtomicU64::new(0),
+                liveness: liveness::Liveness::default(),
                 recovering: tokio::sync::Mutex::new(()),
                 incarnation: AtomicU64::new(0),
                 witness: AtomicU64::new(0),
@@ -317,6 +329,7 @@ impl ClusterEngine {
                 // What other replicas announced while this one was away
                 // did not reach it.
                 inner.interest.forget();
+                inner.liveness.back();
                 let ready = inner.ready.lock().clone();
                 if let Some(ready) = ready {
                     inner.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -328,6 +341,7 @@ impl ClusterEngine {
             async_nats::Event::Disconnected => {
                 inner.connected.store(false, Ordering::Release);
                 inner.interest.forget();
+                inner.liveness.lost();
                 tracing::warn!("NATS connection lost: NOT_SERVING until it is back");
                 inner.health.send_replace(EngineHealth::NotServing(
                     "the NATS connection is lost (reconnecting)".into(),
@@ -468,10 +482,12 @@ impl ClusterEngine {
             }
         }
         let groups_known = self.load_groups(&ready).await.map_err(|e| retry(&e))?;
-        *inner.ready.lock() = Some(Arc::new(ready.clone()));
+        let shared = Arc::new(ready.clone());
+        *inner.ready.lock() = Some(shared.clone());
         tokio::spawn(self.clone().receive(remote));
         tokio::spawn(self.clone().watch_groups(ready.clone()));
         tokio::spawn(self.clone().heartbeat(ready));
+        tokio::spawn(self.clone().watch_liveness(shared));
         tracing::info!(
             replica_id = %inner.config.replica_id,
             nats_server = %self.nats_server(),
@@ -539,8 +555,21 @@ impl ClusterEngine {
             .ok_or_else(|| BrokerError::Unavailable("cluster mode is not set up yet".into()))
     }
 
+    /// A subscription opened here, or UNAVAILABLE at once when NATS does
+    /// not answer, or as soon as it is found not to while the open waits
+    /// on it (`liveness.rs`).
     async fn subscribe_cluster(&self, request: SubscribeRequest) -> Result<ClusterStream, BrokerError> {
         let ready = self.serving()?;
+        self.unless_cut_off(self.subscribe_ready(ready, request))
+            .await
+            .unwrap_or_else(|| Err(self.cut_off("the subscription was not opened")))
+    }
+
+    async fn subscribe_ready(
+        &self,
+        ready: Arc<Ready>,
+        request: SubscribeRequest,
+    ) -> Result<ClusterStream, BrokerError> {
         match request.mode {
             DeliveryMode::Single if request.consumer_group.is_empty() => {
                 return Err(BrokerError::InvalidArgument(
@@ -798,10 +827,12 @@ impl Engine for ClusterEngine {
         }
         snapshot.groups = groups;
         snapshot.nats = Some(NatsStatus {
-            connected: self.inner.connected.load(Ordering::Acquire),
+            // Connected, and answering over the connection.
+            connected: self.inner.connected.load(Ordering::Acquire) && self.inner.liveness.answering(),
             reconnects: self.inner.reconnects.load(Ordering::Relaxed),
             slow_consumer_dropped: self.inner.slow_consumer_dropped.load(Ordering::Relaxed),
             state_lost: self.inner.state_lost.load(Ordering::Relaxed),
+            unreachable_dropped: self.inner.liveness.late_dropped(),
         });
         snapshot
     }

@@ -221,14 +221,20 @@ impl ClusterEngine {
         }
     }
 
-    /// The NATS connection is back: SERVING once JetStream answers and is
-    /// seen to still have this engine's state, or once it is rebuilt;
-    /// NOT_SERVING meanwhile (group publishes and joins would fail).
+    /// The NATS connection is back, or NATS answers again after a silence
+    /// (`liveness.rs`): SERVING once JetStream answers and is seen to still
+    /// have this engine's state, or once it is rebuilt; NOT_SERVING
+    /// meanwhile (group publishes and joins would fail).
     pub(super) async fn back_online(self, ready: std::sync::Arc<Ready>) {
         let back = std::time::Instant::now();
         let mut said = false;
         loop {
-            if !self.inner.connected.load(Ordering::Acquire) || self.inner.local.is_shutting_down() {
+            // Not while the probe finds NATS silent (`liveness.rs`): it
+            // starts this again when NATS answers.
+            if !self.inner.connected.load(Ordering::Acquire)
+                || !self.inner.liveness.answering()
+                || self.inner.local.is_shutting_down()
+            {
                 return;
             }
             match self.recover_if_lost(&ready).await {
@@ -246,6 +252,9 @@ impl ClusterEngine {
                 }
                 Ok(true) => break,
             }
+        }
+        if !self.inner.liveness.answering() {
+            return;
         }
         tracing::info!(nats_server = %self.nats_server(), "NATS connection back: SERVING");
         self.inner.health.send_replace(EngineHealth::Serving);

@@ -482,6 +482,9 @@ pub struct NatsStatus {
     pub slow_consumer_dropped: u64,
     /// Consumer-group messages lost when NATS lost what it kept in memory.
     pub state_lost: u64,
+    /// Broadcast messages of other replicas that arrived too late to be
+    /// delivered (their replica was cut off from NATS meanwhile).
+    pub unreachable_dropped: u64,
 }
 
 impl Snapshot {

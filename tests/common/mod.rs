@@ -5,6 +5,7 @@
 
 pub mod nats;
 pub mod process;
+pub mod proxy;
 pub mod session;
 pub mod tls;
 

@@ -163,9 +163,35 @@ pub(super) struct GroupRoute {
     pub(super) subject: String,
 }
 
+/// Why a message is not (known to be) stored in a group's stream.
+pub(super) enum NotStored {
+    /// The backlog is full: JetStream refused it.
+    Full(String),
+    /// Not stored: JetStream refused it, or it was never sent.
+    Refused(String),
+    /// Sent, and not confirmed (no answer in time, or the connection broke
+    /// meanwhile): it may have been stored, and then reaches a member.
+    Unconfirmed(String),
+}
+
+impl NotStored {
+    /// What a store's answer (its ack future's error) says.
+    pub(super) fn of_answer(error: &jetstream::context::PublishError) -> Self {
+        use jetstream::context::PublishErrorKind;
+        let text = error.to_string();
+        if backlog_full(error) {
+            Self::Full(text)
+        } else if matches!(error.kind(), PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe) {
+            Self::Unconfirmed(text)
+        } else {
+            Self::Refused(text)
+        }
+    }
+}
+
 /// Whether JetStream refused a message because the group's stream is full
 /// (`max_msgs` or `max_bytes`, discard new).
-pub(super) fn backlog_full(error: &jetstream::context::PublishError) -> bool {
+fn backlog_full(error: &jetstream::context::PublishError) -> bool {
     std::error::Error::source(error)
         .and_then(|e| e.downcast_ref::<jetstream::Error>())
         .is_some_and(|e| {
@@ -338,22 +364,25 @@ impl ClusterEngine {
     }
 
     /// Stores `body` in a group's stream after its first store, sent by
-    /// [`ClusterEngine::publish_cluster_routed`], ended with `first`
-    /// (whether the backlog was full, JetStream's error): makes room in a
-    /// full backlog, and retries over a leader election. `id` makes retries
-    /// idempotent. False when the group was removed meanwhile (its idle
-    /// TTL): the message matched no group.
+    /// [`ClusterEngine::publish_cluster_routed`], ended with `first`: makes
+    /// room in a full backlog, and retries over a leader election. `id`
+    /// makes retries idempotent. False when the group was removed meanwhile
+    /// (its idle TTL): the message matched no group. An error says whether
+    /// the message may still have been taken (an attempt was sent and not
+    /// confirmed).
     pub(super) async fn publish_to_group(
         &self,
         ready: &Ready,
         route: &GroupRoute,
         body: Bytes,
         id: String,
-        first: Result<(), (bool, String)>,
+        first: Result<(), NotStored>,
     ) -> Result<bool, BrokerError> {
         let mut first = Some(first);
         let started = Instant::now();
         let mut made_room = 0;
+        // An attempt went out and was not confirmed: the group may have it.
+        let mut unconfirmed = false;
         loop {
             // After a refusal for a full backlog, a new message id: a
             // clustered stream remembers the refused one and would answer
@@ -369,14 +398,15 @@ impl ClusterEngine {
                         .payload(body.clone())
                         .message_id(attempt_id);
                     match ready.js.send_publish(route.subject.clone(), message).await {
-                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| (backlog_full(&e), e.to_string())),
-                        Err(e) => Err((false, e.to_string())),
+                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| NotStored::of_answer(&e)),
+                        Err(e) => Err(NotStored::Refused(e.to_string())),
                     }
                 }
             };
+            unconfirmed |= matches!(result, Err(NotStored::Unconfirmed(_)));
             match result {
                 Ok(()) => return Ok(true),
-                Err((true, error)) => {
+                Err(NotStored::Full(error)) => {
                     // The backlog is full: the oldest message goes, as in
                     // single-node mode, and is counted.
                     if made_room < MAKE_ROOM_AT_MOST && self.make_room(ready, route).await {
@@ -390,13 +420,21 @@ impl ClusterEngine {
                     return Ok(true);
                 }
                 Err(_) if !self.inner.groups.table.lock().contains_key(&route.name) => return Ok(false),
-                Err((false, error)) if started.elapsed() < PUBLISH_RETRY_FOR => {
+                Err(NotStored::Refused(error) | NotStored::Unconfirmed(error))
+                    if started.elapsed() < PUBLISH_RETRY_FOR =>
+                {
                     tracing::debug!(group = %route.name, %error, "publish to a group's stream retried");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                Err((false, error)) => {
+                Err(NotStored::Refused(error)) if !unconfirmed => {
                     return Err(BrokerError::Unavailable(format!(
                         "consumer group {:?} did not take the message (JetStream: {error}); it reached broadcast subscribers",
+                        truncate(&route.name)
+                    )));
+                }
+                Err(NotStored::Refused(error) | NotStored::Unconfirmed(error)) => {
+                    return Err(BrokerError::Unavailable(format!(
+                        "consumer group {:?} did not confirm the message (JetStream: {error}): it was sent, and may still have been taken (then a member gets it); it reached broadcast subscribers",
                         truncate(&route.name)
                     )));
                 }

@@ -1,0 +1,281 @@
+//! Whether NATS answers this replica: a replica cut off without a word (a
+//! network partition: its connection stays open, packets are dropped,
+//! nothing is reset) says so within seconds (docs/contract.md, "Cluster
+//! mode", and docs/cluster-notes.md, "Cut off without a word").
+//!
+//! The NATS client notices such a partition only through its own pings,
+//! after three unanswered ones (3 min with its default interval), and a
+//! flush proves nothing: it only hands bytes to the socket. So:
+//!
+//! - **A probe** ([`ClusterEngine::watch_liveness`], one task per replica,
+//!   from the set-up on): every [`PROBE_EVERY`] a request to a subject
+//!   nobody subscribes to (`<prefix>.alive.<replica>`). The replica's own
+//!   NATS server answers it at once with "no responders": a round trip to
+//!   that server and nothing else (no JetStream, no other replica), so a
+//!   JetStream election does not look like a partition. Bytes read from
+//!   the server since the last probe count as an answer too, so a probe
+//!   queued behind a burst of messages is no false alarm.
+//! - **Unreachable** after [`SILENT_FOR`] without an answer (each probe
+//!   waits [`PROBE_TIMEOUT`]): 2 to 3 s after the last byte. The replica
+//!   then goes NOT_SERVING saying NATS is unreachable (a WARN, once), its
+//!   `tinybroker_nats_connected` reads 0, and every request already waiting
+//!   on NATS for a Publish or an OpenSubscription (a registry claim, a
+//!   group's store, a message queued in the client) is answered UNAVAILABLE
+//!   at that moment ([`ClusterEngine::unless_cut_off`]); new ones are
+//!   answered at once by the health check every request starts with.
+//! - **Back** at the first answer: what a reconnection does
+//!   ([`ClusterEngine::back_online`]: SERVING once JetStream is seen to
+//!   keep this replica's state), within a probe period of NATS answering.
+//! - **Broadcast messages** a replica queued on core NATS before it knew it
+//!   was cut off wait in its client and its socket, and would reach the
+//!   other replicas when the partition heals, however long it lasted. The
+//!   receiving replica drops every broadcast message older than
+//!   [`DELIVER_WITHIN`] when it arrives (the publisher's time, in the
+//!   envelope, against the receiver's clock) and counts it,
+//!   `tinybroker_messages_dropped_total{reason="nats_unreachable"}`, once
+//!   per replica that had a subscriber for it (as `nats_slow_consumer`
+//!   counts what NATS dropped on the way to it). The receiver decides
+//!   because only it sees when a message arrives: the sender cannot take
+//!   back what its socket holds. This needs the replicas' clocks within a
+//!   second or so of each other (NTP); a drop says the age it saw, so a
+//!   skewed clock shows in the log. A replica too slow to read what NATS
+//!   sends it for 5 s drops the same way (late is late, whatever held it).
+//!
+//! The connection itself is left open, so the moment the partition heals
+//! the same connection carries on (no reconnection to wait for). A
+//! connection that is reset goes the usual way (`Event::Disconnected`:
+//! NOT_SERVING, and requests waiting on NATS answered, at once); the
+//! client then tries to reconnect at least every
+//! [`RECONNECT_DELAY_AT_MOST`] ([`reconnect_delay`], instead of its own
+//! backoff of up to 4 s), so that it serves again within 5 s of NATS
+//! taking connections again.
+
+use super::registry::key;
+use super::{ClusterEngine, Ready};
+use crate::engine::{BrokerError, EngineHealth};
+use futures::FutureExt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::watch;
+
+/// How often the probe goes out.
+pub const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// How long one probe waits for its answer.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long without a byte from the NATS server makes it unreachable.
+pub const SILENT_FOR: Duration = Duration::from_secs(2);
+/// The longest wait between two attempts to reconnect (the client's own
+/// backoff goes up to 4 s): a replica serves again within a second or so
+/// of its NATS server taking connections again.
+pub const RECONNECT_DELAY_AT_MOST: Duration = Duration::from_secs(1);
+/// How old a broadcast message of another replica may be when it arrives
+/// here; older, it is dropped and counted (`nats_unreachable`).
+pub const DELIVER_WITHIN: Duration = Duration::from_secs(5);
+
+/// What this replica knows of NATS answering, and what it dropped for it.
+pub(super) struct Liveness {
+    /// True while the probes are answered (and before the first one). A
+    /// watch: requests waiting on NATS are answered UNAVAILABLE when it
+    /// turns false.
+    answering: watch::Sender<bool>,
+    /// Broadcast messages of other replicas dropped here because they
+    /// arrived later than [`DELIVER_WITHIN`].
+    late_dropped: AtomicU64,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Self {
+            answering: watch::Sender::new(true),
+            late_dropped: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Liveness {
+    /// Whether NATS answered this replica's probes lately.
+    pub(super) fn answering(&self) -> bool {
+        *self.answering.borrow()
+    }
+
+    /// The connection was lost: requests waiting on NATS are answered at
+    /// once, as when the probe finds it silent.
+    pub(super) fn lost(&self) {
+        self.answering.send_replace(false);
+    }
+
+    /// The connection is back (a new one answered the handshake).
+    pub(super) fn back(&self) {
+        self.answering.send_replace(true);
+    }
+
+    /// Broadcast messages dropped here for arriving too late.
+    pub(super) fn late_dropped(&self) -> u64 {
+        self.late_dropped.load(Ordering::Relaxed)
+    }
+}
+
+/// How late a message published at `published` (the publisher's clock)
+/// is, arriving at `arrived` (this replica's clock), if it is too late to
+/// be delivered: None when it is within [`DELIVER_WITHIN`] (or from the
+/// future: a clock ahead is no reason to drop).
+pub(super) fn too_late(published: SystemTime, arrived: SystemTime) -> Option<Duration> {
+    arrived
+        .duration_since(published)
+        .ok()
+        .filter(|age| *age > DELIVER_WITHIN)
+}
+
+impl ClusterEngine {
+    /// The probe (module docs), until the replica shuts down.
+    pub(super) async fn watch_liveness(self, ready: Arc<Ready>) {
+        let client = &self.inner.client;
+        let subject = format!(
+            "{}.alive.{}",
+            self.inner.config.prefix,
+            key(&self.inner.config.replica_id)
+        );
+        let mut last_heard = Instant::now();
+        let mut read = client.statistics().in_bytes.load(Ordering::Relaxed);
+        let mut tick = tokio::time::interval(PROBE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if self.inner.local.is_shutting_down() {
+                return;
+            }
+            if client.connection_state() != async_nats::connection::State::Connected {
+                // Lost outright: the event watcher has said so, and a
+                // reconnection starts a fresh count.
+                last_heard = Instant::now();
+                continue;
+            }
+            // Bytes read since the last look: heard by now (looked at before
+            // the probe, so that bytes read before a partition are not
+            // taken for an answer after the probe's wait).
+            let now_read = client.statistics().in_bytes.load(Ordering::Relaxed);
+            if now_read != read {
+                last_heard = Instant::now();
+            }
+            read = now_read;
+            if probe(client, &subject).await {
+                last_heard = Instant::now();
+            }
+            let silent = last_heard.elapsed();
+            let answering = self.inner.liveness.answering();
+            if answering && silent >= SILENT_FOR {
+                let why = format!(
+                    "NATS is unreachable: the NATS server ({}) has not answered for {:.1} s although the connection is open (a network partition?)",
+                    self.nats_server(),
+                    silent.as_secs_f64()
+                );
+                tracing::warn!("{why}: NOT_SERVING until it answers");
+                self.inner.health.send_replace(EngineHealth::NotServing(why));
+                self.inner.liveness.answering.send_replace(false);
+            } else if !answering && silent < SILENT_FOR {
+                tracing::info!(nats_server = %self.nats_server(), "NATS answers again");
+                self.inner.liveness.answering.send_replace(true);
+                tokio::spawn(self.clone().back_online(ready.clone()));
+            }
+        }
+    }
+
+    /// `work` (NATS calls on a request's path), or None as soon as the
+    /// probe finds NATS unreachable: a request then never waits for the
+    /// NATS client's own timeouts, or for a partition to heal.
+    pub(super) async fn unless_cut_off<F: Future>(&self, work: F) -> Option<F::Output> {
+        let mut work = std::pin::pin!(work);
+        // Most work is done at once (a message queued in the client):
+        // without a watch of its own.
+        if let Some(done) = work.as_mut().now_or_never() {
+            return Some(done);
+        }
+        let mut answering = self.inner.liveness.answering.subscribe();
+        tokio::select! {
+            biased;
+            done = work => Some(done),
+            _ = answering.wait_for(|answering| !answering) => None,
+        }
+    }
+
+    /// The UNAVAILABLE a request gets when NATS became unreachable under
+    /// it: `what` says what became of it.
+    pub(super) fn cut_off(&self, what: &str) -> BrokerError {
+        BrokerError::Unavailable(format!(
+            "NATS is unreachable (no answer from it for {} s): {what}",
+            SILENT_FOR.as_secs()
+        ))
+    }
+
+    /// Counts a broadcast message of another replica that arrived `late`
+    /// and was dropped, and says so when the total crosses a power of two.
+    pub(super) fn count_late(&self, sender: u64, late: Duration) {
+        let before = self.inner.liveness.late_dropped.fetch_add(1, Ordering::Relaxed);
+        let after = before + 1;
+        if before == 0 || before.ilog2() != after.ilog2() {
+            tracing::warn!(
+                dropped_so_far = after,
+                sender_incarnation = sender,
+                age_ms = late.as_millis() as u64,
+                "a broadcast message of another replica arrived {:.1} s after it was published, later than {} s: dropped, not delivered (reason nats_unreachable: its replica was cut off from NATS for a while, this replica read too slowly, or the replicas' clocks differ)",
+                late.as_secs_f64(),
+                DELIVER_WITHIN.as_secs()
+            );
+        }
+    }
+}
+
+/// The wait before reconnection attempt `attempts` (1 after the first
+/// failure): at once, then doubling from 2 ms, at most
+/// [`RECONNECT_DELAY_AT_MOST`].
+pub(super) fn reconnect_delay(attempts: usize) -> Duration {
+    match attempts {
+        0 | 1 => Duration::ZERO,
+        n => Duration::from_millis(1u64 << (n - 1).min(20)).min(RECONNECT_DELAY_AT_MOST),
+    }
+}
+
+/// One probe: whether the server answered (with no responders, as it
+/// should, or anything else) within [`PROBE_TIMEOUT`].
+async fn probe(client: &async_nats::Client, subject: &str) -> bool {
+    let request = async_nats::Request::new().timeout(Some(PROBE_TIMEOUT));
+    // The whole call is bounded: queueing the request waits when the
+    // client's queue is full, which a cut-off connection's soon is.
+    match tokio::time::timeout(PROBE_TIMEOUT, client.send_request(subject.to_owned(), request)).await {
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => e.kind() == async_nats::RequestErrorKind::NoResponders,
+        Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnection_attempts_back_off_to_a_second_at_most() {
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(2));
+        assert_eq!(reconnect_delay(5), Duration::from_millis(16));
+        assert_eq!(reconnect_delay(11), RECONNECT_DELAY_AT_MOST);
+        assert_eq!(reconnect_delay(usize::MAX), RECONNECT_DELAY_AT_MOST);
+    }
+
+    #[test]
+    fn a_broadcast_message_is_too_late_only_past_the_bound() {
+        let published = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(too_late(published, published), None);
+        assert_eq!(too_late(published, published + DELIVER_WITHIN), None);
+        assert_eq!(
+            too_late(published, published + DELIVER_WITHIN + Duration::from_millis(1)),
+            Some(DELIVER_WITHIN + Duration::from_millis(1))
+        );
+        assert_eq!(
+            too_late(published, published - Duration::from_secs(30)),
+            None,
+            "a publisher's clock ahead of this one's is no reason to drop"
+        );
+    }
+}
