@@ -116,7 +116,11 @@ class Broker:
                 raise RuntimeError("tinybroker did not start:\n" + "".join(self.lines[-20:]))
         self.port = int(self.addr.rsplit(":", 1)[1])
         if self.wait_serving:
-            wait_for(lambda: health(self.addr) == "SERVING", 30, f"{self.addr} SERVING")
+            try:
+                wait_for(lambda: health(self.addr) == "SERVING", 30, f"{self.addr} SERVING")
+            except BaseException:
+                self.kill()
+                raise
         return self
 
     def kill(self) -> None:
