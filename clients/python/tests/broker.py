@@ -129,9 +129,25 @@ class Broker:
             self.proc.kill()
             self.proc.wait(10)
 
+    def handles_sigterm(self) -> bool:
+        """Whether the process has installed its SIGTERM handler (SigCgt)."""
+        assert self.proc is not None
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("SigCgt:"):
+                        return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+        except OSError:
+            pass
+        return False
+
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM, as an orchestrator stops it."""
         if self.proc is not None and self.proc.poll() is None:
+            # The broker installs its SIGTERM handler a moment after it logs
+            # "tinybroker started" (and already serves): a SIGTERM before
+            # that kills it outright, with no graceful shutdown.
+            wait_for(self.handles_sigterm, 5, "the broker to handle SIGTERM")
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)

@@ -1,4 +1,9 @@
 import asyncio
+import os
+
+# grpc's fork handlers break a subprocess forked while its threads run (on
+# Python 3.9, whose subprocess forks rather than vforks).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import sys
 import pathlib
 

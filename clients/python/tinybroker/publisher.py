@@ -42,10 +42,18 @@ class Publisher:
         self._tracing = tracing and _tracing.AVAILABLE
         self._call: Optional[grpc.aio.StreamUnaryCall] = None
         self._written = 0
-        self._lock = asyncio.Lock()
+        # Made on first use, on the client's loop (Python 3.9 binds a lock to
+        # the loop current when it is made).
+        self._lock_: Optional[asyncio.Lock] = None
         self._closed = False
         #: Messages written on all of this publisher's streams.
         self.published = 0
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        if self._lock_ is None:
+            self._lock_ = asyncio.Lock()
+        return self._lock_
 
     async def publish(
         self,

@@ -225,6 +225,8 @@ class Session:
                 log.exception("tinybroker session failed")
                 failure = TinybrokerError(grpc.StatusCode.INTERNAL, repr(e))
             finally:
+                if self._requests is not None:
+                    self._requests.close()  # ends grpc's task that reads it
                 self._requests = None
                 call, self._call = self._call, None
                 if call is not None and not call.done():
@@ -257,8 +259,10 @@ class Session:
                 )
             )
         except grpc.aio.AioRpcError as e:
+            requests.close()
             raise _StartFailed(TinybrokerError.from_rpc_error(e))
         if call.done():
+            requests.close()
             code = await call.code()
             details = await call.details()
             raise _StartFailed(TinybrokerError(code, f"{self._conn.target}: {details}"))
