@@ -34,7 +34,7 @@ def broker(start_broker):
     return start_broker()
 
 
-def run(coro, timeout=60):
+def run(coro, timeout=45):
     """Runs one test body on a fresh loop, bounded in time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
