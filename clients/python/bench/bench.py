@@ -311,13 +311,12 @@ def main() -> None:
                 rows[kind]["fan_pct"].append(r["cpu_pct"])
                 rows[kind]["lost"] += r["lost"]
                 print(f"run {run + 1} {kind}: done", file=sys.stderr)
-        import grpc
-        import nats
+        from importlib.metadata import version
 
         print(
             f"\n{args.messages} messages of {args.size} B; {args.subscriptions} subscriptions at "
             f"{args.rate:g} msg/s for {args.duration:g} s; best of {args.runs} run(s); Python "
-            f"{sys.version.split()[0]}, grpcio {grpc.__version__}, nats-py {nats.__version__ if hasattr(nats, '__version__') else '?'}\n"
+            f"{sys.version.split()[0]}, grpcio {version('grpcio')}, protobuf {version('protobuf')}, nats-py {version('nats-py')}\n"
         )
         print("| client | publish (msg/s) | receive, 1 subscription (msg/s) | receive CPU (µs/msg) | 1,000 subs: CPU per delivery (µs) | 1,000 subs: CPU (% of a core) | lost |")
         print("|---|---:|---:|---:|---:|---:|---:|")

@@ -630,6 +630,7 @@ class Subscription:
     def _settle(self, message: Message, nack: bool) -> bool:
         if (
             self._state != _OPEN
+            or self._request.ack_mode != pb.ACK_MODE_MANUAL
             or message._generation != self._generation
             or message._handle != self._handle
         ):

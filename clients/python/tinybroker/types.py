@@ -132,8 +132,9 @@ class Message:
     async def ack(self) -> bool:
         """Acknowledges this MANUAL-group message in-band (no reply).
 
-        Returns False when nothing was sent: the subscription was re-opened
-        since (the broker redelivers the message anyway) or is closed."""
+        Returns False when nothing was sent: not a MANUAL group, or the
+        subscription was re-opened since (the broker redelivers the message
+        anyway) or is closed."""
         return self._sub._settle(self, nack=False)
 
     async def nack(self) -> bool:
