@@ -57,3 +57,32 @@ def test_client_moves_to_the_other_replica_when_its_own_is_stopped(tmp_path):
         for r in replicas:
             r.kill()
         nats.kill()
+
+
+def test_a_replica_that_cannot_serve_is_passed_over_for_the_next_address(tmp_path):
+    nats = NatsServer(tmp_path)
+    brokers = []
+    try:
+        # A replica whose NATS does not answer: it listens, NOT_SERVING, and
+        # refuses opens with UNAVAILABLE.
+        dead_nats = f"nats://127.0.0.1:{free_port()}"
+        cut_off = Broker({"TINYBROKER_NATS_URL": dead_nats, "TINYBROKER_NATS_REPLICAS": "1",
+                          "TINYBROKER_REPLICA_ID": "cut-off"})
+        brokers.append(cut_off)
+        good = Broker({"TINYBROKER_NATS_URL": nats.url, "TINYBROKER_NATS_REPLICAS": "1",
+                       "TINYBROKER_REPLICA_ID": "good"}, port=free_port(), wait_serving=True)
+        brokers.append(good)
+
+        async def body():
+            async with tinybroker.connect([cut_off.addr, good.addr]) as client:
+                assert client.address == f"http://{cut_off.addr}"
+                sub = await client.subscribe("d.>", timeout=20)
+                assert client.address == f"http://{good.addr}"
+                await client.publish("d.1", b"served")
+                assert (await sub.next(timeout=10)).payload == b"served"
+
+        run(body(), timeout=40)
+    finally:
+        for b in brokers:
+            b.kill()
+        nats.kill()

@@ -52,6 +52,8 @@ _OPENING = 1  # `open` sent, `opened` not yet received
 _OPEN = 2
 _DONE = 3  # ended for good
 
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN,
@@ -118,6 +120,14 @@ class _Requests:
 
 
 class _StartFailed(Exception):
+    def __init__(self, error: TinybrokerError) -> None:
+        self.error = error
+
+
+class _ReplicaUnavailable(Exception):
+    """An open was refused UNAVAILABLE (a replica that lost NATS, a broker
+    shutting down) while the client knows other addresses."""
+
     def __init__(self, error: TinybrokerError) -> None:
         self.error = error
 
@@ -209,7 +219,7 @@ class Session:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            starting = False
+            starting = moving = False
             try:
                 await self._serve()
                 if self._closed:
@@ -217,6 +227,8 @@ class Session:
                 failure = TinybrokerError(grpc.StatusCode.UNAVAILABLE, "the broker ended the session")
             except _StartFailed as e:
                 failure, starting = e.error, True
+            except _ReplicaUnavailable as e:
+                failure, moving = e.error, True
             except grpc.aio.AioRpcError as e:
                 failure = TinybrokerError.from_rpc_error(e)
             except asyncio.CancelledError:
@@ -233,6 +245,8 @@ class Session:
                     call.cancel()
             if self._closed:
                 return
+            if moving:
+                await self._conn.failover()
             if not self._subs:
                 continue  # every subscription had ended before (a shutdown)
             self._lost(failure, starting)
@@ -242,7 +256,9 @@ class Session:
             for sub in list(self._subs.values()):
                 sub._emit(Resubscribing(sub.subscription_id, delay, str(failure) if starting else None))
             await asyncio.sleep(delay)
-            if failure.code in _RETRYABLE and (self._conn.down() or starting or len(self._conn.targets) > 1):
+            if not moving and failure.code in _RETRYABLE and (
+                self._conn.down() or starting or len(self._conn.targets) > 1
+            ):
                 await self._conn.failover()
 
     async def _serve(self) -> None:
@@ -299,6 +315,11 @@ class Session:
                 sub = subs.pop(ended.handle, None)
                 if sub is not None:
                     sub._on_ended(ended)
+                if ended.reason == "rejected" and ended.code == _UNAVAILABLE and len(self._conn.targets) > 1:
+                    # This replica cannot serve now: try the next address.
+                    raise _ReplicaUnavailable(
+                        TinybrokerError(grpc.StatusCode.UNAVAILABLE, f"{self._conn.target}: {ended.message}")
+                    )
 
     def _lost(self, failure: TinybrokerError, starting: bool) -> None:
         for handle, sub in list(self._subs.items()):
@@ -548,6 +569,11 @@ class Subscription:
             error = TinybrokerError(code, ended.message)
             self._last_cause = error
             if not self._opened_once:
+                # A broker that cannot serve now (UNAVAILABLE): subscribe()
+                # waits, until its timeout, for one that can.
+                if self.resubscribe and code == grpc.StatusCode.UNAVAILABLE:
+                    self._schedule_retry(str(error))
+                    return
                 self._finish(None, error)
                 return
             if self.resubscribe and (code in _RETRYABLE or code == grpc.StatusCode.ALREADY_EXISTS):
