@@ -22,7 +22,7 @@ breaks = [
   "            if self._taken >= self._batch:", "            if False:",
   "test_flow_control.py::test_unread_subscription_is_evicted_alone_and_its_sibling_keeps_receiving"),
  ("credit isolation: subscriptions opened without a credit limit", T+"session.py",
-  "subscription=sub._request, credit=sub.window)", "subscription=sub._request, credit=0)",
+  "subscription=sub._request, credit=credit)", "subscription=sub._request, credit=0)",
   "test_flow_control.py::test_unread_subscription_is_evicted_alone_and_its_sibling_keeps_receiving"),
  ("eviction gap: no Gap reported after re-subscribing", T+"session.py",
   "            self._resuming = event\n            self._schedule_retry(None)", "            self._schedule_retry(None)",

@@ -206,11 +206,13 @@ class Session:
     def _send_open(self, sub: "Subscription") -> None:
         sub._generation += 1
         sub._state = _OPENING
+        sub._taken = 0
+        # What it still holds from before counts against its window: the
+        # client never holds more than the window (credit 0 would mean none).
+        credit = max(1, sub.window - len(sub._buffer))
         assert self._requests is not None
         self._requests.put(
-            pb.SessionRequest(
-                open=pb.SessionOpen(handle=sub._handle, subscription=sub._request, credit=sub.window)
-            )
+            pb.SessionRequest(open=pb.SessionOpen(handle=sub._handle, subscription=sub._request, credit=credit))
         )
 
     async def _run(self) -> None:
@@ -388,7 +390,6 @@ class Subscription:
         self._buffer: Deque[Message] = collections.deque()
         self._waiter: Optional[asyncio.Future] = None
         self._taken = 0
-        self._stale = 0
         self._last_sequence = 0
         self._resuming: Optional[Ended] = None
         self._final: object = None
@@ -422,7 +423,7 @@ class Subscription:
 
     @property
     def pending(self) -> int:
-        """Messages received and not yet taken (at most about the window)."""
+        """Messages received and not yet taken (never more than the window)."""
         return len(self._buffer)
 
     @property
@@ -449,9 +450,7 @@ class Subscription:
                 self._waiter = None
         message = buffer.popleft()
         self.stats.received += 1
-        if self._stale:
-            self._stale -= 1
-        elif self._state == _OPEN:
+        if _WAITING < self._state < _DONE:
             self._taken += 1
             if self._taken >= self._batch:
                 self._session.send(
@@ -536,8 +535,6 @@ class Subscription:
     def _on_opened(self, subscription_id: str) -> None:
         self._state = _OPEN
         self.subscription_id = subscription_id
-        self._taken = 0
-        self._stale = len(self._buffer)
         self._last_cause = None
         if not self._opened_once:
             self._opened_once = True
