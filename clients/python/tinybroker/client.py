@@ -88,6 +88,8 @@ class Client:
         await self._conn.close()
 
     async def __aenter__(self) -> "Client":
+        if self._session is None and not self._closed:
+            await self.connect()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
