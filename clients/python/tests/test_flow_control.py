@@ -55,10 +55,12 @@ def test_eviction_is_reported_with_its_gap_then_resubscribed(start_broker):
         events = []
         async with tinybroker.connect(broker.addr, window=8) as client:
             sub = await client.subscribe("feed.>", subscription_id="feed-reader", on_event=events.append)
-            # Nobody reads while 200 messages arrive: evicted.
-            async with client.publisher() as pub:
-                for i in range(200):
-                    await pub.publish("feed.a", str(i))
+            # Nobody reads while messages arrive: evicted (publishing stops
+            # there, so the re-opened subscription gets none of them).
+            for i in range(1000):
+                await client.publish("feed.a", str(i))
+                if sub.stats.evictions:
+                    break
             await until(lambda: sub.stats.resubscribes >= 1 and sub.is_open, 10, "re-subscribed")
             ended = next(e for e in events if isinstance(e, tinybroker.Ended))
             assert ended.reason == "evicted" and ended.resubscribing
