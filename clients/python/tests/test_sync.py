@@ -1,0 +1,41 @@
+"""The blocking facade: the same client on a loop of its own."""
+
+import threading
+
+import pytest
+
+import tinybroker
+import tinybroker.sync
+
+
+def test_blocking_facade_subscribes_publishes_acks_and_iterates(broker):
+    with tinybroker.sync.connect(broker.addr) as client:
+        sub = client.subscribe("jobs.>", group="w", ack_mode="manual", ack_deadline=30)
+        results = [client.publish("jobs.a", f"{i}") for i in range(3)]
+        assert [r.sequence for r in results] == sorted(r.sequence for r in results)
+        got = []
+        for msg in sub:
+            got.append(msg.payload)
+            if msg.payload == b"1" and msg.delivery_attempt == 1:
+                assert msg.nack()
+                continue
+            assert msg.ack()
+            if len(got) == 4:
+                break
+        assert sorted(got) == [b"0", b"1", b"1", b"2"]
+        assert client.admin.groups()[0].in_flight == 0
+
+        # Another thread publishes through the same client.
+        with client.publisher() as pub:
+            t = threading.Thread(target=lambda: [pub.publish("jobs.b", b"x") for _ in range(50)])
+            t.start()
+            t.join(10)
+        for _ in range(50):
+            sub.next(timeout=5).ack()
+        with pytest.raises(TimeoutError):
+            sub.next(timeout=0.2)
+        sub.close()
+        with pytest.raises(StopIteration):
+            next(sub)
+        with pytest.raises(tinybroker.TinybrokerError):
+            client.publish("bad topic", b"")

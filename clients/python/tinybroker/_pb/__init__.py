@@ -1,0 +1,1 @@
+"""Code generated from proto/tinybroker/v1 by scripts/generate.py; do not edit."""

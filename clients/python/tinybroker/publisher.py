@@ -1,0 +1,127 @@
+"""A publisher for high rates: one ``PublishStream``, with backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Mapping, Optional, Union
+
+import grpc
+import grpc.aio
+
+from . import _tracing
+from ._pb import broker_pb2 as pb
+from .errors import PublishError, TinybrokerError
+from .types import PublishStreamResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Client
+
+
+def _as_bytes(payload: Union[bytes, bytearray, memoryview, str]) -> bytes:
+    if isinstance(payload, str):
+        return payload.encode()
+    return bytes(payload) if not isinstance(payload, bytes) else payload
+
+
+class Publisher:
+    """Publishes a long run of messages on one ``PublishStream``.
+
+    ``await pub.publish(...)`` returns once the message is written to the
+    stream; it waits while the stream's HTTP/2 flow-control window is full
+    (the broker is behind), so nothing is buffered without bound.
+    :meth:`flush` ends the stream and returns what it carried (a later
+    publish starts a new one); :meth:`close` does the same and ends the
+    publisher. The first bad message ends the stream: that publish (or the
+    next, or ``flush``) raises :class:`~tinybroker.PublishError` with the
+    gRPC code, the broker's message and how many were written before it.
+    Use it as ``async with client.publisher() as pub:``.
+    """
+
+    def __init__(self, client: "Client", tracing: bool) -> None:
+        self._client = client
+        self._tracing = tracing and _tracing.AVAILABLE
+        self._call: Optional[grpc.aio.StreamUnaryCall] = None
+        self._written = 0
+        # Made on first use, on the client's loop (Python 3.9 binds a lock to
+        # the loop current when it is made).
+        self._lock_: Optional[asyncio.Lock] = None
+        self._closed = False
+        #: Messages written on all of this publisher's streams.
+        self.published = 0
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        if self._lock_ is None:
+            self._lock_ = asyncio.Lock()
+        return self._lock_
+
+    async def publish(
+        self,
+        topic: str,
+        payload: Union[bytes, str] = b"",
+        headers: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        """Writes one message on the stream (waits while it is full)."""
+        if self._closed:
+            raise TinybrokerError(grpc.StatusCode.FAILED_PRECONDITION, "the publisher is closed")
+        if self._tracing:
+            headers = dict(headers or {})
+            _tracing.inject(headers)
+        request = pb.PublishRequest(topic=topic, payload=_as_bytes(payload), headers=headers)
+        async with self._lock:
+            call = self._call
+            if call is None:
+                conn = self._client._conn
+                call = self._call = conn.broker.PublishStream(metadata=conn.metadata)
+                self._written = 0
+            try:
+                await call.write(request)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                raise await self._failed(call, e) from None
+            self._written += 1
+            self.published += 1
+
+    async def _failed(self, call: grpc.aio.StreamUnaryCall, error: Exception) -> PublishError:
+        self._call = None
+        if isinstance(error, grpc.aio.AioRpcError):
+            code, details = error.code(), error.details() or ""
+        else:
+            try:
+                await call
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details() or ""
+            else:  # pragma: no cover
+                code, details = grpc.StatusCode.UNKNOWN, str(error)
+        return PublishError(code, details, accepted=self._written)
+
+    async def flush(self) -> PublishStreamResult:
+        """Ends the current stream and returns its counts (zeros when
+        nothing was published since the last flush)."""
+        async with self._lock:
+            call, self._call = self._call, None
+            if call is None:
+                return PublishStreamResult(0, 0, 0)
+            try:
+                await call.done_writing()
+                response = await call
+            except grpc.aio.AioRpcError as e:
+                raise PublishError(e.code(), e.details() or "", accepted=self._written) from None
+            return PublishStreamResult(response.accepted, response.first_sequence, response.last_sequence)
+
+    async def close(self) -> PublishStreamResult:
+        """Flushes and ends the publisher."""
+        result = await self.flush()
+        self._closed = True
+        return result
+
+    async def __aenter__(self) -> "Publisher":
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            self._closed = True
+            if self._call is not None:
+                self._call.cancel()
+                self._call = None
