@@ -492,6 +492,13 @@ async fn admin_subcommands_send_the_token_and_say_when_it_is_refused() {
             assert!(status.success(), "{sub} with the token: {stderr}");
             assert!(!stdout.is_empty(), "{sub}");
         }
+        // The address from TINYBROKER_ADDR, as the client libraries read it.
+        let (status, stdout, stderr) = run_cli(
+            &["info"],
+            &[("TINYBROKER_ADDR", url.as_str()), ("TINYBROKER_AUTH_TOKEN", "s3cret")],
+        );
+        assert!(status.success(), "info with TINYBROKER_ADDR: {stderr}");
+        assert!(stdout.contains("version"), "{stdout}");
         let (status, _, stderr) = run_cli(&["groups", "--addr", "http://127.0.0.1:1"], &[]);
         assert!(!status.success());
         assert!(stderr.contains("cannot connect to http://127.0.0.1:1"), "{stderr}");

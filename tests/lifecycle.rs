@@ -207,6 +207,23 @@ async fn sigterm_ends_streams_and_the_binary_exits_zero() {
     .await
 }
 
+/// A SIGTERM the moment the broker says it started (an orchestrator or a
+/// test that stops it at once) drains and exits 0: the handler is in place
+/// before the listeners are bound, not when the shutdown future is first
+/// polled (before, such a SIGTERM could kill the process outright, with no
+/// drain and its clients' connections reset).
+#[test]
+fn a_sigterm_right_after_start_up_drains_and_exits_zero() {
+    for attempt in 0..10 {
+        let mut process = BrokerProcess::spawn(&[("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "5")]);
+        // SAFETY: kill(2) on our own child's pid.
+        let sent = unsafe { libc::kill(process.guard.pid() as i32, libc::SIGTERM) };
+        assert_eq!(sent, 0);
+        let exit = process.wait_exit();
+        assert_eq!(exit.code(), Some(0), "attempt {attempt}: exit status {exit:?}");
+    }
+}
+
 #[test]
 fn a_bad_variable_stops_start_up_with_one_line_naming_it() {
     let output = Command::new(env!("CARGO_BIN_EXE_tinybroker"))

@@ -57,8 +57,9 @@ enum Command {
 #[derive(Args, Debug)]
 struct Connection {
     /// Broker address: host:port or http://host:port; `https://` for a
-    /// broker serving TLS.
-    #[arg(long, default_value = DEFAULT_ADDR)]
+    /// broker serving TLS. TINYBROKER_ADDR when not given, as the client
+    /// libraries read it.
+    #[arg(long, env = "TINYBROKER_ADDR", default_value = DEFAULT_ADDR)]
     addr: String,
     /// PEM file of the CA that signed the broker's certificate (with an
     /// `https://` address; the system's roots are used without it).
@@ -237,34 +238,46 @@ async fn serve() -> anyhow::Result<()> {
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
     }
+    let shutdown = shutdown_signal();
     let listeners = Listeners::bind(&config).await?;
-    let result = server::run(config, listeners, shutdown_signal()).await;
+    let result = server::run(config, listeners, shutdown).await;
     // Flushes spans in the exporter's own thread; keep the runtime free.
     tokio::task::spawn_blocking(move || telemetry.shutdown()).await?;
     result
 }
 
 /// Resolves on SIGTERM or SIGINT: the one place signals become shutdown.
-async fn shutdown_signal() {
+/// The handlers are installed here, when it is called (before the
+/// listeners are bound), not when the future is first polled: a SIGTERM
+/// that comes right after the `tinybroker started` line must drain, not
+/// kill the process with the default disposition.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
                 }
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the broker");
-                let _ = tokio::signal::ctrl_c().await;
+                (term, int) => {
+                    let error = term.err().or(int.err()).map(|e| e.to_string()).unwrap_or_default();
+                    tracing::error!(%error, "cannot listen for SIGTERM or SIGINT; the broker stops only when killed");
+                    std::future::pending::<()>().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 

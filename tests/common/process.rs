@@ -115,7 +115,10 @@ fn lines(reader: impl std::io::Read + Send + 'static) -> Receiver<String> {
 /// the one way a test builds the CLI's command line.
 pub fn cli(args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_tinybroker"));
-    command.env_remove("TINYBROKER_AUTH_TOKEN").args(args);
+    command
+        .env_remove("TINYBROKER_AUTH_TOKEN")
+        .env_remove("TINYBROKER_ADDR")
+        .args(args);
     command
 }
 
