@@ -1,5 +1,7 @@
 """The Admin calls; a subscription an admin closes ends for good."""
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -20,6 +22,16 @@ def test_admin_lists_subscriptions_groups_info_and_closes_one(broker):
             assert subs["watched"].delivered == 1 and subs["watched"].opened_at is not None
             assert subs[member.subscription_id].consumer_group == "workers"
             assert subs[member.subscription_id].ack_mode == "manual"
+            # A member that takes a message and does not ack it: named by it.
+            await client.publish("jobs.1", b"job")
+            await member.next(timeout=5)
+            for _ in range(100):
+                held = {s.subscription_id: s for s in await client.admin.subscriptions()}[member.subscription_id]
+                if held.unacked == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert held.unacked == 1 and held.oldest_unacked_age is not None
+            assert subs["watched"].unacked == 0 and subs["watched"].oldest_unacked_age is None
             groups = {g.name: g for g in await client.admin.groups()}
             assert groups["workers"].members == 1 and groups["workers"].topic_patterns == ["jobs.>"]
             info = await client.admin.info()

@@ -46,6 +46,11 @@ class SubscriptionInfo:
     peer_address: str
     ack_mode: str
     replica_id: str
+    #: A manual-ack member's messages delivered and not acked yet (0 for any
+    #: other subscription): a hung member holds many.
+    unacked: int
+    #: Seconds since the oldest of them was handed to it; None when none.
+    oldest_unacked_age: Optional[float]
     raw: Any
 
 
@@ -123,7 +128,8 @@ class Admin:
             SubscriptionInfo(
                 s.subscription_id, _MODES.get(s.mode, str(s.mode)), s.consumer_group, list(s.topic_patterns),
                 s.queue_depth, s.capacity, s.delivered, _time(s.opened_at), s.peer_address,
-                _ACK.get(s.ack_mode, str(s.ack_mode)), s.replica_id, s,
+                _ACK.get(s.ack_mode, str(s.ack_mode)), s.replica_id, s.unacked,
+                _seconds(s.oldest_unacked_age) if s.HasField("oldest_unacked_age") else None, s,
             )
             for s in response.subscriptions
         ]

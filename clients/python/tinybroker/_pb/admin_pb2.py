@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from . import broker_pb2 as tinybroker_dot_v1_dot_broker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tinybroker/v1/admin.proto\x12\rtinybroker.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1atinybroker/v1/broker.proto\"\x1a\n\x18ListSubscriptionsRequest\"\xc3\x02\n\x10SubscriptionInfo\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12)\n\x04mode\x18\x02 \x01(\x0e\x32\x1b.tinybroker.v1.DeliveryMode\x12\x16\n\x0e\x63onsumer_group\x18\x03 \x01(\t\x12\x16\n\x0etopic_patterns\x18\x04 \x03(\t\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x11\n\tdelivered\x18\x07 \x01(\x04\x12-\n\topened_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cpeer_address\x18\t \x01(\t\x12(\n\x08\x61\x63k_mode\x18\n \x01(\x0e\x32\x16.tinybroker.v1.AckMode\x12\x12\n\nreplica_id\x18\x0b \x01(\t\"S\n\x19ListSubscriptionsResponse\x12\x36\n\rsubscriptions\x18\x01 \x03(\x0b\x32\x1f.tinybroker.v1.SubscriptionInfo\"\x1b\n\x19ListConsumerGroupsRequest\"\xe3\x01\n\x11\x43onsumerGroupInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0etopic_patterns\x18\x02 \x03(\t\x12\x0f\n\x07members\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63klog\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\x04\x12\x14\n\x0credeliveries\x18\x06 \x01(\x04\x12\x15\n\rdead_lettered\x18\x07 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x04\x12\x35\n\x12oldest_unacked_age\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\"N\n\x1aListConsumerGroupsResponse\x12\x30\n\x06groups\x18\x01 \x03(\x0b\x32 .tinybroker.v1.ConsumerGroupInfo\"3\n\x18\x43loseSubscriptionRequest\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\"\x1b\n\x19\x43loseSubscriptionResponse\"\x16\n\x14ListEvictionsRequest\"\xcf\x01\n\x0c\x45victionInfo\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12.\n\nevicted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0etopic_patterns\x18\x03 \x03(\t\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x04\x12\x1f\n\x17last_delivered_sequence\x18\x05 \x01(\x04\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x12\n\nreplica_id\x18\x07 \x01(\t\"G\n\x15ListEvictionsResponse\x12.\n\tevictions\x18\x01 \x03(\x0b\x32\x1b.tinybroker.v1.EvictionInfo\"\x16\n\x14GetBrokerInfoRequest\"\x9d\x04\n\x0c\x42rokerLimits\x12\x19\n\x11\x63onsumer_capacity\x18\x01 \x01(\x04\x12\x16\n\x0egroup_capacity\x18\x02 \x01(\x04\x12\x1d\n\x15\x64\x65\x66\x61ult_max_in_flight\x18\x03 \x01(\r\x12\x1f\n\x17\x64\x65\x66\x61ult_ack_deadline_ms\x18\x04 \x01(\r\x12\x1d\n\x15max_delivery_attempts\x18\x05 \x01(\r\x12\x1e\n\x16group_idle_ttl_seconds\x18\x06 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x04\x12\x19\n\x11max_subscriptions\x18\x08 \x01(\x04\x12\x1e\n\x16shutdown_grace_seconds\x18\t \x01(\x04\x12%\n\x1dmax_patterns_per_subscription\x18\n \x01(\r\x12\x17\n\x0fmax_topic_bytes\x18\x0b \x01(\r\x12\x13\n\x0bmax_headers\x18\x0c \x01(\r\x12\x1a\n\x12\x63onsumer_max_bytes\x18\r \x01(\x04\x12\x17\n\x0fgroup_max_bytes\x18\x0e \x01(\x04\x12\x18\n\x10max_memory_bytes\x18\x0f \x01(\x04\x12\x17\n\x0fmax_connections\x18\x10 \x01(\x04\x12!\n\x19handshake_timeout_seconds\x18\x11 \x01(\x04\x12%\n\x1dmax_subscriptions_per_session\x18\x12 \x01(\x04\"\x99\x03\n\x15GetBrokerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12)\n\x06uptime\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nstarted_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x06limits\x18\x04 \x01(\x0b\x32\x1b.tinybroker.v1.BrokerLimits\x12\x15\n\rsubscriptions\x18\x05 \x01(\x04\x12\x17\n\x0f\x63onsumer_groups\x18\x06 \x01(\x04\x12\x15\n\rlast_sequence\x18\x07 \x01(\x04\x12\x14\n\x0c\x61uth_enabled\x18\x08 \x01(\x08\x12\x13\n\x0btls_enabled\x18\t \x01(\x08\x12\x14\n\x0c\x63luster_mode\x18\n \x01(\x08\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12\x13\n\x0bnats_server\x18\x0c \x01(\t\x12\x1a\n\x12messages_published\x18\r \x01(\x04\x12\x1a\n\x12messages_delivered\x18\x0e \x01(\x04\x32\xfa\x03\n\x05\x41\x64min\x12\x66\n\x11ListSubscriptions\x12\'.tinybroker.v1.ListSubscriptionsRequest\x1a(.tinybroker.v1.ListSubscriptionsResponse\x12i\n\x12ListConsumerGroups\x12(.tinybroker.v1.ListConsumerGroupsRequest\x1a).tinybroker.v1.ListConsumerGroupsResponse\x12\x66\n\x11\x43loseSubscription\x12\'.tinybroker.v1.CloseSubscriptionRequest\x1a(.tinybroker.v1.CloseSubscriptionResponse\x12Z\n\rListEvictions\x12#.tinybroker.v1.ListEvictionsRequest\x1a$.tinybroker.v1.ListEvictionsResponse\x12Z\n\rGetBrokerInfo\x12#.tinybroker.v1.GetBrokerInfoRequest\x1a$.tinybroker.v1.GetBrokerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tinybroker/v1/admin.proto\x12\rtinybroker.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1atinybroker/v1/broker.proto\"\x1a\n\x18ListSubscriptionsRequest\"\x8b\x03\n\x10SubscriptionInfo\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12)\n\x04mode\x18\x02 \x01(\x0e\x32\x1b.tinybroker.v1.DeliveryMode\x12\x16\n\x0e\x63onsumer_group\x18\x03 \x01(\t\x12\x16\n\x0etopic_patterns\x18\x04 \x03(\t\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x11\n\tdelivered\x18\x07 \x01(\x04\x12-\n\topened_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cpeer_address\x18\t \x01(\t\x12(\n\x08\x61\x63k_mode\x18\n \x01(\x0e\x32\x16.tinybroker.v1.AckMode\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12\x0f\n\x07unacked\x18\x0c \x01(\x04\x12\x35\n\x12oldest_unacked_age\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\"S\n\x19ListSubscriptionsResponse\x12\x36\n\rsubscriptions\x18\x01 \x03(\x0b\x32\x1f.tinybroker.v1.SubscriptionInfo\"\x1b\n\x19ListConsumerGroupsRequest\"\xe3\x01\n\x11\x43onsumerGroupInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0etopic_patterns\x18\x02 \x03(\t\x12\x0f\n\x07members\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63klog\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\x04\x12\x14\n\x0credeliveries\x18\x06 \x01(\x04\x12\x15\n\rdead_lettered\x18\x07 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x04\x12\x35\n\x12oldest_unacked_age\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\"N\n\x1aListConsumerGroupsResponse\x12\x30\n\x06groups\x18\x01 \x03(\x0b\x32 .tinybroker.v1.ConsumerGroupInfo\"3\n\x18\x43loseSubscriptionRequest\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\"\x1b\n\x19\x43loseSubscriptionResponse\"\x16\n\x14ListEvictionsRequest\"\xcf\x01\n\x0c\x45victionInfo\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12.\n\nevicted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0etopic_patterns\x18\x03 \x03(\t\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x04\x12\x1f\n\x17last_delivered_sequence\x18\x05 \x01(\x04\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x12\n\nreplica_id\x18\x07 \x01(\t\"G\n\x15ListEvictionsResponse\x12.\n\tevictions\x18\x01 \x03(\x0b\x32\x1b.tinybroker.v1.EvictionInfo\"\x16\n\x14GetBrokerInfoRequest\"\x9d\x04\n\x0c\x42rokerLimits\x12\x19\n\x11\x63onsumer_capacity\x18\x01 \x01(\x04\x12\x16\n\x0egroup_capacity\x18\x02 \x01(\x04\x12\x1d\n\x15\x64\x65\x66\x61ult_max_in_flight\x18\x03 \x01(\r\x12\x1f\n\x17\x64\x65\x66\x61ult_ack_deadline_ms\x18\x04 \x01(\r\x12\x1d\n\x15max_delivery_attempts\x18\x05 \x01(\r\x12\x1e\n\x16group_idle_ttl_seconds\x18\x06 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x04\x12\x19\n\x11max_subscriptions\x18\x08 \x01(\x04\x12\x1e\n\x16shutdown_grace_seconds\x18\t \x01(\x04\x12%\n\x1dmax_patterns_per_subscription\x18\n \x01(\r\x12\x17\n\x0fmax_topic_bytes\x18\x0b \x01(\r\x12\x13\n\x0bmax_headers\x18\x0c \x01(\r\x12\x1a\n\x12\x63onsumer_max_bytes\x18\r \x01(\x04\x12\x17\n\x0fgroup_max_bytes\x18\x0e \x01(\x04\x12\x18\n\x10max_memory_bytes\x18\x0f \x01(\x04\x12\x17\n\x0fmax_connections\x18\x10 \x01(\x04\x12!\n\x19handshake_timeout_seconds\x18\x11 \x01(\x04\x12%\n\x1dmax_subscriptions_per_session\x18\x12 \x01(\x04\"\x99\x03\n\x15GetBrokerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12)\n\x06uptime\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nstarted_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x06limits\x18\x04 \x01(\x0b\x32\x1b.tinybroker.v1.BrokerLimits\x12\x15\n\rsubscriptions\x18\x05 \x01(\x04\x12\x17\n\x0f\x63onsumer_groups\x18\x06 \x01(\x04\x12\x15\n\rlast_sequence\x18\x07 \x01(\x04\x12\x14\n\x0c\x61uth_enabled\x18\x08 \x01(\x08\x12\x13\n\x0btls_enabled\x18\t \x01(\x08\x12\x14\n\x0c\x63luster_mode\x18\n \x01(\x08\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12\x13\n\x0bnats_server\x18\x0c \x01(\t\x12\x1a\n\x12messages_published\x18\r \x01(\x04\x12\x1a\n\x12messages_delivered\x18\x0e \x01(\x04\x32\xfa\x03\n\x05\x41\x64min\x12\x66\n\x11ListSubscriptions\x12\'.tinybroker.v1.ListSubscriptionsRequest\x1a(.tinybroker.v1.ListSubscriptionsResponse\x12i\n\x12ListConsumerGroups\x12(.tinybroker.v1.ListConsumerGroupsRequest\x1a).tinybroker.v1.ListConsumerGroupsResponse\x12\x66\n\x11\x43loseSubscription\x12\'.tinybroker.v1.CloseSubscriptionRequest\x1a(.tinybroker.v1.CloseSubscriptionResponse\x12Z\n\rListEvictions\x12#.tinybroker.v1.ListEvictionsRequest\x1a$.tinybroker.v1.ListEvictionsResponse\x12Z\n\rGetBrokerInfo\x12#.tinybroker.v1.GetBrokerInfoRequest\x1a$.tinybroker.v1.GetBrokerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTSUBSCRIPTIONSREQUEST']._serialized_start=137
   _globals['_LISTSUBSCRIPTIONSREQUEST']._serialized_end=163
   _globals['_SUBSCRIPTIONINFO']._serialized_start=166
-  _globals['_SUBSCRIPTIONINFO']._serialized_end=489
-  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_start=491
-  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_end=574
-  _globals['_LISTCONSUMERGROUPSREQUEST']._serialized_start=576
-  _globals['_LISTCONSUMERGROUPSREQUEST']._serialized_end=603
-  _globals['_CONSUMERGROUPINFO']._serialized_start=606
-  _globals['_CONSUMERGROUPINFO']._serialized_end=833
-  _globals['_LISTCONSUMERGROUPSRESPONSE']._serialized_start=835
-  _globals['_LISTCONSUMERGROUPSRESPONSE']._serialized_end=913
-  _globals['_CLOSESUBSCRIPTIONREQUEST']._serialized_start=915
-  _globals['_CLOSESUBSCRIPTIONREQUEST']._serialized_end=966
-  _globals['_CLOSESUBSCRIPTIONRESPONSE']._serialized_start=968
-  _globals['_CLOSESUBSCRIPTIONRESPONSE']._serialized_end=995
-  _globals['_LISTEVICTIONSREQUEST']._serialized_start=997
-  _globals['_LISTEVICTIONSREQUEST']._serialized_end=1019
-  _globals['_EVICTIONINFO']._serialized_start=1022
-  _globals['_EVICTIONINFO']._serialized_end=1229
-  _globals['_LISTEVICTIONSRESPONSE']._serialized_start=1231
-  _globals['_LISTEVICTIONSRESPONSE']._serialized_end=1302
-  _globals['_GETBROKERINFOREQUEST']._serialized_start=1304
-  _globals['_GETBROKERINFOREQUEST']._serialized_end=1326
-  _globals['_BROKERLIMITS']._serialized_start=1329
-  _globals['_BROKERLIMITS']._serialized_end=1870
-  _globals['_GETBROKERINFORESPONSE']._serialized_start=1873
-  _globals['_GETBROKERINFORESPONSE']._serialized_end=2282
-  _globals['_ADMIN']._serialized_start=2285
-  _globals['_ADMIN']._serialized_end=2791
+  _globals['_SUBSCRIPTIONINFO']._serialized_end=561
+  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_start=563
+  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_end=646
+  _globals['_LISTCONSUMERGROUPSREQUEST']._serialized_start=648
+  _globals['_LISTCONSUMERGROUPSREQUEST']._serialized_end=675
+  _globals['_CONSUMERGROUPINFO']._serialized_start=678
+  _globals['_CONSUMERGROUPINFO']._serialized_end=905
+  _globals['_LISTCONSUMERGROUPSRESPONSE']._serialized_start=907
+  _globals['_LISTCONSUMERGROUPSRESPONSE']._serialized_end=985
+  _globals['_CLOSESUBSCRIPTIONREQUEST']._serialized_start=987
+  _globals['_CLOSESUBSCRIPTIONREQUEST']._serialized_end=1038
+  _globals['_CLOSESUBSCRIPTIONRESPONSE']._serialized_start=1040
+  _globals['_CLOSESUBSCRIPTIONRESPONSE']._serialized_end=1067
+  _globals['_LISTEVICTIONSREQUEST']._serialized_start=1069
+  _globals['_LISTEVICTIONSREQUEST']._serialized_end=1091
+  _globals['_EVICTIONINFO']._serialized_start=1094
+  _globals['_EVICTIONINFO']._serialized_end=1301
+  _globals['_LISTEVICTIONSRESPONSE']._serialized_start=1303
+  _globals['_LISTEVICTIONSRESPONSE']._serialized_end=1374
+  _globals['_GETBROKERINFOREQUEST']._serialized_start=1376
+  _globals['_GETBROKERINFOREQUEST']._serialized_end=1398
+  _globals['_BROKERLIMITS']._serialized_start=1401
+  _globals['_BROKERLIMITS']._serialized_end=1942
+  _globals['_GETBROKERINFORESPONSE']._serialized_start=1945
+  _globals['_GETBROKERINFORESPONSE']._serialized_end=2354
+  _globals['_ADMIN']._serialized_start=2357
+  _globals['_ADMIN']._serialized_end=2863
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class ListSubscriptionsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SubscriptionInfo(_message.Message):
-    __slots__ = ("subscription_id", "mode", "consumer_group", "topic_patterns", "queue_depth", "capacity", "delivered", "opened_at", "peer_address", "ack_mode", "replica_id")
+    __slots__ = ("subscription_id", "mode", "consumer_group", "topic_patterns", "queue_depth", "capacity", "delivered", "opened_at", "peer_address", "ack_mode", "replica_id", "unacked", "oldest_unacked_age")
     SUBSCRIPTION_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class SubscriptionInfo(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ACK_MODE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    UNACKED_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_UNACKED_AGE_FIELD_NUMBER: _ClassVar[int]
     subscription_id: str
     mode: _broker_pb2.DeliveryMode
     consumer_group: str
@@ -39,7 +41,9 @@ class SubscriptionInfo(_message.Message):
     peer_address: str
     ack_mode: _broker_pb2.AckMode
     replica_id: str
-    def __init__(self, subscription_id: _Optional[str] = ..., mode: _Optional[_Union[_broker_pb2.DeliveryMode, str]] = ..., consumer_group: _Optional[str] = ..., topic_patterns: _Optional[_Iterable[str]] = ..., queue_depth: _Optional[int] = ..., capacity: _Optional[int] = ..., delivered: _Optional[int] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., peer_address: _Optional[str] = ..., ack_mode: _Optional[_Union[_broker_pb2.AckMode, str]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    unacked: int
+    oldest_unacked_age: _duration_pb2.Duration
+    def __init__(self, subscription_id: _Optional[str] = ..., mode: _Optional[_Union[_broker_pb2.DeliveryMode, str]] = ..., consumer_group: _Optional[str] = ..., topic_patterns: _Optional[_Iterable[str]] = ..., queue_depth: _Optional[int] = ..., capacity: _Optional[int] = ..., delivered: _Optional[int] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., peer_address: _Optional[str] = ..., ack_mode: _Optional[_Union[_broker_pb2.AckMode, str]] = ..., replica_id: _Optional[str] = ..., unacked: _Optional[int] = ..., oldest_unacked_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ListSubscriptionsResponse(_message.Message):
     __slots__ = ("subscriptions",)
