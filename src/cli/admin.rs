@@ -2,7 +2,7 @@
 //! `info` and `close`. Each prints an aligned table for people, or with
 //! `--json` one JSON object per row (one per line) for scripts.
 
-use super::{Connection, failed};
+use super::{Connection, failed, out};
 use crate::client::Client;
 use crate::pb;
 use clap::Args;
@@ -52,13 +52,13 @@ pub(super) async fn subscriptions(args: SubscriptionsArgs) -> anyhow::Result<()>
     }
     if list.is_empty() {
         match &args.group {
-            Some(group) => println!("no open subscriptions in group {group:?}"),
-            None => println!("no open subscriptions"),
+            Some(group) => out(format_args!("no open subscriptions in group {group:?}\n"))?,
+            None => out("no open subscriptions\n")?,
         }
         return Ok(());
     }
     let replica = cluster_mode(&mut client).await || list.iter().any(|s| !s.replica_id.is_empty());
-    print!("{}", subscriptions_table(&list, replica, SystemTime::now()).render());
+    out(subscriptions_table(&list, replica, SystemTime::now()).render())?;
     Ok(())
 }
 
@@ -74,10 +74,10 @@ pub(super) async fn groups(args: ListArgs) -> anyhow::Result<()> {
         return print_json_rows(list.iter().map(group_json));
     }
     if list.is_empty() {
-        println!("no consumer groups");
+        out("no consumer groups\n")?;
         return Ok(());
     }
-    print!("{}", groups_table(&list).render());
+    out(groups_table(&list).render())?;
     Ok(())
 }
 
@@ -93,11 +93,11 @@ pub(super) async fn evictions(args: ListArgs) -> anyhow::Result<()> {
         return print_json_rows(list.iter().map(eviction_json));
     }
     if list.is_empty() {
-        println!("no evictions");
+        out("no evictions\n")?;
         return Ok(());
     }
     let replica = cluster_mode(&mut client).await || list.iter().any(|e| !e.replica_id.is_empty());
-    print!("{}", evictions_table(&list, replica, SystemTime::now()).render());
+    out(evictions_table(&list, replica, SystemTime::now()).render())?;
     Ok(())
 }
 
@@ -167,7 +167,11 @@ pub(super) async fn info(args: ListArgs) -> anyhow::Result<()> {
     }
     let width = lines.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
     for (name, value) in lines {
-        println!("{:<width$}  {value}", format!("{name}:"), width = width + 1);
+        out(format_args!(
+            "{:<width$}  {value}\n",
+            format!("{name}:"),
+            width = width + 1
+        ))?;
     }
     Ok(())
 }
@@ -179,7 +183,7 @@ pub(super) async fn close(args: CloseArgs) -> anyhow::Result<()> {
         .close_subscription(&args.subscription_id)
         .await
         .map_err(|s| failed("close", &args.connection.addr, s))?;
-    println!("closed subscription {}", args.subscription_id);
+    out(format_args!("closed subscription {}\n", args.subscription_id))?;
     Ok(())
 }
 

@@ -147,9 +147,6 @@ fn worker_threads() -> Result<Option<usize>, String> {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    if !matches!(cli.command, None | Some(Command::Serve)) {
-        stdout_closed_ends_quietly();
-    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     match worker_threads() {
         Ok(Some(n)) => {
@@ -183,6 +180,7 @@ pub fn main() -> ExitCode {
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if stdout_went_away(&e) => die_of_sigpipe(),
         Err(e) => {
             eprintln!("tinybroker: {e:#}");
             ExitCode::from(2)
@@ -190,17 +188,41 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// A client command whose reader goes away (`tinybroker subscriptions
-/// --json | head`) ends as any Unix filter does, by SIGPIPE, instead of
-/// printing "Broken pipe (os error 32)" or panicking in `println!`: Rust
-/// ignores SIGPIPE by default, so writes to a closed pipe fail instead.
-/// Never for `serve`, whose sockets must not kill the broker.
-fn stdout_closed_ends_quietly() {
-    // SAFETY: called once at start-up, before any other thread exists, with
-    // the default disposition, which needs no handler.
+/// What a client command prints on stdout. A closed stdout (`tinybroker
+/// subscriptions --json | head`) is an error its command returns, never a
+/// panic as in `print!` (Rust ignores SIGPIPE, so such a write fails
+/// instead of ending the process); [`main`] then ends the process as a Unix
+/// filter ends, by SIGPIPE, without a word ([`stdout_went_away`]).
+pub(super) fn out(text: impl std::fmt::Display) -> std::io::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    write!(stdout, "{text}")?;
+    stdout.flush()
+}
+
+/// Whether `error` is a write to a stdout whose reader went away. The
+/// broker's sockets cannot be it: their errors reach a command as gRPC
+/// statuses, turned into text by [`failed`].
+fn stdout_went_away(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+            || cause
+                .downcast_ref::<serde_json::Error>()
+                .is_some_and(|e| e.io_error_kind() == Some(std::io::ErrorKind::BrokenPipe))
+    })
+}
+
+/// Ends the process by SIGPIPE, as `head`'s writer ends in a pipeline: the
+/// shell sees 141 and the pipeline's status is its reader's.
+fn die_of_sigpipe() -> ExitCode {
+    // SAFETY: the default disposition needs no handler; raise(3) delivers
+    // the signal to this thread, which ends the process.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
     }
+    ExitCode::FAILURE
 }
 
 async fn serve() -> anyhow::Result<()> {
@@ -296,10 +318,10 @@ async fn publish(args: PublishArgs) -> anyhow::Result<()> {
         .publish(args.topic, payload, headers)
         .await
         .map_err(|s| failed("publish", &args.connection.addr, s))?;
-    println!(
-        "sequence={} matched_subscriptions={} matched_groups={}",
+    out(format_args!(
+        "sequence={} matched_subscriptions={} matched_groups={}\n",
         response.sequence, response.matched_subscriptions, response.matched_groups
-    );
+    ))?;
     Ok(())
 }
 

@@ -74,7 +74,7 @@ async fn once(client: Client, mut view: View) -> anyhow::Result<()> {
         Ok((w, _)) if std::io::stdout().is_terminal() => w,
         _ => ONCE_WIDTH,
     };
-    print!("{}", view.text(width));
+    super::out(view.text(width))?;
     Ok(())
 }
 
