@@ -260,7 +260,7 @@ where
                 Poll::Ready(Some(Ok(request))) => self.request(request, cx),
                 Poll::Ready(Some(Err(error))) => {
                     self.requests = None;
-                    self.fail(request_error(error));
+                    self.fail(grpc::request_stream_error(error, "tinybroker.v1.SessionRequest"));
                     return;
                 }
                 Poll::Ready(None) => {
@@ -593,21 +593,6 @@ where
         // Only a message that is not valid in a header fails; ours are.
         let _ = status.add_header(&mut trailers);
         trailers
-    }
-}
-
-/// What a failed read of the requests means: a request that cannot be
-/// decoded ends the session with INVALID_ARGUMENT; one over the size limit
-/// with RESOURCE_EXHAUSTED; anything else (the client reset the stream) ends
-/// it with that status, which the client no longer reads.
-fn request_error(error: Status) -> Status {
-    match error.code() {
-        Code::Internal if error.message().contains("decode") => Status::invalid_argument(format!(
-            "the session's requests cannot be decoded as tinybroker.v1.SessionRequest: {}",
-            error.message()
-        )),
-        Code::OutOfRange => grpc::oversized_to_exhausted(error),
-        _ => error,
     }
 }
 
