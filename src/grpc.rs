@@ -823,7 +823,7 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
                 default_ack_deadline_ms: l.default_ack_deadline.as_millis() as u32,
                 max_delivery_attempts: l.max_delivery_attempts,
                 group_idle_ttl_seconds: l.group_idle_ttl.as_secs(),
-                max_message_bytes: l.max_message_bytes as u64,
+                max_message_bytes: self.engine.max_message_bytes() as u64,
                 max_subscriptions: l.max_subscriptions as u64,
                 max_subscriptions_per_session: l.max_subscriptions_per_session as u64,
                 shutdown_grace_seconds: self.shutdown_grace.as_secs(),

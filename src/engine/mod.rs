@@ -55,6 +55,13 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// The limits this engine enforces.
     fn limits(&self) -> &Limits;
 
+    /// The largest message (payload plus headers) it takes now: `limits()`'s,
+    /// except in cluster mode with `TINYBROKER_MAX_MESSAGE_BYTES` unset,
+    /// where the NATS server's `max_payload` may lower it once connected.
+    fn max_message_bytes(&self) -> usize {
+        self.limits().max_message_bytes
+    }
+
     /// Validates and publishes one message.
     fn publish(
         &self,
