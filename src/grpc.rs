@@ -399,6 +399,7 @@ pub(crate) fn subscribe_request(
         max_in_flight: request.max_in_flight,
         ack_deadline_ms: request.ack_deadline_ms,
         peer,
+        credit: None,
     })
 }
 
