@@ -39,6 +39,9 @@ pub struct ClusterConfig {
     pub nats_ca: Option<PathBuf>,
     /// Names this replica in logs, Admin and metrics.
     pub replica_id: String,
+    /// `TINYBROKER_MAX_MESSAGE_BYTES` is unset: the limit is at most what
+    /// the NATS server's `max_payload` carries (found when connected).
+    pub max_message_bytes_from_nats: bool,
 }
 
 impl fmt::Debug for ClusterConfig {
@@ -51,6 +54,7 @@ impl fmt::Debug for ClusterConfig {
             .field("nats_creds", &self.nats_creds)
             .field("nats_ca", &self.nats_ca)
             .field("replica_id", &self.replica_id)
+            .field("max_message_bytes_from_nats", &self.max_message_bytes_from_nats)
             .finish()
     }
 }
@@ -354,8 +358,10 @@ impl Config {
         vars: impl IntoIterator<Item = (String, String)>,
         container_memory_limit: Option<u64>,
     ) -> Result<Self, ConfigError> {
+        let vars: Vec<(String, String)> = vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)).collect();
+        no_near_miss(vars.iter().map(|(k, _)| k.as_str()))?;
         let raw: RawEnv = envy::prefixed(PREFIX)
-            .from_iter(vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)))
+            .from_iter(vars)
             .map_err(|e| ConfigError(format!("could not read the {PREFIX}* environment: {e}")))?;
         let defaults = Config::default();
         let d = &defaults.limits;
@@ -493,43 +499,121 @@ impl Config {
     }
 }
 
+/// `TINYBROKER_*` variables that are not the broker's but are set beside it
+/// on purpose: the address the CLI's and client libraries' users export
+/// (API.md, "Client libraries"). Not reported.
+const NOT_THE_BROKERS: &[&str] = &["ADDR"];
+
+/// A `TINYBROKER_*` variable the broker does not read, and what start-up
+/// makes of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UnknownVariable {
+    /// A near miss of a known variable ([`near_miss`]): start-up stops,
+    /// since running without the setting the operator meant (auth off, a
+    /// default limit) is worse than not starting.
+    NearMiss { name: String, known: String },
+    /// Ignored with a WARN naming the known variable it may have meant, if
+    /// one is close enough to suggest.
+    Ignored { name: String, may_mean: Option<String> },
+}
+
 /// The `TINYBROKER_*` variables among `names` that the broker does not know,
-/// each with the known variable it most likely meant, if one is close.
-/// Kubernetes' service links for a Service named `tinybroker`
-/// (`TINYBROKER_SERVICE_HOST`, `TINYBROKER_PORT_50051_TCP`, ...) are not
-/// reported.
-pub fn unknown_variables<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<(String, Option<String>)> {
+/// each a near miss of a known one or ignored (with the known one it may
+/// have meant). A name that is a known one in other letter case is known
+/// (envy reads it). Kubernetes' service links (`TINYBROKER_SERVICE_HOST`,
+/// `TINYBROKER_PORT_50051_TCP`, and those of any Service whose name begins
+/// with `tinybroker-`, `TINYBROKER_NATS_SERVICE_HOST`, ...) and
+/// [`NOT_THE_BROKERS`] are not reported.
+pub fn unknown_variables<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<UnknownVariable> {
     names
         .into_iter()
-        .filter_map(|name| name.strip_prefix(PREFIX))
-        .filter(|rest| !VARIABLES.contains(rest))
-        .filter(|rest| !(rest.starts_with("SERVICE_") || *rest == "PORT" || rest.starts_with("PORT_")))
-        .map(|rest| {
+        .filter_map(|name| Some((name, name.strip_prefix(PREFIX)?.to_ascii_uppercase())))
+        .filter(|(_, rest)| !VARIABLES.contains(&rest.as_str()) && !NOT_THE_BROKERS.contains(&rest.as_str()))
+        .filter(|(_, rest)| !is_service_link(rest))
+        .map(|(name, rest)| {
             let closest = VARIABLES
                 .iter()
-                .map(|known| (edit_distance(rest, known), known))
-                .filter(|(distance, known)| *distance <= 3.max(known.len() / 4))
-                .min_by_key(|(distance, _)| *distance)
-                .map(|(_, known)| format!("{PREFIX}{known}"));
-            (format!("{PREFIX}{rest}"), closest)
+                .map(|known| (edit_distance(&rest, known), *known))
+                .min_by_key(|(distance, _)| *distance);
+            let name = name.to_owned();
+            match closest {
+                Some((distance, known)) if distance <= near_miss(known) => UnknownVariable::NearMiss {
+                    name,
+                    known: format!("{PREFIX}{known}"),
+                },
+                closest => UnknownVariable::Ignored {
+                    name,
+                    may_mean: closest
+                        .filter(|(distance, known)| *distance <= 3.max(known.len() / 4))
+                        .map(|(_, known)| format!("{PREFIX}{known}")),
+                },
+            }
         })
         .collect()
 }
 
-/// Levenshtein distance between two short ASCII names.
+/// How many edits away from the known variable `known` (without the
+/// prefix) an unknown name is a near miss of it: 1 for a name of up to 8
+/// characters (`TLS_CERT`), 2 for a longer one (`AUTH_TOKEN`). An edit is
+/// one character inserted, deleted or replaced, or two neighbours swapped
+/// ([`edit_distance`]). Longer names allow more, but never so many that one
+/// known name is a near miss of another (`TLS_KEY` and `TLS_CERT`,
+/// `NATS_TOKEN` and `AUTH_TOKEN` are 3 apart; a unit test checks every
+/// pair). A name near two known ones is taken for the closer.
+pub fn near_miss(known: &str) -> usize {
+    if known.len() <= 8 { 1 } else { 2 }
+}
+
+/// The remainder, after `TINYBROKER_`, of a variable Kubernetes sets for a
+/// Service named `tinybroker` or `tinybroker-<something>` when service
+/// links are on: `[<SOMETHING>_]SERVICE_HOST`, `..._SERVICE_PORT[_<NAME>]`,
+/// `[<SOMETHING>_]PORT`, `..._PORT_<number>_<protocol>[_...]`.
+fn is_service_link(rest: &str) -> bool {
+    let rest = format!("_{rest}");
+    if rest.contains("_SERVICE_HOST") || rest.contains("_SERVICE_PORT") || rest.ends_with("_PORT") {
+        return true;
+    }
+    rest.match_indices("_PORT_").any(|(at, _)| {
+        let after = &rest[at + "_PORT_".len()..];
+        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+        digits > 0 && ["_TCP", "_UDP", "_SCTP"].iter().any(|p| after[digits..].starts_with(p))
+    })
+}
+
+/// The number of edits between two short ASCII names: characters inserted,
+/// deleted or replaced, and neighbours swapped (the optimal string
+/// alignment distance).
 fn edit_distance(a: &str, b: &str) -> usize {
-    let b = b.as_bytes();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.bytes().enumerate() {
-        let mut diagonal = row[0];
-        row[0] = i + 1;
-        for (j, &cb) in b.iter().enumerate() {
-            let above = row[j + 1];
-            row[j + 1] = (above + 1).min(row[j] + 1).min(diagonal + usize::from(ca != cb));
-            diagonal = above;
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    // d[i][j]: the distance between a[..i] and b[..j].
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    d[0] = (0..=b.len()).collect();
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
         }
     }
-    row[b.len()]
+    d[a.len()][b.len()]
+}
+
+/// Stops start-up for the first near miss among `names` ([`UnknownVariable::NearMiss`]).
+fn no_near_miss<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<(), ConfigError> {
+    for unknown in unknown_variables(names) {
+        if let UnknownVariable::NearMiss { name, known } = unknown {
+            return Err(ConfigError(format!(
+                "{name} is not a tinybroker setting, and it is so close to {known} that it looks like a misspelling of it: rename it to {known} (or unset it); start-up stops rather than run without the setting you meant"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Cluster mode, when `TINYBROKER_NATS_URL` is set; the other `NATS_*`
@@ -628,6 +712,7 @@ fn cluster(raw: &RawEnv) -> Result<Option<ClusterConfig>, ConfigError> {
         nats_creds: nonblank(&raw.nats_creds).map(PathBuf::from),
         nats_ca: nonblank(&raw.nats_ca).map(PathBuf::from),
         replica_id,
+        max_message_bytes_from_nats: raw.max_message_bytes.is_none(),
     }))
 }
 
@@ -834,11 +919,24 @@ mod tests {
         assert_eq!(set.limits.max_memory_bytes, Some(1000), "the variable wins");
     }
 
+    fn ignored(name: &str, may_mean: Option<&str>) -> UnknownVariable {
+        UnknownVariable::Ignored {
+            name: name.into(),
+            may_mean: may_mean.map(Into::into),
+        }
+    }
+
+    fn near(name: &str, known: &str) -> UnknownVariable {
+        UnknownVariable::NearMiss {
+            name: name.into(),
+            known: known.into(),
+        }
+    }
+
     #[test]
     fn unknown_variables_are_named_with_the_closest_known_one() {
         let found = unknown_variables([
             "TINYBROKER_CONSUMER_CAPACITY",
-            "TINYBROKER_CONSUMER_CAPACTY",
             "TINYBROKER_MAX_MSG_BYTES",
             "TINYBROKER_WHATEVER_ELSE_ENTIRELY",
             "TINYBROKER_SERVICE_HOST",
@@ -849,17 +947,107 @@ mod tests {
         assert_eq!(
             found,
             [
-                (
-                    "TINYBROKER_CONSUMER_CAPACTY".to_owned(),
-                    Some("TINYBROKER_CONSUMER_CAPACITY".to_owned())
-                ),
-                (
-                    "TINYBROKER_MAX_MSG_BYTES".to_owned(),
-                    Some("TINYBROKER_MAX_MESSAGE_BYTES".to_owned())
-                ),
-                ("TINYBROKER_WHATEVER_ELSE_ENTIRELY".to_owned(), None),
+                ignored("TINYBROKER_MAX_MSG_BYTES", Some("TINYBROKER_MAX_MESSAGE_BYTES")),
+                ignored("TINYBROKER_WHATEVER_ELSE_ENTIRELY", None),
             ]
         );
+    }
+
+    #[test]
+    fn a_near_miss_is_one_edit_from_a_short_name_or_two_from_a_longer_one() {
+        let found = unknown_variables([
+            "TINYBROKER_AUTH_TOKN",
+            "TINYBROKER_AUTH_TOEKN",
+            "TINYBROKER_ATH_TOKN",
+            "TINYBROKER_CONSUMER_CAPACTY",
+            "TINYBROKER_TLS_CRT",
+            "TINYBROKER_TLS_CRET",
+            "TINYBROKER_TLS_CRTT",
+            "TINYBROKER_NATS_URLS",
+            "TINYBROKER_auth_tokn",
+            "TINYBROKER_AUTH_TKN_",
+        ]);
+        assert_eq!(
+            found,
+            [
+                near("TINYBROKER_AUTH_TOKN", "TINYBROKER_AUTH_TOKEN"),
+                near("TINYBROKER_AUTH_TOEKN", "TINYBROKER_AUTH_TOKEN"),
+                near("TINYBROKER_ATH_TOKN", "TINYBROKER_AUTH_TOKEN"),
+                near("TINYBROKER_CONSUMER_CAPACTY", "TINYBROKER_CONSUMER_CAPACITY"),
+                near("TINYBROKER_TLS_CRT", "TINYBROKER_TLS_CERT"),
+                near("TINYBROKER_TLS_CRET", "TINYBROKER_TLS_CERT"),
+                // Two edits from an 8-character name: a hint only.
+                ignored("TINYBROKER_TLS_CRTT", Some("TINYBROKER_TLS_CERT")),
+                near("TINYBROKER_NATS_URLS", "TINYBROKER_NATS_URL"),
+                near("TINYBROKER_auth_tokn", "TINYBROKER_AUTH_TOKEN"),
+                // Three edits.
+                ignored("TINYBROKER_AUTH_TKN_", Some("TINYBROKER_AUTH_TOKEN")),
+            ]
+        );
+    }
+
+    /// No known name is a near miss of another.
+    #[test]
+    fn no_known_variable_is_a_near_miss_of_another() {
+        for a in VARIABLES {
+            for b in VARIABLES.iter().filter(|b| *b != a) {
+                assert!(
+                    edit_distance(a, b) > near_miss(b),
+                    "{a} and {b} are {} edits apart",
+                    edit_distance(a, b)
+                );
+            }
+        }
+    }
+
+    /// The `TINYBROKER_` names the project's chart, scripts, tests, client
+    /// libraries and Kubernetes set beside the broker start it.
+    #[test]
+    fn no_variable_the_project_or_kubernetes_sets_stops_start_up() {
+        let names = [
+            "TINYBROKER_ADDR",
+            "TINYBROKER_API_MD",
+            "TINYBROKER_BIN",
+            "TINYBROKER_SERVICE_HOST",
+            "TINYBROKER_SERVICE_PORT",
+            "TINYBROKER_SERVICE_PORT_GRPC",
+            "TINYBROKER_PORT",
+            "TINYBROKER_PORT_50051_TCP",
+            "TINYBROKER_PORT_50051_TCP_PROTO",
+            "TINYBROKER_PORT_9090_TCP_ADDR",
+            "TINYBROKER_NATS_SERVICE_HOST",
+            "TINYBROKER_NATS_SERVICE_PORT",
+            "TINYBROKER_NATS_PORT",
+            "TINYBROKER_NATS_PORT_4222_TCP_PORT",
+            "TINYBROKER_HEADLESS_SERVICE_HOST",
+        ];
+        let mut vars: Vec<(String, String)> = names.iter().map(|n| (n.to_string(), "x".into())).collect();
+        vars.extend(VARIABLES.iter().map(|v| (format!("{PREFIX}{v}"), String::new())));
+        assert!(
+            unknown_variables(names)
+                .iter()
+                .all(|u| !matches!(u, UnknownVariable::NearMiss { .. })),
+            "{:?}",
+            unknown_variables(names)
+        );
+        assert_eq!(
+            unknown_variables(names),
+            [ignored("TINYBROKER_API_MD", None), ignored("TINYBROKER_BIN", None)]
+        );
+        assert!(no_near_miss(vars.iter().map(|(k, _)| k.as_str())).is_ok());
+    }
+
+    #[test]
+    fn a_near_miss_stops_start_up_naming_both() {
+        let error = Config::from_vars(vars(&[("TINYBROKER_AUTH_TOKN", "secret")])).unwrap_err();
+        let line = error.to_string();
+        assert!(!line.contains('\n'), "{line}");
+        assert!(
+            line.contains("TINYBROKER_AUTH_TOKN") && line.contains("TINYBROKER_AUTH_TOKEN"),
+            "{line}"
+        );
+        assert!(!line.contains("secret"), "the value may be a secret: {line}");
+        Config::from_vars(vars(&[("TINYBROKER_AUTH_TOKEN_FILE", "/x")])).expect("not a near miss: a WARN");
     }
 
     #[test]

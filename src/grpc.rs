@@ -29,6 +29,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Most messages of one PublishStream routed before the task yields.
 const PUBLISH_BATCH: usize = 128;
+/// The message a `PublishStream` carries, as its decoding errors name it.
+const PUBLISH_REQUEST: &str = "tinybroker.v1.PublishRequest";
 
 /// Initial response metadata carrying the subscription id.
 pub const SUBSCRIPTION_ID_METADATA: &str = "tinybroker-subscription-id";
@@ -208,7 +210,12 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             let mut next = match next {
                 Ok(Some(request)) => request,
                 Ok(None) => return Ok(Response::new(response)),
-                Err(error) => return Err(with_accepted(oversized_to_exhausted(error), response.accepted)),
+                Err(error) => {
+                    return Err(with_accepted(
+                        request_stream_error(error, PUBLISH_REQUEST),
+                        response.accepted,
+                    ));
+                }
             };
             // Route what has already arrived as one batch: each subscriber
             // is woken once for it, at the end, and writes it in one go.
@@ -264,7 +271,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
                         break;
                     }
                     Some(Err(error)) => {
-                        ended = Some(Err(oversized_to_exhausted(error)));
+                        ended = Some(Err(request_stream_error(error, PUBLISH_REQUEST)));
                         break;
                     }
                     // Nothing more buffered: end the batch and wait.
@@ -392,6 +399,7 @@ pub(crate) fn subscribe_request(
         max_in_flight: request.max_in_flight,
         ack_deadline_ms: request.ack_deadline_ms,
         peer,
+        credit: None,
     })
 }
 
@@ -437,6 +445,40 @@ fn oversized_message(tonic_message: &str) -> String {
         ),
         _ => format!("message larger than max_message_bytes (TINYBROKER_MAX_MESSAGE_BYTES): {tonic_message}"),
     }
+}
+
+/// What a failed read of a request stream (`PublishStream`, `Session`)
+/// means for the client, named by the message the stream carries
+/// (`tinybroker.v1.SessionRequest`).
+///
+/// tonic reports bytes that are not a gRPC message of that type as INTERNAL
+/// (a stream that ends in the middle of a message, a compressed flag other
+/// than 0, or 1 with no `grpc-encoding`, bytes that are not its protobuf
+/// encoding): the client sent them, so they are INVALID_ARGUMENT, saying
+/// what was wrong. A message over the decoding limit is RESOURCE_EXHAUSTED
+/// ([`oversized_to_exhausted`]). Anything else (the client reset the
+/// stream) is passed on as it is; the client no longer reads it.
+pub(crate) fn request_stream_error(error: Status, message: &str) -> Status {
+    if error.code() != Code::Internal {
+        return oversized_to_exhausted(error);
+    }
+    let text = error.message();
+    let what = if text.starts_with("Unexpected EOF decoding stream") {
+        "the stream ended in the middle of a gRPC message (its length prefix announced more bytes than came)"
+    } else if text.starts_with("protocol error: received message with compressed-flag but no grpc-encoding") {
+        "a gRPC message has its compressed flag set (1) but the request names no grpc-encoding (none is accepted)"
+    } else if text.starts_with("protocol error: received message with invalid compression flag") {
+        "a gRPC message's compressed flag is neither 0 nor 1"
+    } else if text.starts_with("failed to decode Protobuf message") {
+        "a gRPC message is not a valid protobuf encoding of it"
+    } else if text.starts_with("Error decompressing") {
+        "a gRPC message cannot be decompressed"
+    } else {
+        return error;
+    };
+    Status::invalid_argument(format!(
+        "the request stream cannot be decoded as {message}: {what} ({text})"
+    ))
 }
 
 /// tonic reports a request over the decoding limit as OUT_OF_RANGE; the
@@ -841,7 +883,7 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
                 default_ack_deadline_ms: l.default_ack_deadline.as_millis() as u32,
                 max_delivery_attempts: l.max_delivery_attempts,
                 group_idle_ttl_seconds: l.group_idle_ttl.as_secs(),
-                max_message_bytes: l.max_message_bytes as u64,
+                max_message_bytes: self.engine.max_message_bytes() as u64,
                 max_subscriptions: l.max_subscriptions as u64,
                 max_subscriptions_per_session: l.max_subscriptions_per_session as u64,
                 shutdown_grace_seconds: self.shutdown_grace.as_secs(),

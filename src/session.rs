@@ -46,7 +46,10 @@
 //!   own queue, which overflows and is evicted by the usual rules. It is
 //!   still watched for its end ([`DeliveryStream::poll_ended`]), so an
 //!   eviction is reported at once. `SessionCredit` puts it back on the ready
-//!   list.
+//!   list. A consumer-group member's credit is the engine's too
+//!   (`SubscribeRequest::credit`, [`DeliveryStream::add_credit`]): its
+//!   group hands it no more than it may send now, so nothing waits in its
+//!   queue for credit while another member has room.
 //! - **Requests** are read in the same poll, before the deliveries: opens
 //!   register their subscription before anything else happens on the
 //!   session, and an `opened` event is encoded before any delivery for it.
@@ -139,6 +142,8 @@ enum Handle {
     /// meanwhile are applied when it is open.
     Opening {
         credit: Option<u64>,
+        /// Credit added meanwhile, for the engine once it is open.
+        added: u64,
         close: bool,
     },
     Open(usize),
@@ -260,7 +265,7 @@ where
                 Poll::Ready(Some(Ok(request))) => self.request(request, cx),
                 Poll::Ready(Some(Err(error))) => {
                     self.requests = None;
-                    self.fail(request_error(error));
+                    self.fail(grpc::request_stream_error(error, "tinybroker.v1.SessionRequest"));
                     return;
                 }
                 Poll::Ready(None) => {
@@ -321,12 +326,21 @@ where
                 ),
             );
         }
-        let request = match grpc::subscribe_request(open.subscription.unwrap_or_default(), self.peer) {
+        let mut request = match grpc::subscribe_request(open.subscription.unwrap_or_default(), self.peer) {
             Ok(request) => request,
             Err(status) => return self.reject(handle, status.code(), status.message().to_owned()),
         };
         let credit = (open.credit > 0).then_some(u64::from(open.credit));
-        self.handles.insert(handle, Handle::Opening { credit, close: false });
+        // A group hands a member no more than its credit lets it send.
+        request.credit = credit;
+        self.handles.insert(
+            handle,
+            Handle::Opening {
+                credit,
+                added: 0,
+                close: false,
+            },
+        );
         let engine = self.engine.clone();
         let mut subscribing: BoxFuture<'static, _> = Box::pin(async move { (handle, engine.subscribe(request).await) });
         match subscribing.as_mut().poll(cx) {
@@ -337,7 +351,7 @@ where
 
     /// The engine answered an open.
     fn opened(&mut self, handle: u32, result: Result<E::Stream, BrokerError>) {
-        let Some(Handle::Opening { credit, close }) = self.handles.remove(&handle) else {
+        let Some(Handle::Opening { credit, added, close }) = self.handles.remove(&handle) else {
             // Only opens insert Opening, and only this removes it.
             return;
         };
@@ -360,6 +374,9 @@ where
             return self.put_ended(handle, end);
         }
         let group = stream.consumer_group().is_some_and(|g| !g.is_empty());
+        if added > 0 {
+            stream.add_credit(added);
+        }
         let entry = self.subs.vacant_entry();
         let wake = Arc::new(SubWake {
             key: entry.key(),
@@ -422,9 +439,12 @@ where
         let added = u64::from(messages);
         match self.handles.get_mut(&handle) {
             None => self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening { credit, .. }) => {
+            Some(Handle::Opening {
+                credit, added: more, ..
+            }) => {
                 if let Some(credit) = credit {
                     *credit = credit.saturating_add(added);
+                    *more = more.saturating_add(added);
                 }
             }
             Some(Handle::Open(key)) => {
@@ -434,6 +454,10 @@ where
                     *credit = credit.saturating_add(added);
                     if was == 0 && added > 0 {
                         sub.waker.wake_by_ref();
+                    }
+                    // A member's group may hand it more now.
+                    if sub.group && added > 0 {
+                        sub.stream.add_credit(added);
                     }
                 }
             }
@@ -593,21 +617,6 @@ where
         // Only a message that is not valid in a header fails; ours are.
         let _ = status.add_header(&mut trailers);
         trailers
-    }
-}
-
-/// What a failed read of the requests means: a request that cannot be
-/// decoded ends the session with INVALID_ARGUMENT; one over the size limit
-/// with RESOURCE_EXHAUSTED; anything else (the client reset the stream) ends
-/// it with that status, which the client no longer reads.
-fn request_error(error: Status) -> Status {
-    match error.code() {
-        Code::Internal if error.message().contains("decode") => Status::invalid_argument(format!(
-            "the session's requests cannot be decoded as tinybroker.v1.SessionRequest: {}",
-            error.message()
-        )),
-        Code::OutOfRange => grpc::oversized_to_exhausted(error),
-        _ => error,
     }
 }
 

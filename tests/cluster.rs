@@ -26,6 +26,7 @@ fn replica_config(urls: Vec<String>, id: &str, prefix: &str) -> Config {
             nats_creds: None,
             nats_ca: None,
             replica_id: id.into(),
+            max_message_bytes_from_nats: false,
         }),
         ..config()
     }
@@ -927,6 +928,197 @@ async fn a_message_limit_above_the_nats_max_payload_stops_the_replica() {
         assert!(line.contains("1048576"), "{line}");
         let status = tokio::task::spawn_blocking(move || replica.wait_exit()).await.unwrap();
         assert!(!status.success(), "{status:?}");
+    })
+    .await;
+}
+
+/// Debian 12's nats-server (2.9.10): `TB_OLD_NATS_SERVER`, or
+/// `/usr/sbin/nats-server` when it is older than 2.10. None, after saying
+/// so, when there is none and `TB_SKIP_CLUSTER_TESTS` is set.
+fn old_nats_server() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("TB_OLD_NATS_SERVER")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| std::path::PathBuf::from("/usr/sbin/nats-server"), Into::into);
+    let version = std::process::Command::new(&path)
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    match version {
+        Some(v) if v.contains("v2.9.") || v.contains("v2.8.") => Some(path),
+        other => {
+            assert!(
+                std::env::var_os("TB_SKIP_CLUSTER_TESTS").is_some(),
+                "a nats-server older than 2.10 is needed at {} (apt-get install nats-server on Debian 12, or TB_OLD_NATS_SERVER); found {other:?}",
+                path.display()
+            );
+            eprintln!("!!! SKIPPED (TB_SKIP_CLUSTER_TESTS): no nats-server older than 2.10");
+            None
+        }
+    }
+}
+
+/// API.md, "Cluster mode": a NATS server older than 2.10 makes the replica
+/// exit when it connects, with one line naming the version it found and
+/// 2.10 (not a JetStream decode error, retried for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_older_than_2_10_stops_the_replica_naming_both_versions() {
+    let Some(old) = old_nats_server() else {
+        return;
+    };
+    timeout(async {
+        let port = common::process::free_port();
+        let dir = std::env::temp_dir().join(format!("tb-old-nats-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let _nats = common::process::ChildGuard::spawn(std::process::Command::new(&old).args([
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-sd",
+            dir.to_str().unwrap(),
+        ]));
+        wait_until("the old nats-server to accept connections", || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+        })
+        .await;
+        let url = format!("nats://127.0.0.1:{port}");
+        let mut replica = common::process::BrokerProcess::spawn(&[
+            ("TINYBROKER_NATS_URL", url.as_str()),
+            ("TINYBROKER_NATS_REPLICAS", "1"),
+            ("TINYBROKER_REPLICA_ID", "old-nats"),
+        ]);
+        let line = replica.line_containing("2.9.");
+        assert!(line.contains("ERROR"), "{line}");
+        assert!(line.contains("2.10"), "{line}");
+        let status = tokio::task::spawn_blocking(move || {
+            let status = replica.wait_exit();
+            (status, replica.drain_lines())
+        })
+        .await
+        .unwrap();
+        assert!(!status.0.success(), "{status:?}");
+        assert!(
+            status.1.iter().all(|l| !l.contains("untagged enum")),
+            "no JetStream decode error: {:#?}",
+            status.1
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    })
+    .await;
+}
+
+/// API.md, "Cluster mode": with TINYBROKER_MAX_MESSAGE_BYTES unset, default
+/// NATS (max_payload 1 MiB) and default tinybroker work together without a
+/// warning: the replica takes the largest message max_payload carries once
+/// encoded, says the figure at INFO once, and GetBrokerInfo reports it; a
+/// message of that size reaches a subscriber and a group member on the
+/// other replica, one byte more is refused naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unset_message_limit_is_what_the_nats_max_payload_carries() {
+    let Some(nats) = NatsCluster::start(1).await else {
+        return;
+    };
+    timeout(async {
+        let prefix = format!("limit{}", unique());
+        let spawn = |id: &str| {
+            common::process::BrokerProcess::spawn(&[
+                ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
+                ("TINYBROKER_NATS_PREFIX", prefix.as_str()),
+                ("TINYBROKER_NATS_REPLICAS", "1"),
+                ("TINYBROKER_REPLICA_ID", id),
+            ])
+        };
+        let a = spawn("limit-a");
+        let b = spawn("limit-b");
+        let mut said = Vec::new();
+        for replica in [&a, &b] {
+            let mut lines = replica.before_start.clone();
+            lines.push(replica.started.clone());
+            loop {
+                let line = replica.line_containing("");
+                let serving = line.contains("SERVING");
+                lines.push(line);
+                if serving {
+                    break;
+                }
+            }
+            // async-nats says max_payload when it connects too.
+            let payload_lines: Vec<&String> = lines
+                .iter()
+                .filter(|l| l.contains("max_payload") && l.contains("tinybroker"))
+                .collect();
+            assert_eq!(payload_lines.len(), 1, "one line about max_payload: {lines:#?}");
+            assert!(payload_lines[0].contains("INFO"), "{}", payload_lines[0]);
+            assert!(lines.iter().all(|l| !l.contains("WARN")), "no warning: {lines:#?}");
+            said.push(common::process::field(payload_lines[0], "max_message_bytes"));
+        }
+        let connect = |url: String| async move {
+            tonic::transport::Endpoint::from_shared(url)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap()
+        };
+        let (channel_a, channel_b) = (connect(a.url()).await, connect(b.url()).await);
+        let info = pb::admin_client::AdminClient::new(channel_a.clone())
+            .get_broker_info(pb::GetBrokerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let limit = info.limits.unwrap().max_message_bytes as usize;
+        assert_eq!(
+            said,
+            [limit.to_string(), limit.to_string()],
+            "the figure said is the one in force"
+        );
+        assert!(limit < 1 << 20 && limit > (1 << 20) - 4096, "{limit}");
+
+        let mut subscriber = pb::broker_client::BrokerClient::new(channel_b.clone());
+        let mut broadcast = subscriber
+            .open_subscription(subscribe_request(&["big.*"]))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut member = subscriber
+            .open_subscription(member_request(&["big.*"], "bigs", false, 4))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut publisher = pb::broker_client::BrokerClient::new(channel_a);
+        // The other replica's subscription is known once a message reaches it.
+        loop {
+            publisher.publish(publish_request("big.probe", "probe")).await.unwrap();
+            if tokio::time::timeout(Duration::from_millis(500), broadcast.message())
+                .await
+                .is_ok()
+            {
+                break;
+            }
+        }
+        let largest = pb::PublishRequest {
+            topic: "big.one".into(),
+            payload: vec![7u8; limit].into(),
+            headers: Default::default(),
+        };
+        let sent = publisher.publish(largest.clone()).await.unwrap().into_inner();
+        for (what, stream) in [("broadcast", &mut broadcast), ("group member", &mut member)] {
+            loop {
+                let m = stream.message().await.unwrap().expect(what);
+                if m.sequence == sent.sequence {
+                    assert_eq!(m.payload.len(), limit, "{what}");
+                    break;
+                }
+            }
+        }
+        let over = pb::PublishRequest {
+            payload: vec![7u8; limit + 1].into(),
+            ..largest
+        };
+        let refused = publisher.publish(over).await.unwrap_err();
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+        assert!(refused.message().contains(&limit.to_string()), "{refused:?}");
     })
     .await;
 }

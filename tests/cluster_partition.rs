@@ -70,6 +70,7 @@ fn config_for(url: String, id: &str, prefix: &str) -> Config {
             nats_creds: None,
             nats_ca: None,
             replica_id: id.into(),
+            max_message_bytes_from_nats: false,
         }),
         ..config()
     }

@@ -8,7 +8,12 @@
 //!   ENHANCE_YOUR_CALM, and another connection's subscription goes on
 //!   receiving;
 //! - that close is counted in `tinybroker_connections_rejected_total` and
-//!   logged at WARN with the peer.
+//!   logged at WARN with the peer;
+//! - a request stream that cannot be decoded (cut off in the middle of a
+//!   message, a bad compressed flag, bytes that are not the message's
+//!   protobuf) ends a `Session` or `PublishStream` with INVALID_ARGUMENT
+//!   saying what was wrong, and one over the decoding limit with
+//!   RESOURCE_EXHAUSTED (issue 33, point 4).
 
 mod common;
 
@@ -184,7 +189,12 @@ async fn read_response(response: h2::client::ResponseFuture) -> Result<(String, 
         .headers()
         .get("grpc-status")
         .map(|v| v.to_str().unwrap().to_owned());
-    let mut message = String::new();
+    // A trailers-only response carries its message in the headers.
+    let mut message = response
+        .headers()
+        .get("grpc-message")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
     let mut body = response.into_body();
     let mut data = BytesMut::new();
     while let Some(chunk) = body.data().await {
@@ -519,4 +529,132 @@ async fn a_flood_close_is_counted_and_logged_with_the_peer() {
     .await;
     result.expect("test timed out");
     eprintln!("h2 flood counted: {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// A gRPC message header: the compressed flag and the length it announces.
+fn grpc_header(flag: u8, len: u32) -> BytesMut {
+    let mut frame = BytesMut::new();
+    frame.put_u8(flag);
+    frame.put_u32(len);
+    frame
+}
+
+/// The request streams no broker can decode, with the code and the words
+/// of the status they must end with.
+fn undecodable_streams() -> Vec<(&'static str, Bytes, &'static str, &'static str)> {
+    let mut truncated = grpc_header(0, 100);
+    truncated.put_slice(b"abcd");
+    let mut flagged = grpc_header(1, 2);
+    flagged.put_slice(&[0x08, 0x01]);
+    let mut bad_flag = grpc_header(2, 2);
+    bad_flag.put_slice(&[0x08, 0x01]);
+    // Field 1, wire type 2, a length of 100 with 1 byte behind it.
+    let mut not_protobuf = grpc_header(0, 3);
+    not_protobuf.put_slice(&[0x0a, 100, 0x01]);
+    let over_limit = grpc_header(0, u32::MAX);
+    vec![
+        (
+            "truncated",
+            truncated.freeze(),
+            "3",
+            "ended in the middle of a gRPC message",
+        ),
+        (
+            "compressed without grpc-encoding",
+            flagged.freeze(),
+            "3",
+            "compressed flag set",
+        ),
+        (
+            "compressed flag 2",
+            bad_flag.freeze(),
+            "3",
+            "compressed flag is neither 0 nor 1",
+        ),
+        (
+            "not protobuf",
+            not_protobuf.freeze(),
+            "3",
+            "not a valid protobuf encoding",
+        ),
+        (
+            "over the decoding limit",
+            over_limit.freeze(),
+            "8",
+            "TINYBROKER_MAX_MESSAGE_BYTES",
+        ),
+    ]
+}
+
+/// `grpc-message` is percent-encoded.
+fn percent_decoded(message: &str) -> String {
+    let bytes = message.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Ok(b) = u8::from_str_radix(&message[i + 1..i + 3], 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Sends `before` (well-formed messages) then `bytes` on a new `method`
+/// stream and half-closes; the status it ends with, decoded.
+async fn end_of(addr: &str, method: &str, before: &[Bytes], bytes: Bytes) -> (String, String) {
+    let (mut send, _connection, _) = connect(addr).await;
+    let (response, mut stream) = send.send_request(grpc_request(addr, method), false).unwrap();
+    for frame in before {
+        send_one_frame(&mut stream, frame.clone()).await.unwrap();
+    }
+    wait_capacity(&mut stream, bytes.len(), None)
+        .await
+        .expect("no time limit")
+        .unwrap();
+    stream.send_data(bytes, true).unwrap();
+    let (status, message, _) = read_response(response).await.unwrap();
+    (status, percent_decoded(&message))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_session_stream_ends_with_invalid_argument_saying_why() {
+    let broker = start().await;
+    let addr = broker.grpc_addr.to_string();
+    timeout(async {
+        for (case, bytes, code, says) in undecodable_streams() {
+            let (status, message) = end_of(&addr, "Session", &[], bytes).await;
+            assert_eq!(status, code, "{case}: {message}");
+            assert!(message.contains(says), "{case}: {message:?} should say {says:?}");
+            if code == "3" {
+                assert!(message.contains("tinybroker.v1.SessionRequest"), "{case}: {message}");
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_publish_stream_ends_with_invalid_argument_saying_why() {
+    let broker = start().await;
+    let addr = broker.grpc_addr.to_string();
+    timeout(async {
+        for (case, bytes, code, says) in undecodable_streams() {
+            let before = [grpc_frame(&publish_request(1))];
+            let (status, message) = end_of(&addr, "PublishStream", &before, bytes).await;
+            assert_eq!(status, code, "{case}: {message}");
+            assert!(message.contains(says), "{case}: {message:?} should say {says:?}");
+            assert!(message.contains("1 earlier messages"), "{case}: {message}");
+            if code == "3" {
+                assert!(message.contains("tinybroker.v1.PublishRequest"), "{case}: {message}");
+            }
+        }
+    })
+    .await;
 }

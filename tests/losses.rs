@@ -521,33 +521,58 @@ async fn a_dead_letter_that_would_break_a_message_limit_is_dropped_and_counted()
 // === start-up names what is wrong ===
 
 #[test]
-fn a_misspelled_variable_is_warned_about_with_the_closest_name_and_service_links_are_not() {
+fn an_unknown_variable_is_warned_about_with_the_closest_name_and_service_links_are_not() {
     let broker = BrokerProcess::spawn(&[
-        ("TINYBROKER_CONSUMR_CAPACITY", "5"),
+        ("TINYBROKER_MAX_MSG_BYTES", "5"),
         ("TINYBROKER_SERVICE_HOST", "x"),
         ("TINYBROKER_PORT_50051_TCP", "tcp://10.0.0.1:50051"),
+        ("TINYBROKER_NATS_SERVICE_HOST", "x"),
+        ("TINYBROKER_ADDR", "127.0.0.1:50051"),
     ]);
     let mut lines = broker.before_start.clone();
     lines.push(broker.started.clone());
     let named: Vec<&String> = lines
         .iter()
-        .filter(|l| l.contains("TINYBROKER_CONSUMR_CAPACITY"))
+        .filter(|l| l.contains("TINYBROKER_MAX_MSG_BYTES"))
         .collect();
     assert_eq!(named.len(), 1, "one line names it: {lines:#?}");
     assert!(named[0].contains("WARN"), "{}", named[0]);
     assert!(
-        named[0].contains("did you mean TINYBROKER_CONSUMER_CAPACITY"),
+        named[0].contains("did you mean TINYBROKER_MAX_MESSAGE_BYTES"),
         "{}",
         named[0]
     );
     assert!(
         lines
             .iter()
-            .all(|l| !l.contains("SERVICE_HOST") && !l.contains("PORT_50051")),
-        "Kubernetes service links are not reported: {lines:#?}"
+            .all(|l| !l.contains("SERVICE_HOST") && !l.contains("PORT_50051") && !l.contains("TINYBROKER_ADDR")),
+        "Kubernetes service links and the clients' TINYBROKER_ADDR are not reported: {lines:#?}"
     );
-    // Ignored, as the warning says: the default capacity is in force.
-    assert_eq!(process::field(&broker.started, "consumer_capacity"), "1024");
+    // Ignored, as the warning says: the default limit is in force.
+    assert_eq!(process::field(&broker.started, "max_message_bytes"), "1048576");
+}
+
+/// API.md, "Configuration": a misspelt variable fails closed.
+#[test]
+fn a_near_miss_of_a_variable_stops_start_up_with_one_line_naming_both() {
+    for (typo, known) in [
+        ("TINYBROKER_AUTH_TOKN", "TINYBROKER_AUTH_TOKEN"),
+        ("TINYBROKER_CONSUMR_CAPACITY", "TINYBROKER_CONSUMER_CAPACITY"),
+        ("TINYBROKER_TLS_CRT", "TINYBROKER_TLS_CERT"),
+    ] {
+        let (status, _, stderr) = run_cli(
+            &["serve"],
+            &[
+                (typo, "secret"),
+                ("TINYBROKER_GRPC_ADDR", "127.0.0.1:0"),
+                ("TINYBROKER_METRICS_ADDR", "127.0.0.1:0"),
+            ],
+        );
+        assert!(!status.success(), "{typo}: {status:?}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{typo}: {stderr}");
+        assert!(stderr.contains(typo) && stderr.contains(known), "{typo}: {stderr}");
+        assert!(!stderr.contains("secret"), "{typo}: the value is not shown: {stderr}");
+    }
 }
 
 #[test]

@@ -282,6 +282,17 @@ def test_cluster_values_render_the_nats_env():
     assert not {"TINYBROKER_NATS_TOKEN", "TINYBROKER_NATS_CREDS", "TINYBROKER_NATS_CA"} & set(env)
 
 
+def test_cluster_mode_leaves_the_default_message_limit_to_nats():
+    """API.md, Cluster mode: with TINYBROKER_MAX_MESSAGE_BYTES unset a replica takes the largest
+    message the NATS max_payload carries, so the chart's default is not set in cluster mode;
+    any other value is."""
+    env = env_of(broker_container(render(CLUSTER_VALUES)))
+    assert "TINYBROKER_MAX_MESSAGE_BYTES" not in env
+    bigger = {**CLUSTER_VALUES, "config": {"maxMessageBytes": 4194304}}
+    env = env_of(broker_container(render(bigger)))
+    assert env["TINYBROKER_MAX_MESSAGE_BYTES"]["value"] == "4194304"
+
+
 def test_every_api_md_cluster_variable_can_be_set_from_values():
     docs = render(CLUSTER_AUTH)
     container = broker_container(docs)

@@ -125,6 +125,14 @@ impl DeliveryStream for SubscriptionStream {
         self.poll_delivery(cx, true)
     }
 
+    fn add_credit(&mut self, messages: u64) {
+        let subscription = self.subscription();
+        subscription.queue.add_credit(messages);
+        if let Some(m) = subscription.membership() {
+            m.group.credit_added(tokio::time::Instant::now());
+        }
+    }
+
     fn close(&mut self) -> StreamEnd {
         SubscriptionStream::close(self);
         self.end().unwrap_or(StreamEnd {

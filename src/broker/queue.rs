@@ -125,6 +125,9 @@ pub(crate) struct Queue {
     /// Most bytes of messages (their [`Published::size`]) the queue holds at
     /// once; `usize::MAX` for group members, whose group bounds its bytes.
     max_bytes: usize,
+    /// It has a credit limit (`State::credit` is set): set once, before the
+    /// queue is shared, so a queue without one is never locked to ask.
+    credited: bool,
 }
 
 struct State {
@@ -139,12 +142,21 @@ struct State {
     peak: [usize; 2],
     /// What the subscriber lost when the queue was closed (see [`Queue::close`]).
     lost: u64,
+    /// A consumer-group member on a session with credit: how many more
+    /// messages its stream may take (each pop spends one, the session's
+    /// `SessionCredit` adds). None: no limit. Kept here, under the lock
+    /// that pushes and pops take, so that what its group may still hand
+    /// it ([`Queue::credit_room`]) never counts a message twice.
+    credit: Option<u64>,
 }
 
 impl State {
     fn pop(&mut self) -> Option<Delivery> {
         let item = self.items.pop_front()?;
         self.bytes -= item.message.size();
+        if let Some(credit) = &mut self.credit {
+            *credit = credit.saturating_sub(1);
+        }
         Some(item)
     }
 
@@ -176,10 +188,43 @@ impl Queue {
                 closed: None,
                 peak: [0; 2],
                 lost: 0,
+                credit: None,
             }),
             capacity,
             max_bytes,
+            credited: false,
         }
+    }
+
+    /// A group member's queue whose stream may take `credit` messages
+    /// before more is added (None: no limit): see [`Queue::credit_room`].
+    pub(crate) fn with_credit(mut self, credit: Option<u64>) -> Self {
+        self.state.get_mut().credit = credit;
+        self.credited = credit.is_some();
+        self
+    }
+
+    /// Its stream may take `messages` more (a queue without a credit limit
+    /// has none still).
+    pub(crate) fn add_credit(&self, messages: u64) {
+        if !self.credited {
+            return;
+        }
+        if let Some(credit) = &mut self.state.lock().credit {
+            *credit = credit.saturating_add(messages);
+        }
+    }
+
+    /// How many more messages may be queued that its stream may take now:
+    /// its credit less what is queued already. None: no credit limit.
+    pub(crate) fn credit_room(&self) -> Option<u64> {
+        if !self.credited {
+            return None;
+        }
+        let state = self.state.lock();
+        state
+            .credit
+            .map(|credit| credit.saturating_sub(state.items.len() as u64))
     }
 
     pub(crate) fn capacity(&self) -> usize {

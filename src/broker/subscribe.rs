@@ -82,7 +82,7 @@ impl Broker {
             request.subscription_id.as_str().into(),
             patterns,
             request.peer,
-            Queue::new(max_in_flight as usize, usize::MAX),
+            Queue::new(max_in_flight as usize, usize::MAX).with_credit(request.credit),
             None,
         );
         subscription.set_external(member);
@@ -181,7 +181,7 @@ impl Broker {
             id,
             patterns,
             request.peer,
-            Queue::new(settings.max_in_flight as usize, usize::MAX),
+            Queue::new(settings.max_in_flight as usize, usize::MAX).with_credit(request.credit),
             Some(Membership {
                 group: group.clone(),
                 settings,

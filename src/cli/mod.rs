@@ -234,12 +234,20 @@ async fn serve() -> anyhow::Result<()> {
     let names: Vec<String> = std::env::vars_os()
         .filter_map(|(name, _)| name.into_string().ok())
         .collect();
-    for (name, closest) in crate::config::unknown_variables(names.iter().map(String::as_str)) {
-        match closest {
-            Some(closest) => {
+    for unknown in crate::config::unknown_variables(names.iter().map(String::as_str)) {
+        use crate::config::UnknownVariable;
+        match unknown {
+            UnknownVariable::Ignored {
+                name,
+                may_mean: Some(closest),
+            } => {
                 tracing::warn!(variable = %name, "{name} is not a tinybroker setting and is ignored; did you mean {closest}?")
             }
-            None => tracing::warn!(variable = %name, "{name} is not a tinybroker setting and is ignored"),
+            UnknownVariable::Ignored { name, may_mean: None } => {
+                tracing::warn!(variable = %name, "{name} is not a tinybroker setting and is ignored")
+            }
+            // Config::from_env stopped start-up for it.
+            UnknownVariable::NearMiss { .. } => {}
         }
     }
     // Each connection takes a descriptor: keep room beside max_connections

@@ -210,7 +210,7 @@ impl ClusterEngine {
         at: PublishTime,
     ) -> Result<(PublishOutcome, Routed), BrokerError> {
         let ready = self.serving()?;
-        crate::engine::validate::message(&message, self.inner.local.limits().max_message_bytes)?;
+        crate::engine::validate::message(&message, crate::engine::Engine::max_message_bytes(self))?;
         let groups = self.group_routes(&message.topic);
         // Not on core NATS when no other replica has a broadcast subscriber
         // (interest.rs): decided as routing starts.

@@ -103,6 +103,7 @@ mod groups;
 mod handover;
 mod interest;
 mod liveness;
+mod nats_server;
 mod recovery;
 mod registry;
 mod rpc;
@@ -170,7 +171,11 @@ struct Inner {
     /// The NATS server's `max_payload`, read when connected: every publish
     /// checks it (`server_info()` copies the whole INFO each time).
     max_payload: AtomicUsize,
-    /// The warning that max_payload leaves too little margin was logged.
+    /// The message limit in force: `TINYBROKER_MAX_MESSAGE_BYTES`, or, unset,
+    /// at most what `max_payload` carries (`nats_server.rs`), once connected.
+    max_message_bytes: AtomicUsize,
+    /// The limit taken from max_payload, or the warning that it leaves too
+    /// little margin, was logged.
     payload_margin_said: AtomicBool,
     health: watch::Sender<EngineHealth>,
     connected: AtomicBool,
@@ -274,6 +279,7 @@ impl ClusterEngine {
             .collect::<Result<_, _>>()
             .map_err(|e| anyhow::anyhow!("TINYBROKER_NATS_URL: {e}"))?;
         let client = options.connect(urls).await?;
+        let max_message_bytes = limits.max_message_bytes;
         let (health, _) = watch::channel(EngineHealth::NotServing(format!(
             "connecting to NATS at {}",
             config.nats_urls.join(",")
@@ -286,6 +292,7 @@ impl ClusterEngine {
                 client,
                 ready: Mutex::new(None),
                 max_payload: AtomicUsize::new(usize::MAX),
+                max_message_bytes: AtomicUsize::new(max_message_bytes),
                 payload_margin_said: AtomicBool::new(false),
                 health,
                 connected: AtomicBool::new(false),
@@ -402,24 +409,7 @@ impl ClusterEngine {
             return Err(SetUpError::NotConnected);
         }
         inner.connected.store(true, Ordering::Release);
-        let max_payload = client.server_info().max_payload;
-        inner.max_payload.store(max_payload, Ordering::Relaxed);
-        let max_message_bytes = inner.local.limits().max_message_bytes;
-        if max_message_bytes + ENCODING_ALLOWANCE > max_payload
-            && max_message_bytes <= max_payload
-            && !inner.payload_margin_said.swap(true, Ordering::Relaxed)
-        {
-            tracing::warn!(
-                max_message_bytes,
-                max_payload,
-                "messages within {ENCODING_ALLOWANCE} bytes of TINYBROKER_MAX_MESSAGE_BYTES do not fit the NATS server's max_payload once encoded, and are refused (RESOURCE_EXHAUSTED): raise max_payload by 2 KiB"
-            );
-        }
-        if max_message_bytes > max_payload {
-            return Err(SetUpError::Fatal(format!(
-                "TINYBROKER_MAX_MESSAGE_BYTES={max_message_bytes} is above the NATS server's max_payload {max_payload}: lower it, or raise max_payload on the NATS servers"
-            )));
-        }
+        self.check_nats_server()?;
         let js = jetstream::new(client.clone());
         let prefix = &inner.config.prefix;
         let retry = |e: &dyn std::fmt::Display| SetUpError::Retry(format!("JetStream: {e}"));
@@ -496,6 +486,44 @@ impl ClusterEngine {
             "cluster mode: connected to NATS; SERVING"
         );
         inner.health.send_replace(EngineHealth::Serving);
+        Ok(())
+    }
+
+    /// What this replica needs of the NATS server it is connected to
+    /// (`nats_server.rs`): version 2.10 or later, and a `max_payload` that
+    /// carries its largest message, which it takes as its limit when
+    /// `TINYBROKER_MAX_MESSAGE_BYTES` is unset (said at INFO once). Either
+    /// failing stops the replica.
+    fn check_nats_server(&self) -> Result<(), SetUpError> {
+        let inner = &self.inner;
+        let info = inner.client.server_info();
+        nats_server::check_version(&info.version).map_err(SetUpError::Fatal)?;
+        let max_payload = info.max_payload;
+        inner.max_payload.store(max_payload, Ordering::Relaxed);
+        let configured = inner.local.limits().max_message_bytes;
+        let from_nats = inner.config.max_message_bytes_from_nats;
+        let limit = nats_server::message_limit(configured, from_nats, max_payload).map_err(SetUpError::Fatal)?;
+        inner.max_message_bytes.store(limit, Ordering::Relaxed);
+        if inner.payload_margin_said.swap(true, Ordering::Relaxed) {
+            return Ok(());
+        }
+        if from_nats {
+            let why = match limit < configured {
+                true => "the most the NATS server's max_payload carries once encoded",
+                false => "the default, which the NATS server's max_payload carries",
+            };
+            tracing::info!(
+                max_message_bytes = limit,
+                max_payload,
+                "cluster mode: messages of up to {limit} bytes (payload plus headers), {why}: TINYBROKER_MAX_MESSAGE_BYTES is unset"
+            );
+        } else if configured + ENCODING_ALLOWANCE > max_payload {
+            tracing::warn!(
+                max_message_bytes = configured,
+                max_payload,
+                "messages within {ENCODING_ALLOWANCE} bytes of TINYBROKER_MAX_MESSAGE_BYTES do not fit the NATS server's max_payload once encoded, and are refused (RESOURCE_EXHAUSTED): raise max_payload by 2 KiB, or unset TINYBROKER_MAX_MESSAGE_BYTES to take what it carries"
+            );
+        }
         Ok(())
     }
 
@@ -684,6 +712,13 @@ impl DeliveryStream for ClusterStream {
         self.member.take();
         DeliveryStream::close(&mut self.inner)
     }
+
+    fn add_credit(&mut self, messages: u64) {
+        self.inner.subscription().queue.add_credit(messages);
+        if let Some(member) = &self.member {
+            member.credit_added();
+        }
+    }
 }
 
 impl Drop for ClusterStream {
@@ -702,6 +737,10 @@ impl Engine for ClusterEngine {
 
     fn limits(&self) -> &Limits {
         self.inner.local.limits()
+    }
+
+    fn max_message_bytes(&self) -> usize {
+        self.inner.max_message_bytes.load(Ordering::Relaxed)
     }
 
     fn publish(

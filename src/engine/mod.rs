@@ -55,6 +55,13 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// The limits this engine enforces.
     fn limits(&self) -> &Limits;
 
+    /// The largest message (payload plus headers) it takes now: `limits()`'s,
+    /// except in cluster mode with `TINYBROKER_MAX_MESSAGE_BYTES` unset,
+    /// where the NATS server's `max_payload` may lower it once connected.
+    fn max_message_bytes(&self) -> usize {
+        self.limits().max_message_bytes
+    }
+
     /// Validates and publishes one message.
     fn publish(
         &self,
@@ -161,6 +168,9 @@ pub trait DeliveryStream: Stream<Item = Delivery> + Send + Unpin + 'static {
     /// back to its group), and says what it lost. A subscription the engine
     /// had ended already keeps that end.
     fn close(&mut self) -> StreamEnd;
+    /// A session added credit for it (opened with `SubscribeRequest::credit`):
+    /// a consumer-group member may be handed that many more.
+    fn add_credit(&mut self, _messages: u64) {}
 }
 
 /// What a publisher sends.
@@ -220,6 +230,11 @@ pub struct SubscribeRequest {
     /// 0: the broker default.
     pub ack_deadline_ms: u32,
     pub peer: Option<SocketAddr>,
+    /// A session subscription opened with credit: how many messages it may
+    /// be sent before the session adds more ([`DeliveryStream::add_credit`]).
+    /// A consumer group hands such a member no more than that
+    /// (docs/contract.md, "Sessions"); None: no limit.
+    pub credit: Option<u64>,
 }
 
 /// How a subscription receives: the contract's names (`DELIVERY_MODE_*`,

@@ -133,6 +133,7 @@ pub async fn start_cluster(config: Config) -> TestBroker {
                 nats_creds: None,
                 nats_ca: None,
                 replica_id: id.into(),
+                max_message_bytes_from_nats: false,
             }),
             ..config.clone()
         };
@@ -147,7 +148,7 @@ pub async fn start_cluster(config: Config) -> TestBroker {
     a
 }
 
-fn unique() -> u64 {
+pub fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     NEXT.fetch_add(1, Ordering::Relaxed)

@@ -641,3 +641,89 @@ async fn broadcast_subscribers_and_several_groups_each_get_a_copy() {
     })
     .await
 }
+
+/// API.md, "Sessions", credit and groups: a member's room is the smaller of
+/// what `max_in_flight` leaves and its session credit. A member with credit
+/// 5 and `max_in_flight` 32 that does not ack is handed exactly 5 of 40
+/// messages, the other member (no credit limit) the other 35 at once; once
+/// the first member's session adds credit, the group hands it what waits.
+/// Through sessions whatever `TB_TRANSPORT` says, MANUAL and AUTO.
+async fn a_member_is_handed_no_more_than_its_session_credit(manual: bool) {
+    use crate::common::session::TestSession;
+    const PUBLISHED: usize = 40;
+    const CREDIT: usize = 5;
+    let group = if manual { "credit-manual" } else { "credit-auto" };
+    let topic = format!("{group}.job");
+    let pattern = format!("{group}.*");
+    let broker = start().await;
+    let mut short = TestSession::start(&mut broker.client().await).await;
+    let mut plenty = TestSession::start(&mut broker.client().await).await;
+    short
+        .open_and_wait(1, member_request(&[&pattern], group, manual, 32), CREDIT as u32)
+        .await;
+    plenty
+        .open_and_wait(2, member_request(&[&pattern], group, manual, 64), 0)
+        .await;
+    wait_members(&broker, group, 2).await;
+
+    let published = publish_many(&broker, &topic, PUBLISHED).await;
+    let mut to_plenty = Vec::new();
+    while to_plenty.len() < PUBLISHED - CREDIT {
+        let d = tokio::time::timeout(Duration::from_secs(10), plenty.delivery())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the member with credit to spare got {} of the {} messages the other cannot be sent: some wait in the other's queue",
+                    to_plenty.len(),
+                    PUBLISHED - CREDIT
+                )
+            });
+        assert_eq!(d.handles, [2]);
+        to_plenty.push(d.message.unwrap().sequence);
+    }
+    let mut to_short = Vec::new();
+    while to_short.len() < CREDIT {
+        let d = short.delivery().await;
+        assert_eq!(d.handles, [1]);
+        to_short.push(d.message.unwrap().sequence);
+    }
+    // Every message is accounted for: none more can be on its way to either.
+    let mut all: Vec<u64> = to_plenty.iter().chain(&to_short).copied().collect();
+    all.sort_unstable();
+    assert_eq!(all, published);
+
+    // The member with credit to spare leaves, having acked what it held;
+    // what is published next waits for the other, which has no credit.
+    if manual {
+        plenty.ack(2, &to_plenty);
+        wait_until("the acks of the member with credit to spare", || async {
+            broker.group(group).await.is_some_and(|g| g.in_flight == CREDIT as u64)
+        })
+        .await;
+    }
+    plenty.close(2);
+    assert_eq!(plenty.ended().await.reason, "closed");
+    wait_members(&broker, group, 1).await;
+    let later = publish_many(&broker, &topic, 10).await;
+    short.credit(1, 10);
+    let mut more = Vec::new();
+    while more.len() < later.len() {
+        let d = tokio::time::timeout(Duration::from_secs(10), short.delivery())
+            .await
+            .expect("credit added: the group hands the member what waits");
+        assert_eq!(d.handles, [1]);
+        more.push(d.message.unwrap().sequence);
+    }
+    more.sort_unstable();
+    assert_eq!(more, later);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_member_is_handed_no_more_than_its_session_credit() {
+    timeout(a_member_is_handed_no_more_than_its_session_credit(true)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auto_member_is_handed_no_more_than_its_session_credit() {
+    timeout(a_member_is_handed_no_more_than_its_session_credit(false)).await;
+}

@@ -37,6 +37,12 @@
 //! last allowed attempt ([`attempts_exhausted`]), dead-lettered. A retry is
 //! passed over the member it failed with while another has room
 //! ([`pick_member`]).
+//!
+//! A member's room is what `max_in_flight` leaves, and no more than its
+//! stream may take now: a session subscription's credit, kept in its queue
+//! (`Queue::credit_room`), so nothing waits in a member's queue for credit
+//! while another member has room. Credit added is a call here too
+//! ([`GroupMachine::room_made`]).
 
 use super::super::queue::Push;
 use super::super::{Delivery, Published, Subscription};
@@ -177,6 +183,24 @@ struct Member<K> {
     held: u32,
 }
 
+impl<K> Member<K> {
+    /// How many more messages it may be handed now: what `max_in_flight`
+    /// leaves, and no more than its stream may take now (a session's
+    /// credit, [`crate::broker::queue::Queue::credit_room`]), so that
+    /// nothing waits in its queue for credit while another member has room.
+    fn room(&self) -> usize {
+        let in_flight = self.settings.max_in_flight.saturating_sub(self.held) as usize;
+        match self.subscription.queue.credit_room() {
+            Some(credit) if in_flight > 0 => in_flight.min(usize::try_from(credit).unwrap_or(usize::MAX)),
+            _ => in_flight,
+        }
+    }
+
+    fn has_room(&self) -> bool {
+        self.held < self.settings.max_in_flight && self.subscription.queue.credit_room().is_none_or(|c| c > 0)
+    }
+}
+
 /// A MANUAL member's messages not acked or nacked yet (Admin's
 /// `unacked` and `oldest_unacked_age` of a member).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,12 +324,14 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     /// What the members have room for beyond what the backlog holds: what
     /// a cluster hub's next pull asks for.
     pub(crate) fn room(&self) -> usize {
-        let room: usize = self
-            .members
-            .iter()
-            .map(|m| m.settings.max_in_flight.saturating_sub(m.held) as usize)
-            .sum();
+        let room: usize = self.members.iter().map(Member::room).sum();
         room.saturating_sub(self.backlog.items.len())
+    }
+
+    /// A member may have gained room without a call here saying so (its
+    /// session added credit): hands it what waits.
+    pub(crate) fn room_made(&mut self, now: Instant) {
+        self.dispatch(now);
     }
 
     /// A message that has made `attempts` deliveries (0: a new one; a
@@ -568,7 +594,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             let pick = pick_member(
                 &mut self.cursor,
                 members.len(),
-                |i| members[i].held < members[i].settings.max_in_flight,
+                |i| members[i].has_room(),
                 |i| front.avoid.as_ref() == Some(&members[i].key),
             );
             let Some(index) = pick else { return };
@@ -694,7 +720,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
                     let room_here = self
                         .members
                         .iter()
-                        .any(|m| pending.avoid.as_ref() != Some(&m.key) && m.held < m.settings.max_in_flight);
+                        .any(|m| pending.avoid.as_ref() != Some(&m.key) && m.has_room());
                     if room_here {
                         self.backlog.push_front(pending);
                         self.dispatch(now);
@@ -851,6 +877,47 @@ pub(super) mod tests {
                 assert_eq!((again.message.sequence, again.attempt), (1, 2));
             }
             assert_eq!(g.counters().redeliveries, 1);
+        }
+    }
+
+    /// API.md, "Credit and groups": a member is handed no more than its
+    /// session's credit lets it send, the rest goes to the others or
+    /// waits, and credit added gives it room again.
+    #[test]
+    fn a_member_is_handed_no_more_than_its_credit() {
+        let now = Instant::now();
+        for cluster in [false, true] {
+            let mut g: GroupMachine<u64, u64> = GroupMachine::new(rules(cluster, 100, 0));
+            let short = Arc::new(Subscription::new(
+                1,
+                "m1".into(),
+                vec![TopicPattern::parse("t").unwrap()],
+                None,
+                Queue::new(32, usize::MAX).with_credit(Some(2)),
+                None,
+            ));
+            let other = member(2, 4);
+            let settings = |max| MemberSettings {
+                ack_mode: AckMode::Manual,
+                max_in_flight: max,
+                ack_deadline: Duration::from_secs(10),
+            };
+            g.join(1, short.clone(), settings(32), now);
+            g.join(2, other.clone(), settings(4), now);
+            assert_eq!(g.room(), 2 + 4);
+            for seq in 1..=10 {
+                g.offer(Arc::new(Published::for_test("t", seq)), seq, 0, now);
+            }
+            assert_eq!((short.queue.len(), other.queue.len(), g.backlog_len()), (2, 4, 4));
+            assert_eq!(g.room(), 0, "no room: credit spent, max_in_flight reached");
+            // Its stream takes what it was handed: still no room.
+            assert!(pop(&short).is_some() && pop(&short).is_some());
+            g.room_made(now);
+            assert_eq!((short.queue.len(), g.backlog_len()), (0, 4));
+            // Credit added: it is handed that many.
+            short.queue.add_credit(3);
+            g.room_made(now);
+            assert_eq!((short.queue.len(), g.backlog_len()), (3, 1));
         }
     }
 

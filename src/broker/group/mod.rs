@@ -1,5 +1,6 @@
 //! Consumer groups (DELIVERY_MODE_SINGLE) in single-node mode: one shared
-//! backlog, members that each hold at most `max_in_flight` messages, manual
+//! backlog, members that each hold at most `max_in_flight` messages (and are
+//! handed no more than their session's credit), manual
 //! acks with deadlines, redelivery and dead-lettering.
 //!
 //! What happens to a message is decided by [`machine::GroupMachine`], the
@@ -266,6 +267,11 @@ impl ConsumerGroup {
             state.progressed(now);
         }
         state.machine.streamed(&member, count, now);
+    }
+
+    /// A member's session added credit: it may have room now.
+    pub(crate) fn credit_added(&self, now: Instant) {
+        self.state.lock().machine.room_made(now);
     }
 
     /// Marks messages done. A sequence this member does not hold (never had,

@@ -6,7 +6,7 @@
 //! - the **hub task** ([`Hub::run`]) owns the [`HubCore`]: members, what
 //!   they hold, what waits, the round-robin cursor, deadlines, counts. It
 //!   takes join, leave, streamed (an AUTO member's stream took a message),
-//!   ack, nack, pulled, offered, hand-back and forget commands, and a tick
+//!   credit added (a member's session may send it more), ack, nack, pulled, offered, hand-back and forget commands, and a tick
 //!   every [`TICK`] (deadlines, progress reports, stopping after the last
 //!   member left). After each step it publishes whether it has members
 //!   ([`Open`]) and what the listings read ([`View`]), answers the
@@ -109,6 +109,8 @@ pub(crate) enum Command<M> {
         id: Arc<str>,
         sequence: u64,
     },
+    /// A member's session added credit: it may have room now.
+    CreditAdded,
     Ack {
         id: Arc<str>,
         sequences: Vec<u64>,
@@ -331,6 +333,12 @@ impl<B: Backend> HubHandle<B> {
         }
     }
 
+    /// A member's session added credit (its room is read from its queue
+    /// when the hub dispatches).
+    pub(crate) fn credit_added(&self) {
+        self.command(Command::CreditAdded);
+    }
+
     pub(crate) async fn ack(&self, id: &str, sequences: &[u64]) -> Acked {
         let unknown = Acked {
             acked: 0,
@@ -508,6 +516,7 @@ impl<B: Backend> Hub<B> {
             Command::Streamed { id, sequence } => {
                 self.core.done(&id, sequence, now);
             }
+            Command::CreditAdded => self.core.room_made(now),
             Command::Ack { id, sequences, acked } => {
                 let _ = acked.send(self.core.ack(&id, &sequences, now));
             }

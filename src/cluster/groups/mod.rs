@@ -1169,6 +1169,11 @@ impl MemberLink {
     pub(in crate::cluster) fn streamed(&self, delivery: &Delivery) {
         self.hub.streamed(&self.id, self.ack_mode, delivery);
     }
+
+    /// The member's session added credit: it may have room now.
+    pub(in crate::cluster) fn credit_added(&self) {
+        self.hub.credit_added();
+    }
 }
 
 impl Drop for MemberLink {

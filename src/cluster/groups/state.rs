@@ -169,6 +169,13 @@ impl<M: Clone> HubCore<M> {
         self.machine.room()
     }
 
+    /// A member's session added credit: what waits goes to it if it has
+    /// room now (and the next pull may ask for more).
+    pub(crate) fn room_made(&mut self, now: Instant) {
+        self.machine.room_made(now);
+        self.take_out();
+    }
+
     /// Adds a member and hands it what waits.
     pub(crate) fn join(&mut self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings, now: Instant) {
         self.machine.join(id, subscription, settings, now);
