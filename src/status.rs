@@ -3,7 +3,7 @@
 //! cluster's in cluster mode), its info, and the publish and delivery totals
 //! the metrics report, from which the page computes rates.
 //!
-//! Shape (README.md, "Status page"): times are Unix seconds and durations
+//! Shape (docs/operations.md, "Status page"): times are Unix seconds and durations
 //! seconds, both fractional; a peer or a time that is not known is `null`.
 
 use crate::engine::{

@@ -111,12 +111,12 @@ def api_env_vars() -> list[str]:
 
 
 def readme_env_vars() -> set[str]:
-    """Variables in README.md's Configuration table: API.md's, plus the
-    settings tinybroker adds where API.md is silent (keepalive, streams per
-    connection)."""
-    text = (ROOT / "README.md").read_text()
+    """Variables in the operator's Configuration table (docs/operations.md,
+    linked from README.md): API.md's, plus the settings tinybroker adds
+    where API.md is silent (keepalive, streams per connection)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
     m = re.search(r"^## Configuration$(.*?)(?=^## )", text, flags=re.M | re.S)
-    assert m, "README.md has no Configuration section"
+    assert m, "docs/operations.md has no Configuration section"
     names = set()
     for line in m.group(1).splitlines():
         if line.startswith("|") and not line.startswith("|--") and "variable" not in line:
@@ -130,11 +130,12 @@ def api_metric_names() -> set[str]:
 
 
 def readme_metric_names() -> set[str]:
-    """Metrics in README.md's Metrics table: the ones tinybroker adds where
-    API.md is silent (peaks, stalled groups, recent incidents)."""
-    text = (ROOT / "README.md").read_text()
+    """Metrics in the operator's Metrics table (docs/operations.md): the
+    ones tinybroker adds where API.md is silent (peaks, stalled groups,
+    recent incidents)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
     m = re.search(r"^### Metrics$(.*?)(?=^### )", text, flags=re.M | re.S)
-    assert m, "README.md has no Metrics section"
+    assert m, "docs/operations.md has no Metrics section"
     return set(re.findall(r"`(tinybroker_[a-z0-9_]+)[`{]", m.group(1)))
 
 
@@ -331,7 +332,7 @@ def test_every_api_md_cluster_variable_can_be_set_from_values():
     # Nothing else new, and the Secrets are the user's: the chart creates none.
     known = set(api_env_vars()) | set(api_cluster_env_vars()) | readme_env_vars()
     unknown = {n for n in env if n.startswith("TINYBROKER_")} - known
-    assert not unknown, f"TINYBROKER_* variables in neither API.md nor README.md: {unknown}"
+    assert not unknown, f"TINYBROKER_* variables in neither API.md nor docs/operations.md: {unknown}"
     assert not of_kind(docs, "Secret")
 
 
@@ -550,11 +551,11 @@ def test_every_api_md_variable_can_be_set_from_values():
         "TINYBROKER_HANDSHAKE_TIMEOUT_SECONDS": "25",
     }
     for name, value in extensions.items():
-        assert name in readme_env_vars(), f"{name} is not documented in README.md's Configuration table"
+        assert name in readme_env_vars(), f"{name} is not documented in docs/operations.md's Configuration table"
         assert env[name].get("value") == value, name
     known = set(api_env_vars()) | set(extensions)
     unknown = {n for n in env if n.startswith("TINYBROKER_")} - known
-    assert not unknown, f"TINYBROKER_* variables in neither API.md nor README.md: {unknown}"
+    assert not unknown, f"TINYBROKER_* variables in neither API.md nor docs/operations.md: {unknown}"
 
 
 def test_fallback_env_list_matches_api_md():
