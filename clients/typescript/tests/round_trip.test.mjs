@@ -63,24 +63,35 @@ test("publisher streams with counts and the first error typed", { timeout: 45_00
   );
 });
 
-test("publisher waits for drain instead of buffering without bound", { timeout: 60_000 }, async (t) => {
+test("publisher waits while the broker is behind; an AbortSignal cancels a call", { timeout: 60_000 }, async (t) => {
   const broker = await starter(t)();
   const client = await connect(broker.addr);
   t.after(() => client.close());
   const pub = client.publisher();
-  // 64 KiB messages: HTTP/2's window (64 KiB by default) fills after one or
-  // two, so some publish must wait; the stream never holds more than a few.
+  await pub.publish("big.x", "first"); // the stream is open
+  // The broker stopped (SIGSTOP) reads nothing: after HTTP/2's windows fill,
+  // a publish must wait instead of buffering without bound.
+  broker.proc.kill("SIGSTOP");
+  t.after(() => broker.proc.kill("SIGCONT"));
   const payload = Buffer.alloc(64 * 1024, 120);
-  let waited = 0;
-  for (let i = 0; i < 200; i++) {
+  let pending;
+  let written = 1;
+  for (let i = 0; i < 400 && pending === undefined; i++) {
     const p = pub.publish("big.x", payload);
-    const settled = await Promise.race([p.then(() => true), Promise.resolve(false)]);
-    if (!settled) waited += 1;
-    await p;
+    written += 1;
+    const state = await Promise.race([p.then(() => "done"), new Promise((r) => setTimeout(r, 300, "pending"))]);
+    if (state === "pending") pending = p;
   }
+  assert.ok(pending !== undefined, "400 publishes of 64 KiB never waited for the stopped broker");
+  // A unary call to the stopped broker, cancelled by its signal.
+  const abort = new AbortController();
+  const call = client.publish("x.y", "", { signal: abort.signal, timeout: 5000 });
+  abort.abort();
+  await assert.rejects(call, (e) => e instanceof TinybrokerError && e.code === Status.CANCELLED);
+  broker.proc.kill("SIGCONT");
+  await pending;
   const r = await pub.close();
-  assert.equal(r.accepted, 200);
-  assert.ok(waited > 0, "no publish ever waited for drain");
+  assert.equal(r.accepted, written);
 });
 
 test("address list is tried in turn and env defaults apply", { timeout: 45_000 }, async (t) => {
