@@ -34,6 +34,12 @@ export interface ConnectOptions {
     signal?: AbortSignal;
     /** Extra grpc-js channel options. */
     channelOptions?: ChannelOptions;
+    /**
+     * With `@opentelemetry/api` installed, publish adds the active context's
+     * `traceparent`/`tracestate` to the headers and `msg.traceContext` gives
+     * back a delivered message's (default true; false turns this off).
+     */
+    tracing?: boolean;
 }
 /** Options of {@link Client.publish}. */
 export interface PublishOptions extends CallOpts {

@@ -4,6 +4,7 @@ import { Status, TinybrokerError } from "./errors.js";
 import { AckMode as PbAckMode, DeliveryMode } from "./gen/tinybroker/v1/broker.js";
 import { Publisher, asBytes } from "./publisher.js";
 import { Session, Subscription } from "./session.js";
+import { inject, loadTracing } from "./tracing.js";
 /** Credit window per subscription when none is given. */
 export const DEFAULT_WINDOW = 256;
 /**
@@ -21,6 +22,7 @@ export class Client {
     conn;
     session;
     closed_ = false;
+    /** @internal */ _tracing = false;
     /** @internal Use {@link connect}. */
     constructor(opts) {
         const token = opts.token ?? (process.env.TINYBROKER_AUTH_TOKEN || undefined);
@@ -51,7 +53,8 @@ export class Client {
         return this.closed_;
     }
     /** @internal */
-    async _connect(timeout, signal) {
+    async _connect(timeout, signal, tracing = true) {
+        this._tracing = tracing && (await loadTracing());
         await this.conn.connect(timeout, signal);
         this.session = new Session(this.conn);
         return this;
@@ -83,7 +86,8 @@ export class Client {
      */
     async publish(topic, payload, opts) {
         this.sessionOrThrow();
-        const request = { topic, payload: asBytes(payload), headers: opts?.headers ?? {} };
+        const headers = this._tracing ? inject(opts?.headers) : (opts?.headers ?? {});
+        const request = { topic, payload: asBytes(payload), headers };
         const broker = this.conn.broker;
         const r = await unary(broker.publish, broker, request, this.conn.metadata, opts, (e) => this.afterFailure(e));
         return { sequence: r.sequence, matchedSubscriptions: r.matchedSubscriptions, matchedGroups: r.matchedGroups };
@@ -91,7 +95,7 @@ export class Client {
     /** A {@link Publisher} for high rates over one `PublishStream`, with backpressure. */
     publisher() {
         this.sessionOrThrow();
-        return new Publisher(() => this.conn);
+        return new Publisher(() => this.conn, this._tracing);
     }
     /**
      * Opens a subscription on the client's session and resolves once the
@@ -180,5 +184,5 @@ export async function connect(addr, opts = {}) {
         opts = { ...opts, addr: addr };
     }
     const client = new Client(opts);
-    return client._connect(opts.timeout ?? 5000, opts.signal);
+    return client._connect(opts.timeout ?? 5000, opts.signal, opts.tracing ?? true);
 }

@@ -16,6 +16,7 @@ export type Payload = Uint8Array | string;
  */
 export declare class Publisher {
     private readonly conn;
+    private readonly tracing;
     /** Messages written on all of this publisher's streams. */
     published: number;
     private stream;

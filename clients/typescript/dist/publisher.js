@@ -1,4 +1,5 @@
 import { PublishError, Status, TinybrokerError } from "./errors.js";
+import { inject } from "./tracing.js";
 /** @internal */
 export function asBytes(payload) {
     if (payload === undefined)
@@ -22,13 +23,15 @@ export function asBytes(payload) {
  */
 export class Publisher {
     conn;
+    tracing;
     /** Messages written on all of this publisher's streams. */
     published = 0;
     stream;
     closed = false;
     /** @internal */
-    constructor(conn) {
+    constructor(conn, tracing = false) {
         this.conn = conn;
+        this.tracing = tracing;
     }
     start() {
         const conn = this.conn();
@@ -66,7 +69,8 @@ export class Publisher {
         }
         if (s === undefined)
             s = this.start();
-        const request = { topic, payload: asBytes(payload), headers: opts?.headers ?? {} };
+        const headers = this.tracing ? inject(opts?.headers) : (opts?.headers ?? {});
+        const request = { topic, payload: asBytes(payload), headers };
         const room = s.call.write(request);
         s.written += 1;
         this.published += 1;

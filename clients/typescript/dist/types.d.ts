@@ -44,6 +44,12 @@ export declare class Message {
     get consumerGroup(): string;
     /** 1 on first delivery, growing with each redelivery. */
     get deliveryAttempt(): number;
+    /**
+     * The OpenTelemetry `Context` its `traceparent`/`tracestate` headers carry
+     * (undefined without `@opentelemetry/api`): pass it to
+     * `tracer.startActiveSpan(name, {}, msg.traceContext, fn)` to continue the trace.
+     */
+    get traceContext(): unknown;
     /** The payload decoded as UTF-8. */
     string(): string;
     /** The payload parsed as JSON. */

@@ -1,3 +1,4 @@
+import { extract } from "./tracing.js";
 const decoder = new TextDecoder();
 /**
  * One delivered message. In a MANUAL consumer group call {@link Message.ack}
@@ -56,6 +57,14 @@ export class Message {
     /** 1 on first delivery, growing with each redelivery. */
     get deliveryAttempt() {
         return this.raw.deliveryAttempt;
+    }
+    /**
+     * The OpenTelemetry `Context` its `traceparent`/`tracestate` headers carry
+     * (undefined without `@opentelemetry/api`): pass it to
+     * `tracer.startActiveSpan(name, {}, msg.traceContext, fn)` to continue the trace.
+     */
+    get traceContext() {
+        return extract(this.raw.headers);
     }
     /** The payload decoded as UTF-8. */
     string() {

@@ -8,6 +8,7 @@ import type { OpenSubscriptionRequest, PublishRequest, PublishResponse } from ".
 import { Publisher, asBytes } from "./publisher.js";
 import type { Payload } from "./publisher.js";
 import { Session, Subscription } from "./session.js";
+import { inject, loadTracing } from "./tracing.js";
 import type { EventCallback } from "./session.js";
 import type { AckMode, PublishResult } from "./types.js";
 
@@ -40,6 +41,12 @@ export interface ConnectOptions {
   signal?: AbortSignal;
   /** Extra grpc-js channel options. */
   channelOptions?: ChannelOptions;
+  /**
+   * With `@opentelemetry/api` installed, publish adds the active context's
+   * `traceparent`/`tracestate` to the headers and `msg.traceContext` gives
+   * back a delivered message's (default true; false turns this off).
+   */
+  tracing?: boolean;
 }
 
 /** Options of {@link Client.publish}. */
@@ -87,6 +94,7 @@ export class Client {
   private readonly conn: Connection;
   private session: Session | undefined;
   private closed_ = false;
+  /** @internal */ _tracing = false;
 
   /** @internal Use {@link connect}. */
   constructor(opts: ConnectOptions) {
@@ -120,7 +128,8 @@ export class Client {
   }
 
   /** @internal */
-  async _connect(timeout: number, signal?: AbortSignal): Promise<this> {
+  async _connect(timeout: number, signal?: AbortSignal, tracing = true): Promise<this> {
+    this._tracing = tracing && (await loadTracing());
     await this.conn.connect(timeout, signal);
     this.session = new Session(this.conn);
     return this;
@@ -154,7 +163,8 @@ export class Client {
    */
   async publish(topic: string, payload?: Payload, opts?: PublishOptions): Promise<PublishResult> {
     this.sessionOrThrow();
-    const request: PublishRequest = { topic, payload: asBytes(payload), headers: opts?.headers ?? {} };
+    const headers = this._tracing ? inject(opts?.headers) : (opts?.headers ?? {});
+    const request: PublishRequest = { topic, payload: asBytes(payload), headers };
     const broker = this.conn.broker;
     const r = await unary<PublishRequest, PublishResponse>(
       broker.publish,
@@ -170,7 +180,7 @@ export class Client {
   /** A {@link Publisher} for high rates over one `PublishStream`, with backpressure. */
   publisher(): Publisher {
     this.sessionOrThrow();
-    return new Publisher(() => this.conn);
+    return new Publisher(() => this.conn, this._tracing);
   }
 
   /**
@@ -262,5 +272,5 @@ export async function connect(
     opts = { ...opts, addr: addr as string | readonly string[] };
   }
   const client = new Client(opts);
-  return client._connect(opts.timeout ?? 5000, opts.signal);
+  return client._connect(opts.timeout ?? 5000, opts.signal, opts.tracing ?? true);
 }

@@ -3,6 +3,7 @@ import { PublishError, Status, TinybrokerError } from "./errors.js";
 import type { PublishRequest, PublishStreamResponse } from "./gen/tinybroker/v1/broker.js";
 import type { Connection } from "./connection.js";
 import type { PublishStreamResult } from "./types.js";
+import { inject } from "./tracing.js";
 
 /** A payload: bytes, or a string sent as UTF-8. */
 export type Payload = Uint8Array | string;
@@ -44,7 +45,10 @@ export class Publisher {
   private closed = false;
 
   /** @internal */
-  constructor(private readonly conn: () => Connection) {}
+  constructor(
+    private readonly conn: () => Connection,
+    private readonly tracing = false,
+  ) {}
 
   private start(): Stream {
     const conn = this.conn();
@@ -80,7 +84,8 @@ export class Publisher {
       return Promise.reject(s.error);
     }
     if (s === undefined) s = this.start();
-    const request: PublishRequest = { topic, payload: asBytes(payload), headers: opts?.headers ?? {} };
+    const headers = this.tracing ? inject(opts?.headers) : (opts?.headers ?? {});
+    const request: PublishRequest = { topic, payload: asBytes(payload), headers };
     const room = s.call.write(request);
     s.written += 1;
     this.published += 1;

@@ -1,4 +1,5 @@
 import type { Message as PbMessage } from "./gen/tinybroker/v1/broker.js";
+import { extract } from "./tracing.js";
 
 /** When a consumer-group message counts as done: `"auto"` once written to the member's stream (at most once), `"manual"` once acked. */
 export type AckMode = "auto" | "manual";
@@ -90,6 +91,14 @@ export class Message {
   /** 1 on first delivery, growing with each redelivery. */
   get deliveryAttempt(): number {
     return this.raw.deliveryAttempt;
+  }
+  /**
+   * The OpenTelemetry `Context` its `traceparent`/`tracestate` headers carry
+   * (undefined without `@opentelemetry/api`): pass it to
+   * `tracer.startActiveSpan(name, {}, msg.traceContext, fn)` to continue the trace.
+   */
+  get traceContext(): unknown {
+    return extract(this.raw.headers);
   }
   /** The payload decoded as UTF-8. */
   string(): string {
