@@ -782,7 +782,9 @@ export class Subscription implements AsyncIterable<Message> {
     clearTimeout(this.retry);
     this.retry = undefined;
     if (this.final === undefined) this.final = final ?? CLOSED;
-    this.settleOpened(openError ?? final ?? new TinybrokerError(Status.CANCELLED, "closed before it opened"));
+    if (!this.openSettled) {
+      this.settleOpened(openError ?? final ?? new TinybrokerError(Status.CANCELLED, "closed before it opened"));
+    }
     const closed = this.closedWaiter;
     this.closedWaiter = undefined;
     closed?.();
