@@ -140,6 +140,7 @@ export class Connection {
 function ready(channel, timeout, signal) {
     const deadline = Date.now() + timeout;
     return new Promise((resolve) => {
+        signal?.addEventListener("abort", () => resolve("aborted"), { once: true });
         const step = () => {
             if (signal?.aborted)
                 return resolve("aborted");

@@ -156,6 +156,7 @@ export class Connection {
 function ready(channel: grpc.Channel, timeout: number, signal?: AbortSignal): Promise<string | undefined> {
   const deadline = Date.now() + timeout;
   return new Promise((resolve) => {
+    signal?.addEventListener("abort", () => resolve("aborted"), { once: true });
     const step = (): void => {
       if (signal?.aborted) return resolve("aborted");
       const state = channel.getConnectivityState(true);

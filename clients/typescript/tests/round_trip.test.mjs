@@ -1,6 +1,7 @@
 // Publish and subscribe through one client: the round trip, the publisher
 // stream and typed errors, the address list and the environment defaults.
 import assert from "node:assert/strict";
+import { createServer } from "node:net";
 import { test } from "node:test";
 import { connect, PublishError, Status, TinybrokerError } from "../dist/index.js";
 import { starter } from "./broker.mjs";
@@ -112,6 +113,19 @@ test("address list is tried in turn and env defaults apply", { timeout: 45_000 }
     else process.env.TINYBROKER_ADDR = saved;
   }
   await assert.rejects(connect(dead, { timeout: 2000 }), (e) => e instanceof TinybrokerError && e.code === Status.UNAVAILABLE);
+  // An AbortSignal gives up connecting (a blackholed address would take the whole timeout).
+  const silent = createServer(() => {}); // accepts, never answers HTTP/2
+  await new Promise((r) => silent.listen(0, "127.0.0.1", r));
+  t.after(() => silent.close());
+  const sockets = [];
+  silent.on("connection", (s) => sockets.push(s));
+  t.after(() => sockets.forEach((s) => s.destroy()));
+  const giveUp = new AbortController();
+  const started = Date.now();
+  const attempt = connect(`127.0.0.1:${silent.address().port}`, { timeout: 20_000, signal: giveUp.signal });
+  setTimeout(() => giveUp.abort(), 100);
+  await assert.rejects(attempt, (e) => e instanceof TinybrokerError && e.code === Status.CANCELLED);
+  assert.ok(Date.now() - started < 10_000);
   // An AbortSignal gives up a call.
   client = await connect(broker.addr);
   t.after(() => client.close());
