@@ -1,4 +1,11 @@
-import { status as Status } from "@grpc/grpc-js";
+import { status as grpcStatus } from "@grpc/grpc-js";
+/**
+ * The gRPC status codes (grpc-js's `status` enum): compare
+ * {@link TinybrokerError.code} with them, e.g. `Status.UNAUTHENTICATED`.
+ */
+export declare const Status: typeof grpcStatus;
+/** A gRPC status code. */
+export type Status = grpcStatus;
 /** The name of a gRPC status code (`"INVALID_ARGUMENT"`, ...). */
 export declare function codeName(code: number): string;
 /**
@@ -44,4 +51,3 @@ export declare class SubscriptionEnded extends TinybrokerError {
     /** The id it had. */
     readonly subscriptionId: string | undefined;
 }
-export { Status };

@@ -1,4 +1,9 @@
-import { status as Status } from "@grpc/grpc-js";
+import { status as grpcStatus } from "@grpc/grpc-js";
+/**
+ * The gRPC status codes (grpc-js's `status` enum): compare
+ * {@link TinybrokerError.code} with them, e.g. `Status.UNAUTHENTICATED`.
+ */
+export const Status = grpcStatus;
 /** The name of a gRPC status code (`"INVALID_ARGUMENT"`, ...). */
 export function codeName(code) {
     return Status[code] ?? `CODE_${code}`;
@@ -79,4 +84,3 @@ export class SubscriptionEnded extends TinybrokerError {
                 ")";
     }
 }
-export { Status };

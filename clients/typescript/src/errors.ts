@@ -1,4 +1,12 @@
-import { status as Status, type ServiceError } from "@grpc/grpc-js";
+import { status as grpcStatus, type ServiceError } from "@grpc/grpc-js";
+
+/**
+ * The gRPC status codes (grpc-js's `status` enum): compare
+ * {@link TinybrokerError.code} with them, e.g. `Status.UNAUTHENTICATED`.
+ */
+export const Status = grpcStatus;
+/** A gRPC status code. */
+export type Status = grpcStatus;
 
 /** The name of a gRPC status code (`"INVALID_ARGUMENT"`, ...). */
 export function codeName(code: number): string {
@@ -89,4 +97,3 @@ export class SubscriptionEnded extends TinybrokerError {
   }
 }
 
-export { Status };
