@@ -1,0 +1,136 @@
+import type { ClientWritableStream, ServiceError } from "@grpc/grpc-js";
+import { PublishError, Status, TinybrokerError } from "./errors.js";
+import type { PublishRequest, PublishStreamResponse } from "./gen/tinybroker/v1/broker.js";
+import type { Connection } from "./connection.js";
+import type { PublishStreamResult } from "./types.js";
+import { inject } from "./tracing.js";
+
+/** A payload: bytes, or a string sent as UTF-8. */
+export type Payload = Uint8Array | string;
+
+/** @internal */
+export function asBytes(payload: Payload | undefined): Buffer {
+  if (payload === undefined) return Buffer.alloc(0);
+  if (typeof payload === "string") return Buffer.from(payload, "utf8");
+  return Buffer.isBuffer(payload) ? payload : Buffer.from(payload.buffer, payload.byteOffset, payload.byteLength);
+}
+
+interface Stream {
+  call: ClientWritableStream<PublishRequest>;
+  written: number;
+  error: PublishError | undefined;
+  response: PublishStreamResponse | undefined;
+  done: Promise<void>;
+  /** Wakes a publish waiting for 'drain' when the stream ends instead. */
+  wakeDrain: (() => void) | undefined;
+}
+
+/**
+ * Publishes a long run of messages on one `PublishStream`.
+ *
+ * `await pub.publish(...)` resolves once the message is handed to the
+ * stream, and waits (for 'drain') while the stream's HTTP/2 flow-control
+ * window is full, i.e. the broker is behind: nothing is buffered without
+ * bound as long as each publish is awaited. {@link Publisher.flush} ends the
+ * stream and resolves to what it carried (a later publish starts a new one);
+ * {@link Publisher.close} does the same and ends the publisher. The first bad
+ * message ends the stream: that publish (or the next, or flush) rejects with
+ * a {@link PublishError} carrying the gRPC code, the broker's message and how
+ * many messages were written before it.
+ */
+export class Publisher {
+  /** Messages written on all of this publisher's streams. */
+  published = 0;
+  private stream: Stream | undefined;
+  private closed = false;
+
+  /** @internal */
+  constructor(
+    private readonly conn: () => Connection,
+    private readonly tracing = false,
+  ) {}
+
+  private start(): Stream {
+    const conn = this.conn();
+    const s = {} as Stream;
+    s.written = 0;
+    s.error = undefined;
+    s.response = undefined;
+    s.wakeDrain = undefined;
+    s.done = new Promise<void>((resolve) => {
+      s.call = conn.broker.publishStream(conn.metadata, (err: ServiceError | null, response?: PublishStreamResponse) => {
+        if (err) s.error = new PublishError(err.code, err.details ?? err.message, s.written);
+        else s.response = response;
+        s.wakeDrain?.();
+        resolve();
+      });
+    });
+    this.stream = s;
+    return s;
+  }
+
+  /**
+   * Writes one message on the stream; resolves at once unless the stream is
+   * full, then once it has room. Rejects with {@link PublishError} when the
+   * stream has ended with an error.
+   */
+  publish(topic: string, payload?: Payload, opts?: { headers?: Record<string, string> }): Promise<void> {
+    if (this.closed) {
+      return Promise.reject(new TinybrokerError(Status.FAILED_PRECONDITION, "the publisher is closed"));
+    }
+    let s = this.stream;
+    if (s !== undefined && s.error !== undefined) {
+      this.stream = undefined;
+      return Promise.reject(s.error);
+    }
+    if (s === undefined) s = this.start();
+    const headers = this.tracing ? inject(opts?.headers) : (opts?.headers ?? {});
+    const request: PublishRequest = { topic, payload: asBytes(payload), headers };
+    const room = s.call.write(request);
+    s.written += 1;
+    this.published += 1;
+    if (room) return Promise.resolve();
+    return this.drain(s);
+  }
+
+  private drain(s: Stream): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      const done = (): void => {
+        s.call.off("drain", done);
+        s.wakeDrain = undefined;
+        if (s.error !== undefined) {
+          if (this.stream === s) this.stream = undefined;
+          reject(s.error);
+        } else resolve();
+      };
+      s.wakeDrain = done;
+      s.call.once("drain", done);
+    });
+  }
+
+  /** Ends the current stream and resolves to its counts (zeros when nothing was published since the last flush). */
+  async flush(): Promise<PublishStreamResult> {
+    const s = this.stream;
+    this.stream = undefined;
+    if (s === undefined) return { accepted: 0, firstSequence: 0, lastSequence: 0 };
+    s.call.end();
+    await s.done;
+    if (s.error !== undefined) throw s.error;
+    const r = s.response!;
+    return { accepted: r.accepted, firstSequence: r.firstSequence, lastSequence: r.lastSequence };
+  }
+
+  /** Flushes and ends the publisher. */
+  async close(): Promise<PublishStreamResult> {
+    const result = await this.flush();
+    this.closed = true;
+    return result;
+  }
+
+  /** Cancels the current stream without waiting (what was written may or may not be published) and ends the publisher. */
+  abort(): void {
+    this.closed = true;
+    this.stream?.call.cancel();
+    this.stream = undefined;
+  }
+}
