@@ -10,26 +10,14 @@ use common::nats::NatsCluster;
 use common::process::metric_sum;
 use common::*;
 use std::time::Duration;
-use tinybroker::config::{ClusterConfig, Config};
+use tinybroker::config::Config;
 use tinybroker::pb;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
 /// A replica named `id` connected to `urls` (its first server first).
 fn replica_config(urls: Vec<String>, id: &str, prefix: &str) -> Config {
-    Config {
-        cluster: Some(ClusterConfig {
-            nats_urls: urls,
-            prefix: prefix.into(),
-            nats_replicas: 3,
-            nats_token: None,
-            nats_creds: None,
-            nats_ca: None,
-            replica_id: id.into(),
-            max_message_bytes_from_nats: false,
-        }),
-        ..config()
-    }
+    common::replica_config(config(), urls, id, prefix, 3)
 }
 
 /// The URLs of `nats`, server `first` first.

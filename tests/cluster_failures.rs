@@ -11,7 +11,7 @@ use common::process::{BrokerProcess, ChildGuard, free_port, metric_with_label};
 use common::*;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use tinybroker::config::{ClusterConfig, Config};
+use tinybroker::config::Config;
 use tinybroker::pb;
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -142,20 +142,9 @@ async fn jetstream_refusals_are_said_once_naming_what_to_change() {
     .await;
 }
 
+/// A replica named `id` of one NATS server at `url`.
 fn config_for(url: String, id: &str, prefix: &str) -> Config {
-    Config {
-        cluster: Some(ClusterConfig {
-            nats_urls: vec![url],
-            prefix: prefix.into(),
-            nats_replicas: 1,
-            nats_token: None,
-            nats_creds: None,
-            nats_ca: None,
-            replica_id: id.into(),
-            max_message_bytes_from_nats: false,
-        }),
-        ..config()
-    }
+    replica_config(config(), vec![url], id, prefix, 1)
 }
 
 /// The memory-storage NATS server restarts and forgets every stream and

@@ -26,7 +26,7 @@ use common::*;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tinybroker::config::{ClusterConfig, Config};
+use tinybroker::config::Config;
 use tinybroker::pb;
 use tinybroker::pb::broker_client::BrokerClient;
 use tinybroker::pb::session_event::Event;
@@ -60,20 +60,9 @@ async fn a_replica_whose_nats_connection_is_reset_says_so_in_seconds_and_loses_n
     cut_off(Cut::Reset).await;
 }
 
+/// A replica named `id` of one NATS server at `url`.
 fn config_for(url: String, id: &str, prefix: &str) -> Config {
-    Config {
-        cluster: Some(ClusterConfig {
-            nats_urls: vec![url],
-            prefix: prefix.into(),
-            nats_replicas: 1,
-            nats_token: None,
-            nats_creds: None,
-            nats_ca: None,
-            replica_id: id.into(),
-            max_message_bytes_from_nats: false,
-        }),
-        ..config()
-    }
+    replica_config(config(), vec![url], id, prefix, 1)
 }
 
 /// What a publisher sent: the number of each accepted message and when its

@@ -124,20 +124,7 @@ pub async fn start_cluster(config: Config) -> TestBroker {
     let prefix = format!("contract{}", unique());
     let mut replicas = Vec::new();
     for id in CLUSTER_REPLICAS {
-        let config = Config {
-            cluster: Some(ClusterConfig {
-                nats_urls: nats.urls(),
-                prefix: prefix.clone(),
-                nats_replicas: 1,
-                nats_token: None,
-                nats_creds: None,
-                nats_ca: None,
-                replica_id: id.into(),
-                max_message_bytes_from_nats: false,
-            }),
-            ..config.clone()
-        };
-        replicas.push(start_embedded(config).await);
+        replicas.push(start_embedded(replica_config(config.clone(), nats.urls(), id, &prefix, 1)).await);
     }
     for replica in &replicas {
         wait_until("a cluster replica to be SERVING", || replica.is_serving()).await;
@@ -146,6 +133,25 @@ pub async fn start_cluster(config: Config) -> TestBroker {
     a.peers = replicas;
     a.nats = Some(nats);
     a
+}
+
+/// `config` in cluster mode: a replica named `id` connected to `urls`
+/// (tried in that order), its subjects and buckets under `prefix`, group
+/// state kept `nats_replicas` times; no NATS credentials.
+pub fn replica_config(config: Config, urls: Vec<String>, id: &str, prefix: &str, nats_replicas: usize) -> Config {
+    Config {
+        cluster: Some(ClusterConfig {
+            nats_urls: urls,
+            prefix: prefix.into(),
+            nats_replicas,
+            nats_token: None,
+            nats_creds: None,
+            nats_ca: None,
+            replica_id: id.into(),
+            max_message_bytes_from_nats: false,
+        }),
+        ..config
+    }
 }
 
 pub fn unique() -> u64 {
