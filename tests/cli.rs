@@ -671,6 +671,9 @@ async fn in_cluster_mode_tables_name_the_replica_of_each_subscription() {
         assert!(frame.lines().next().unwrap().contains("cluster, replica a"), "{frame}");
         assert!(frame.contains("(this replica)"), "{frame}");
         assert!(frame.contains("REPLICA"), "{frame}");
+        // The header's totals are the lists': the cluster's 2 subscriptions,
+        // not replica a's 1 (GetBrokerInfo's count).
+        assert!(frame.contains(" · subscriptions 2 · groups 0 · "), "{frame}");
     })
     .await
 }
