@@ -494,60 +494,18 @@ pub(crate) fn oversized_to_exhausted(error: Status) -> Status {
 /// request over the decoding limit into RESOURCE_EXHAUSTED (see
 /// [`oversized_to_exhausted`]); used as a tower `map_response` layer.
 pub fn map_oversized_response<B>(mut response: http::Response<B>) -> http::Response<B> {
-    let headers = response.headers();
-    let is_oversized = headers.get("grpc-status").is_some_and(|s| s == "11")
-        && headers
-            .get("grpc-message")
-            .and_then(|m| m.to_str().ok())
-            .is_some_and(|m| m.contains("message%20length%20too%20large") || m.contains("message length too large"));
-    if is_oversized {
-        let tonic_message = headers
-            .get("grpc-message")
-            .and_then(|m| m.to_str().ok())
-            .map(percent_decode)
-            .unwrap_or_default();
-        let text = percent_encode(&oversized_message(&tonic_message));
-        let headers = response.headers_mut();
-        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
-        if let Ok(value) = http::HeaderValue::from_str(&text) {
-            headers.insert("grpc-message", value);
+    // Cheap for every other response: only an OUT_OF_RANGE one is read.
+    if response.headers().get("grpc-status").is_none_or(|s| s != "11") {
+        return response;
+    }
+    if let Some(status) = Status::from_header_map(response.headers()) {
+        let mapped = oversized_to_exhausted(status);
+        if mapped.code() == Code::ResourceExhausted {
+            // tonic percent-encodes grpc-message.
+            let _ = mapped.add_header(response.headers_mut());
         }
     }
     response
-}
-
-/// `grpc-message` is percent-encoded (the gRPC HTTP/2 protocol): bytes
-/// outside printable ASCII, and `%`, as `%XX`.
-fn percent_encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if (0x20..0x7f).contains(&byte) && byte != b'%' {
-            out.push(byte as char);
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
-}
-
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
-            (b'%', Some(byte)) => {
-                out.push(byte);
-                i += 3;
-            }
-            (byte, _) => {
-                out.push(byte);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// How much a subscription's body encodes before it hands the frame to h2,
@@ -1045,17 +1003,18 @@ mod tests {
             "request of 2000010 bytes is larger than max_message_bytes 1048576 (TINYBROKER_MAX_MESSAGE_BYTES) allows"
         );
         // The unary path: tonic's trailers-only response, percent-encoded.
-        let response = http::Response::builder()
-            .header("grpc-status", "11")
-            .header("grpc-message", percent_encode(&tonic))
-            .body(())
-            .unwrap();
+        let mut response = http::Response::new(());
+        Status::out_of_range(tonic).add_header(response.headers_mut()).unwrap();
         let response = map_oversized_response(response);
         assert_eq!(response.headers()["grpc-status"], "8");
-        assert_eq!(
-            percent_decode(response.headers()["grpc-message"].to_str().unwrap()),
-            status.message()
-        );
+        let read = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(read.message(), status.message());
+        // Any other response passes as it was.
+        let mut other = http::Response::new(());
+        Status::out_of_range("sequence out of range")
+            .add_header(other.headers_mut())
+            .unwrap();
+        assert_eq!(map_oversized_response(other).headers()["grpc-status"], "11");
     }
 
     /// One poll of `body`, its data frame split into gRPC messages as a

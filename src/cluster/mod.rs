@@ -93,7 +93,7 @@
 //! Leaves: `Inner::ready`, `Inner::live`, `Inner::groups_seen`,
 //! `Inner::stalls`, `Inner::beat_revision`, the others' interest, the
 //! replicas known to speak protobuf (`rpc.rs`), the groups' `hubs`,
-//! `members`, `idle` and `overflowed`, and each hub's view and backend
+//! `members`, `idle` and `dropped`, and each hub's view and backend
 //! locks. A hub's answer may be awaited under 2 (the rebuild asks each hub
 //! to forget what it held): no hub takes any of these async locks.
 

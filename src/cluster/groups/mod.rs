@@ -69,7 +69,7 @@
 //! `routes` (in [`ClusterEngine::route_group`]):
 //! - `Groups::table`, then `Groups::routes`;
 //! - `Groups::hubs`, `Groups::members`, `Groups::idle`,
-//!   `Groups::overflowed`: leaves;
+//!   `Groups::dropped`: leaves;
 //! - a hub's view and its `Want` watch, and its backend's consumer and
 //!   repair time (`nats.rs`): leaves.
 
@@ -136,13 +136,12 @@ pub(super) struct Groups {
     /// Groups seen without members on any replica: since when, at which
     /// revision of their table entry (a join writes it again).
     idle: Mutex<HashMap<String, Idle>>,
-    /// Messages this replica dropped from a full group backlog, per group.
-    overflowed: Mutex<HashMap<String, u64>>,
-    /// Messages of each group that this replica counted as lost with NATS's
-    /// memory (`nats_state_lost`): the backlogs, by the replica that counts
-    /// them, and what its hubs held. With `overflowed`, the group's
-    /// `dropped` in ListConsumerGroups (summed over the replicas).
-    state_lost: Mutex<HashMap<String, u64>>,
+    /// Messages of each group this replica counted as dropped: the oldest
+    /// of a full backlog, and what NATS lost with its memory
+    /// (`nats_state_lost`: the backlogs, by the replica that counts them,
+    /// and what its hubs held). The group's `dropped` in ListConsumerGroups
+    /// is the sum over the replicas.
+    dropped: Mutex<HashMap<String, u64>>,
 }
 
 struct Idle {
@@ -343,8 +342,7 @@ impl ClusterEngine {
 
     fn unroute_group(&self, name: &str) {
         let groups = &self.inner.groups;
-        groups.overflowed.lock().remove(name);
-        groups.state_lost.lock().remove(name);
+        groups.dropped.lock().remove(name);
         if let Some(old) = groups.table.lock().remove(name) {
             let mut routes = groups.routes.write();
             for p in old.iter().filter_map(|p| TopicPattern::parse(p).ok()) {
@@ -484,7 +482,7 @@ impl ClusterEngine {
             .stats()
             .dropped_group_overflow
             .fetch_add(1, Ordering::Relaxed);
-        *self.inner.groups.overflowed.lock().entry(group.to_owned()).or_default() += 1;
+        *self.inner.groups.dropped.lock().entry(group.to_owned()).or_default() += 1;
     }
 
     /// Opens a member of a cluster-wide group on this replica.
@@ -916,9 +914,9 @@ impl ClusterEngine {
                 }
             }
         }
-        let mut state_lost = self.inner.groups.state_lost.lock();
+        let mut dropped = self.inner.groups.dropped.lock();
         for (name, n) in by_group {
-            *state_lost.entry(name).or_default() += n;
+            *dropped.entry(name).or_default() += n;
         }
         Ok(lost)
     }
@@ -976,12 +974,7 @@ impl ClusterEngine {
     /// This replica's view of its groups.
     pub(super) fn local_groups(&self) -> Vec<LocalGroup> {
         let hubs: Vec<HubHandle<Nats>> = self.inner.groups.hubs.lock().values().cloned().collect();
-        // What this replica counted as dropped, per group: overflow, and
-        // what NATS lost.
-        let mut overflowed = self.inner.groups.overflowed.lock().clone();
-        for (name, n) in self.inner.groups.state_lost.lock().iter() {
-            *overflowed.entry(name.clone()).or_default() += n;
-        }
+        let dropped = self.inner.groups.dropped.lock().clone();
         let now = Instant::now();
         let mut groups: Vec<LocalGroup> = hubs
             .iter()
@@ -994,7 +987,7 @@ impl ClusterEngine {
                     redeliveries: view.counters.redeliveries,
                     dead_lettered: view.counters.dead_lettered,
                     acked: view.counters.acked,
-                    dropped: overflowed.get(h.name()).copied().unwrap_or(0),
+                    dropped: dropped.get(h.name()).copied().unwrap_or(0),
                     delivered: h.delivered(),
                     oldest_held_ms: view
                         .oldest_given_at
@@ -1002,8 +995,8 @@ impl ClusterEngine {
                 }
             })
             .collect();
-        // Groups this replica published into without serving a member.
-        for (name, &dropped) in overflowed
+        // Groups this replica dropped messages of without serving a member.
+        for (name, &dropped) in dropped
             .iter()
             .filter(|(name, _)| !hubs.iter().any(|h| h.name() == *name))
         {
