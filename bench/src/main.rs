@@ -8,6 +8,7 @@
 //! must arrive, or when a run fails.
 
 mod cluster;
+mod guard;
 mod json;
 mod measure;
 mod nats;
@@ -100,6 +101,24 @@ struct Cli {
     /// one they are skipped, saying so.
     #[arg(long)]
     nats_cluster_bin: Option<PathBuf>,
+    /// Run the performance guard instead of the comparison: instructions,
+    /// syscalls and context switches per message, and bytes per idle session
+    /// subscription, against the baseline file (needs valgrind and perf).
+    #[arg(long)]
+    guard: bool,
+    /// The guard's baseline file.
+    #[arg(long, default_value = "bench/perf-baseline.txt")]
+    baseline: PathBuf,
+    /// The guard writes its figures as the new baseline, with this reason.
+    #[arg(long, value_name = "WHY", requires = "guard")]
+    write_baseline: Option<String>,
+    /// The guard's native runs per workload (it reports their medians).
+    #[arg(long, default_value_t = 3, requires = "guard")]
+    guard_runs: usize,
+    /// Add this fraction to every instruction count the guard reads, to show
+    /// that it catches a regression of that size (e.g. 0.03).
+    #[arg(long, default_value_t = 0.0, requires = "guard")]
+    inflate_instructions: f64,
 }
 
 #[tokio::main]
@@ -196,7 +215,32 @@ async fn run(cli: Cli) -> Result<bool> {
         },
         window: cli.window,
         consumer_capacity: cli.consumer_capacity,
+        probe: None,
     };
+    if cli.guard {
+        if cli.write_baseline.as_deref().is_some_and(|w| w.trim().is_empty()) {
+            bail!("--write-baseline needs a reason: say why the cost moved");
+        }
+        let args = guard::GuardArgs {
+            baseline: cli.baseline.clone(),
+            write_baseline: cli.write_baseline.clone(),
+            runs: cli.guard_runs.max(1),
+            messages: cli.messages.unwrap_or(20_000),
+            only: cli.only.clone(),
+            inflate_instructions: cli.inflate_instructions,
+        };
+        eprintln!(
+            "tinybroker-bench: the performance guard, {}",
+            systems::version_of(&settings.bins.tinybroker, "--version")
+        );
+        let ok = guard::run(args, settings).await?;
+        if ok {
+            let _ = std::fs::remove_dir_all(&log_dir);
+        } else {
+            eprintln!("tinybroker-bench: server logs kept in {}", log_dir.display());
+        }
+        return Ok(ok);
+    }
     let mut selected: Vec<Case> = workloads::cases(&scale, !cli.skip_redis)
         .into_iter()
         .filter(|c| cli.only.is_empty() || cli.only.iter().any(|o| c.id.contains(o) || c.label.contains(o)))

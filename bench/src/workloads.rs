@@ -42,6 +42,17 @@ pub struct Settings {
     pub window: u64,
     /// tinybroker's per-subscription queue capacity.
     pub consumer_capacity: usize,
+    /// Watches the server over each messaging run's measured window (the
+    /// performance guard's counters); none in the comparison runs.
+    pub probe: Option<Arc<dyn Probe>>,
+}
+
+/// Something that counts what the server does over a run's measured window:
+/// `start` just before the first message is published, `stop` once the last
+/// has arrived (or nothing moved for a while). Both are given the server's pid.
+pub trait Probe: fmt::Debug + Send + Sync {
+    fn start(&self, pid: u32) -> Result<()>;
+    fn stop(&self, pid: u32) -> Result<()>;
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -57,9 +68,12 @@ pub enum Spec {
         rate: u64,
         messages: u64,
     },
+    /// A consumer group of `members`; at `rate` msg/s, or as fast as the
+    /// window lets it.
     Group {
         members: usize,
         size: usize,
+        rate: Option<u64>,
         messages: u64,
     },
     /// `live` subscribers, plus one that never reads when `stalled`.
@@ -244,6 +258,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
         spec: Spec::Group {
             members: 3,
             size: 256,
+            rate: None,
             messages: messages.max(100),
         },
         variants: vec![
@@ -393,6 +408,8 @@ pub const CLUSTER_P99_TARGET: f64 = 2.0;
 /// Everything one run measured.
 #[derive(Debug, Clone, Default)]
 pub struct RunResult {
+    /// Messages published in the measured window.
+    pub published: u64,
     pub published_per_s: Option<f64>,
     pub delivered_per_s: Option<f64>,
     /// Delivered/s per live subscriber (broadcast workloads).
@@ -712,8 +729,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         Spec::Group {
             members,
             size,
+            rate,
             messages,
-        } => (members, 1, size, messages, None, true, false),
+        } => (members, 1, size, messages, rate, true, false),
         Spec::Stalled {
             live,
             size,
@@ -808,6 +826,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     let mut flow = Flow::new(domains.clone(), settings.window, signal.clone());
     let mut remarks = Vec::new();
 
+    if let Some(probe) = &settings.probe {
+        probe.start(server.pid()).context("starting the probe")?;
+    }
     let before = topology.stats()?;
     let watch = rate.is_some().then(StallWatch::start);
     let t0 = Instant::now();
@@ -853,6 +874,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let after = topology.stats()?;
+    if let Some(probe) = &settings.probe {
+        probe.stop(server.pid()).context("stopping the probe")?;
+    }
     if topology.nats.is_some() && domains.iter().any(|d| !d.complete()) {
         remarks.push(topology.shortfall(&domains).await);
     }
@@ -965,6 +989,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
 
     let server_cpu_s = after.cpu_seconds_since(&before);
     Ok(RunResult {
+        published: sent,
         published_per_s: Some(sent as f64 / published_in.as_secs_f64()),
         delivered_per_s,
         per_subscriber_per_s: (!group).then(|| delivered_per_s.map(|d| d / live as f64)).flatten(),
