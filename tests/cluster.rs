@@ -1,8 +1,8 @@
 //! Cluster mode (docs/contract.md, "Cluster mode"): tinybroker replicas on
 //! ephemeral ports over a real 3-node NATS cluster (tests/common/nats.rs),
 //! each replica connected to a different NATS server first, with the stock
-//! tonic clients. Skipped without a nats-server >= 2.10 unless
-//! `TB_REQUIRE_TEST_TOOLS=1` (`.ci/run` installs one).
+//! tonic clients. Without a nats-server >= 2.10 the tests fail, saying how
+//! to install one (`.ci/run` does).
 
 mod common;
 
@@ -57,9 +57,7 @@ async fn replicas_with(nats: &NatsCluster, n: usize, prefix: &str, tweak: impl F
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_published_on_one_replica_reaches_subscribers_on_every_replica() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 3, "fanout").await;
         let mut streams = Vec::new();
@@ -117,9 +115,7 @@ async fn a_message_published_on_one_replica_reaches_subscribers_on_every_replica
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscription_ids_are_unique_in_the_cluster_and_close_works_from_any_replica() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "ids").await;
         let mut on_0 = brokers[0].client().await;
@@ -187,9 +183,7 @@ async fn subscription_ids_are_unique_in_the_cluster_and_close_works_from_any_rep
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nats_comes() {
-    let Some(mut nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let mut nats = NatsCluster::start(1).await;
     rejoin_timeout(async {
         nats.stop(0).await;
         let mut config = replica_config(nats.urls(), "alone", "late");
@@ -255,9 +249,7 @@ async fn wait_off_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscribe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn core_nats_carries_publishes_only_while_another_replica_has_a_broadcast_subscriber() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "interest").await;
         let raw_client = async_nats::connect(nats.url(2).as_str()).await.unwrap();
@@ -347,9 +339,7 @@ async fn next_message(stream: &mut tonic::Streaming<pb::Message>, what: &str) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_members_on_three_replicas_share_the_work_each_message_once() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 3, "share").await;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -437,9 +427,7 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
 /// one replica and published to at once on another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_group_takes_a_message_published_on_another_replica_right_after_its_first_join() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         // Eight groups' streams, each reserving its byte budget on every
         // server: a small budget, so they fit the test servers' memory.
@@ -478,9 +466,7 @@ async fn a_new_group_takes_a_message_published_on_another_replica_right_after_it
 /// subscribers anyway (their stores overlapped with its own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_group_store_fails_ends_counting_only_what_was_stored() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let mut config = replica_config(urls_from(&nats, 0), "r0", "gone");
         if let Some(c) = config.cluster.as_mut() {
@@ -533,9 +519,7 @@ async fn a_stream_whose_group_store_fails_ends_counting_only_what_was_stored() {
 /// as for an outage), and the groups already there go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_beyond_the_nats_servers_memory_is_refused_naming_the_budget() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         // 100 MiB per group on each of the 3 servers (256 MB each): two fit.
         let mut config = replica_config(urls_from(&nats, 0), "r0", "nomem");
@@ -581,9 +565,7 @@ async fn a_group_beyond_the_nats_servers_memory_is_refused_naming_the_budget() {
 /// loop from the moment it starts takes the first one it accepts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_started_later_knows_the_groups_from_its_first_publish() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let first = replicas(&nats, 1, "late").await;
         let mut client = first[0].client().await;
@@ -633,9 +615,7 @@ async fn a_replica_started_later_knows_the_groups_from_its_first_publish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut config = replica_config(urls_from(&nats, 0), "m0", "manual");
         config.limits.max_delivery_attempts = 2;
@@ -741,9 +721,7 @@ async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut brokers = replicas(&nats, 2, "shutdown").await;
         let mut request = subscribe_request(&["jobs.>"]);
@@ -784,9 +762,7 @@ async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
 /// (`reason="nats_slow_consumer"`), exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving() {
-    let Some(mut nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "failover").await;
         let mut subscriber = brokers[0].client().await;
@@ -899,9 +875,7 @@ async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving()
 /// carries stops the replica when it connects, with one line naming both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_limit_above_the_nats_max_payload_stops_the_replica() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let mut replica = common::process::BrokerProcess::spawn(&[
             ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
@@ -921,9 +895,9 @@ async fn a_message_limit_above_the_nats_max_payload_stops_the_replica() {
 }
 
 /// Debian 12's nats-server (2.9.10): `TB_OLD_NATS_SERVER`, or
-/// `/usr/sbin/nats-server` when it is older than 2.10. None, after saying
-/// so, when there is none and `TB_SKIP_CLUSTER_TESTS` is set.
-fn old_nats_server() -> Option<std::path::PathBuf> {
+/// `/usr/sbin/nats-server` when it is older than 2.10. Panics, saying how to
+/// install it, when there is none.
+fn old_nats_server() -> std::path::PathBuf {
     let path = std::env::var_os("TB_OLD_NATS_SERVER")
         .filter(|p| !p.is_empty())
         .map_or_else(|| std::path::PathBuf::from("/usr/sbin/nats-server"), Into::into);
@@ -932,18 +906,15 @@ fn old_nats_server() -> Option<std::path::PathBuf> {
         .output()
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-    match version {
-        Some(v) if v.contains("v2.9.") || v.contains("v2.8.") => Some(path),
-        other => {
-            assert!(
-                std::env::var_os("TB_SKIP_CLUSTER_TESTS").is_some(),
-                "a nats-server older than 2.10 is needed at {} (apt-get install nats-server on Debian 12, or TB_OLD_NATS_SERVER); found {other:?}",
-                path.display()
-            );
-            eprintln!("!!! SKIPPED (TB_SKIP_CLUSTER_TESTS): no nats-server older than 2.10");
-            None
-        }
-    }
+    assert!(
+        version
+            .as_ref()
+            .is_some_and(|v| v.contains("v2.9.") || v.contains("v2.8.")),
+        "this test needs a nats-server older than 2.10 at {} (apt-get install nats-server on Debian 12, \
+         or TB_OLD_NATS_SERVER=<path>; .ci/run installs it); found {version:?}",
+        path.display()
+    );
+    path
 }
 
 /// API.md, "Cluster mode": a NATS server older than 2.10 makes the replica
@@ -951,9 +922,7 @@ fn old_nats_server() -> Option<std::path::PathBuf> {
 /// 2.10 (not a JetStream decode error, retried for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_server_older_than_2_10_stops_the_replica_naming_both_versions() {
-    let Some(old) = old_nats_server() else {
-        return;
-    };
+    let old = old_nats_server();
     timeout(async {
         let port = common::process::free_port();
         let dir = std::env::temp_dir().join(format!("tb-old-nats-{}-{}", std::process::id(), unique()));
@@ -1005,9 +974,7 @@ async fn a_nats_server_older_than_2_10_stops_the_replica_naming_both_versions() 
 /// other replica, one byte more is refused naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unset_message_limit_is_what_the_nats_max_payload_carries() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let prefix = format!("limit{}", unique());
         let spawn = |id: &str| {
@@ -1116,9 +1083,7 @@ async fn an_unset_message_limit_is_what_the_nats_max_payload_carries() {
 /// cluster variables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_environment_turns_cluster_mode_on() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let replica = common::process::BrokerProcess::spawn(&[
             ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
@@ -1183,9 +1148,7 @@ async fn service(backends: std::sync::Arc<parking_lot::Mutex<Vec<std::net::Socke
 /// live replica and receives what is published after it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_moves_broadcast_subscribers_to_live_replicas() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut live: Vec<(String, TestBroker)> = replicas(&nats, 2, "rolling")
             .await
@@ -1261,9 +1224,7 @@ async fn a_rolling_restart_moves_broadcast_subscribers_to_live_replicas() {
 /// deadline, none lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_unacked_group_messages_go_to_another_member() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut doomed = common::process::BrokerProcess::spawn(&[
             ("TINYBROKER_NATS_URL", urls_from(&nats, 0).join(",").as_str()),
@@ -1597,9 +1558,7 @@ struct GroupStream {
 /// whole and every member gets work again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_group_streams_nats_leader_loses_no_acknowledged_publish() {
-    let Some(mut nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut nats = NatsCluster::start(3).await;
     rejoin_timeout(async {
         let brokers = replicas(&nats, 3, "jskill").await;
         let ledger = ledger(3);
@@ -1810,9 +1769,7 @@ async fn spawn_replica(nats: &NatsCluster, first: usize, id: &str, prefix: &str)
 /// replica after each round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_a_publisher_loses_no_manual_group_message() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let prefix = "rollgrp";
         let mut live: Vec<(String, common::process::BrokerProcess)> = Vec::new();
@@ -2017,9 +1974,7 @@ async fn group_streams(nats: &NatsCluster, i: usize, prefix: &str) -> Option<Vec
 /// group with a member stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         const TTL: Duration = Duration::from_secs(3);
         let brokers = replicas_with(&nats, 2, "idle", |c| c.limits.group_idle_ttl = TTL).await;
@@ -2138,9 +2093,7 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
 /// metrics. The member that comes back gets the newest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_replicas() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas_with(&nats, 2, "full", |c| c.limits.group_capacity = 4).await;
         let mut client = brokers[0].client().await;
@@ -2225,9 +2178,7 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
 /// would give it to the first again.) The first's late Ack is unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_goes_to_another_member_on_the_same_replica() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "nackhere").await;
         let mut client = brokers[0].client().await;
@@ -2274,9 +2225,7 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
 /// JetStream to whichever pull comes first, the nacking member's included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "nackthere").await;
         let mut clients = [brokers[0].client().await, brokers[1].client().await];
@@ -2334,9 +2283,7 @@ async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
 /// that never acks all reach the member that joined after them, attempt 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_deadline_hands_the_message_to_another_member() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "deadline").await;
         let mut client = brokers[0].client().await;
@@ -2376,9 +2323,7 @@ async fn an_expired_deadline_hands_the_message_to_another_member() {
 /// messages again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_backlog_held_by_members_drops_the_new_message_and_counts_it() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut config = replica_config(urls_from(&nats, 0), "r0", "held");
         config.limits.group_capacity = 2;
@@ -2415,9 +2360,7 @@ async fn a_full_backlog_held_by_members_drops_the_new_message_and_counts_it() {
 /// `TINYBROKER_MAX_DELIVERY_ATTEMPTS` must not repeat or stretch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetstream() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas_with(&nats, 1, "attempts", |c| c.limits.max_delivery_attempts = 3).await;
         let mut client = brokers[0].client().await;
