@@ -386,21 +386,31 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
             by_member.iter().all(|&n| n > 0),
             "every replica's member got work: {by_member:?}"
         );
-        // Nothing more arrives (no duplicates later).
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), rx.recv())
-                .await
-                .is_err()
-        );
-        // And JetStream was told: every message acked, so the work-queue
+        // JetStream was told: every message acked, so the work-queue
         // stream holds none (unacked, they would come again after ack_wait).
         wait_until("JetStream to have every delivered message acked", || async {
             group_stream_state(&nats, 0, "share").await == Some((0, 0))
         })
         .await;
+        // So nothing more can come (no duplicates later): the members were
+        // handed the 60 and no more, and none waits in a queue.
         let groups = groups(&mut brokers[1].admin().await).await;
         assert_eq!(groups.len(), 1, "{groups:?}");
         assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 3));
+        assert_eq!(
+            (groups[0].backlog, groups[0].in_flight, groups[0].redeliveries),
+            (0, 0, 0),
+            "{groups:?}"
+        );
+        let members: Vec<_> = brokers[1]
+            .subscriptions()
+            .await
+            .into_iter()
+            .filter(|s| s.consumer_group == "workers")
+            .collect();
+        assert_eq!(members.len(), 3, "{members:?}");
+        let handed: u64 = members.iter().map(|s| s.delivered + s.queue_depth).sum();
+        assert_eq!(handed, 60, "each message handed to a member once: {members:?}");
         // Every replica's group gauges give the cluster-wide value.
         for broker in &brokers {
             wait_until("cluster-wide group gauges", || async {
@@ -676,7 +686,8 @@ async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
         assert_eq!((nack.requeued, nack.unknown), (1, 0));
         // The nacked one comes again at once; the third, unacked past its
         // 1 s deadline, too: both on their second (last) attempt.
-        let (mut dlq, _) = subscribe(&mut m1.client().await, &["_dlq.billing"]).await;
+        // The dead letters, and the markers that end them (below).
+        let (mut dlq, _) = subscribe(&mut m1.client().await, &["_dlq.billing", "marker.*"]).await;
         let mut again = std::collections::BTreeMap::new();
         for _ in 0..2 {
             let m = next_message(&mut member, "a redelivery").await;
@@ -709,12 +720,30 @@ async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
             Some("2")
         );
         assert_eq!(&letter.payload[..], b"m1");
-        assert!(
-            tokio::time::timeout(Duration::from_millis(1500), dlq.message())
+        // One dead letter, not one per replica. Once the group's stream
+        // holds nothing, no replica can dead-letter the message again (it
+        // publishes the letter before it acks the message away); a marker
+        // published through each replica then comes after any letter that
+        // replica published, on the same path: the next two messages are
+        // the markers.
+        wait_until("the dead-lettered message to leave the group's stream", || async {
+            group_stream_state(&nats, 0, "manual").await == Some((0, 0))
+        })
+        .await;
+        for (replica, marker) in [(&m0, "marker.m0"), (&m1, "marker.m1")] {
+            replica
+                .client()
                 .await
-                .is_err(),
-            "one dead letter, not one per replica"
-        );
+                .publish(publish_request(marker, "end"))
+                .await
+                .unwrap();
+        }
+        let mut next: Vec<String> = Vec::new();
+        for _ in 0..2 {
+            next.push(next_message(&mut dlq, "a marker").await.topic);
+        }
+        next.sort();
+        assert_eq!(next, ["marker.m0", "marker.m1"], "one dead letter, not one per replica");
     })
     .await;
 }
@@ -2160,10 +2189,15 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
                 "{seq} is among the newest: kept {kept:?}, a {a:?}, b {b:?}"
             );
         }
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), member.message())
+        // Nothing beyond the 4 kept: a message published now is the
+        // member's next (the group hands its stream's messages out in
+        // order, to its one member).
+        let marker = publish_n(&brokers[0], "work", 1).await[0];
+        assert_eq!(
+            next_message(&mut member, "the message after the kept ones")
                 .await
-                .is_err(),
+                .sequence,
+            marker,
             "nothing beyond the 4 kept"
         );
     })
@@ -2203,18 +2237,21 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
         let again = next_message(&mut second, "the nacked message, at the other member").await;
         assert_eq!((again.sequence, again.delivery_attempt), (a.sequence, 2));
         assert_eq!(again.subscription_id, second_id);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), first.message())
-                .await
-                .is_err(),
-            "nothing more for the member that nacked"
-        );
         let late = ack(&mut client, &first_id, &[a.sequence]).await;
         assert_eq!(late, (0, 1), "a late ack from the old holder");
         let ok = ack(&mut client, &second_id, &[a.sequence, b.sequence]).await;
         assert_eq!(ok, (2, 0));
         let g = groups(&mut brokers[1].admin().await).await.remove(0);
-        assert_eq!((g.in_flight, g.redeliveries), (0, 1), "{g:?}");
+        assert_eq!((g.in_flight, g.redeliveries, g.backlog), (0, 1, 0), "{g:?}");
+        // The group holds nothing, so nothing more can come: the member
+        // that nacked was handed its one message and no other.
+        let f = listed(brokers[0].subscriptions().await, &first_id).unwrap();
+        assert_eq!(
+            (f.delivered, f.queue_depth),
+            (1, 0),
+            "nothing more for the member that nacked: {f:?}"
+        );
+        drop(first);
     })
     .await;
 }
@@ -2289,7 +2326,7 @@ async fn an_expired_deadline_hands_the_message_to_another_member() {
         let mut client = brokers[0].client().await;
         let mut request = member_request(&["slow"], "w", true, 4);
         request.ack_deadline_ms = 1_000;
-        let (mut late, _) = open(&mut client, request).await;
+        let (mut late, late_id) = open(&mut client, request).await;
         let sent = publish_n(&brokers[1], "slow", 4).await;
         for seq in &sent {
             let m = next_message(&mut late, "a message for the member that never acks").await;
@@ -2305,14 +2342,18 @@ async fn an_expired_deadline_hands_the_message_to_another_member() {
         }
         again.sort_unstable();
         assert_eq!(again, sent);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), late.message())
-                .await
-                .is_err(),
-            "nothing came back to the member that let its deadlines pass"
-        );
         let g = groups(&mut brokers[1].admin().await).await.remove(0);
-        assert_eq!((g.in_flight, g.redeliveries), (0, 4), "{g:?}");
+        assert_eq!((g.in_flight, g.redeliveries, g.backlog), (0, 4, 0), "{g:?}");
+        // Every message is acked and the group holds nothing more: the
+        // member that let its deadlines pass was handed the 4 first
+        // attempts and nothing came back to it.
+        let l = listed(brokers[0].subscriptions().await, &late_id).unwrap();
+        assert_eq!(
+            (l.delivered, l.queue_depth, l.unacked),
+            (4, 0, 0),
+            "nothing came back to the member that let its deadlines pass: {l:?}"
+        );
+        drop(late);
     })
     .await;
 }
@@ -2432,13 +2473,20 @@ async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetst
             entries().await == 0
         })
         .await;
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), y.message())
-                .await
-                .is_err(),
-            "no fourth attempt"
-        );
         assert_eq!(ack(&mut client, &x_id, &[second]).await, (1, 0));
+        // The group holds nothing now, so nothing more can come: no fourth
+        // attempt. y was handed the second and third, x the first and the
+        // other message.
+        let g = groups(&mut brokers[0].admin().await).await.remove(0);
+        assert_eq!((g.in_flight, g.backlog, g.dead_lettered), (0, 0, 1), "{g:?}");
+        let listing = brokers[0].subscriptions().await;
+        let handed = |id: &str| {
+            let s = listed(listing.clone(), id).unwrap();
+            (s.delivered, s.queue_depth)
+        };
+        assert_eq!(handed(&y_id), (2, 0), "no fourth attempt");
+        assert_eq!(handed(&x_id), (2, 0));
+        drop((x, y));
     })
     .await;
 }
