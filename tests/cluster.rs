@@ -224,20 +224,40 @@ async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nat
     .await;
 }
 
-/// Publishes `n` messages to `topic` through `broker`; their sequences.
-/// Whether a publish on `broker` to `topic` still goes out on core NATS
-/// (seen by `raw`, a plain NATS subscriber of the prefix's `m.>`).
+/// Whether a publish on `broker` to `topic` goes out on core NATS, seen by
+/// `raw`, a plain NATS subscriber of the prefix's `interest.>`. A publish
+/// to [`MARKER_TOPIC`] follows it: its group's JetStream publish goes out on
+/// the replica's one NATS connection after the probe's core NATS copy, if
+/// there is one, so the probe's copy is seen before the marker or not at
+/// all (no wait for silence).
 async fn goes_out_on_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscriber, topic: &str) -> bool {
     use futures::StreamExt;
     let mut client = broker.client().await;
     client.publish(publish_request(topic, "probe")).await.unwrap();
+    let marker = client
+        .publish(publish_request(MARKER_TOPIC, "marker"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(marker.matched_groups, 1, "the marker's group took it");
+    let probe_subject = format!("interest.m.{topic}");
     let mut seen = false;
-    // Whatever earlier probes left, and this one's copy if it comes.
-    while let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(300), raw.next()).await {
-        seen = true;
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), raw.next())
+            .await
+            .expect("the marker's JetStream publish on NATS within 10 s")
+            .expect("the raw subscription is open");
+        if m.subject.as_str() == probe_subject {
+            seen = true;
+        } else if m.subject.starts_with("interest.g.") {
+            return seen;
+        }
     }
-    seen
 }
+
+/// The topic of [`goes_out_on_core_nats`]'s marker, taken by a consumer
+/// group (a JetStream publish).
+const MARKER_TOPIC: &str = "marker.probe";
 
 /// Waits (at most 20 s) until `broker`'s publishes stay off core NATS.
 async fn wait_off_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscriber, what: &str) {
@@ -253,8 +273,15 @@ async fn core_nats_carries_publishes_only_while_another_replica_has_a_broadcast_
     timeout(async {
         let brokers = replicas(&nats, 2, "interest").await;
         let raw_client = async_nats::connect(nats.url(2).as_str()).await.unwrap();
-        let mut raw = raw_client.subscribe("interest.m.>").await.unwrap();
+        let mut raw = raw_client.subscribe("interest.>").await.unwrap();
         raw_client.flush().await.unwrap();
+        // The markers' group, with a member on r0 (not a broadcast
+        // subscriber: it leaves r0's publishes off core NATS).
+        let (_markers, _) = open(
+            &mut brokers[0].client().await,
+            member_request(&[MARKER_TOPIC], "markers", false, 64),
+        )
+        .await;
         // No broadcast subscriber anywhere: once r1 said so, r0's publishes
         // stay off core NATS.
         wait_off_core_nats(&brokers[0], &mut raw, "r0 to stop sending on core NATS").await;
@@ -302,6 +329,7 @@ async fn core_nats_carries_publishes_only_while_another_replica_has_a_broadcast_
     .await;
 }
 
+/// Publishes `n` messages to `topic` through `broker`; their sequences.
 async fn publish_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
     let mut client = broker.client().await;
     let mut sequences = Vec::new();
