@@ -757,3 +757,490 @@ where
         self.done
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The session body driven by hand over the in-memory engine: requests
+    //! in through a channel, events out of `poll_frame`, decoded as a
+    //! client decodes them. Each test names what it would see on a broken
+    //! body.
+
+    use super::*;
+    use crate::broker::Broker;
+    use crate::config::Limits;
+    use crate::engine::{NewMessage, Peaks};
+    use futures::channel::mpsc;
+    use http_body::Body as _;
+    use pb::session_event::Event;
+    use pb::session_request::Request;
+    use prost::Message as _;
+
+    type Requests = mpsc::UnboundedReceiver<Result<pb::SessionRequest, Status>>;
+
+    /// One session on a broker of its own.
+    struct Session {
+        broker: Broker,
+        metrics: Metrics,
+        requests: mpsc::UnboundedSender<Result<pb::SessionRequest, Status>>,
+        body: SessionBody<Broker, Requests>,
+        trailers: Option<Status>,
+    }
+
+    fn session() -> Session {
+        session_with(Limits::default())
+    }
+
+    fn session_with(limits: Limits) -> Session {
+        let broker = Broker::new(limits);
+        let metrics = Metrics::new(broker.clone(), false);
+        let (requests, received) = mpsc::unbounded();
+        let body = SessionBody::new(broker.clone(), received, None, metrics.clone());
+        Session {
+            broker,
+            metrics,
+            requests,
+            body,
+            trailers: None,
+        }
+    }
+
+    fn subscription(patterns: &[&str]) -> pb::OpenSubscriptionRequest {
+        pb::OpenSubscriptionRequest {
+            topic_patterns: patterns.iter().map(|p| (*p).to_owned()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn member(group: &str, pattern: &str) -> pb::OpenSubscriptionRequest {
+        pb::OpenSubscriptionRequest {
+            mode: pb::DeliveryMode::Single as i32,
+            consumer_group: group.into(),
+            ..subscription(&[pattern])
+        }
+    }
+
+    impl Session {
+        fn send(&self, request: Request) {
+            self.requests
+                .unbounded_send(Ok(pb::SessionRequest { request: Some(request) }))
+                .unwrap();
+        }
+
+        fn open(&self, handle: u32, subscription: pb::OpenSubscriptionRequest, credit: u32) {
+            self.send(Request::Open(pb::SessionOpen {
+                handle,
+                subscription: Some(subscription),
+                credit,
+            }));
+        }
+
+        fn credit(&self, handle: u32, messages: u32) {
+            self.send(Request::Credit(pb::SessionCredit { handle, messages }));
+        }
+
+        fn publish(&self, topic: &str, payload: &str) -> u64 {
+            let message = NewMessage {
+                topic: topic.into(),
+                payload: payload.as_bytes().to_vec().into(),
+                ..Default::default()
+            };
+            self.broker.publish(message, None).unwrap().sequence
+        }
+
+        /// Polls the body until it has nothing more to give now: the events
+        /// it sent, in order (the trailers, if it ended, in `trailers`).
+        fn events(&mut self) -> Vec<Event> {
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut events = Vec::new();
+            for _ in 0..1000 {
+                let frame = match Pin::new(&mut self.body).poll_frame(&mut cx) {
+                    Poll::Pending | Poll::Ready(None) => return events,
+                    Poll::Ready(Some(frame)) => frame.expect("the body does not fail"),
+                };
+                let mut data = match frame.into_data() {
+                    Ok(data) => data,
+                    Err(frame) => {
+                        let trailers = frame.into_trailers().expect("data or trailers");
+                        self.trailers = Some(Status::from_header_map(&trailers).expect("a grpc-status"));
+                        return events;
+                    }
+                };
+                while !data.is_empty() {
+                    assert_eq!(data[0], 0, "not compressed");
+                    let len = u32::from_be_bytes([data[1], data[2], data[3], data[4]]) as usize;
+                    let event = pb::SessionEvent::decode(&data[GRPC_HEADER..GRPC_HEADER + len]).unwrap();
+                    events.push(event.event.expect("an event"));
+                    data = data.slice(GRPC_HEADER + len..);
+                }
+            }
+            panic!("the body never stopped giving frames");
+        }
+
+        /// The deliveries among `events()`, as (handles, sequence).
+        fn deliveries(&mut self) -> Vec<(Vec<u32>, u64)> {
+            self.events()
+                .into_iter()
+                .filter_map(|e| match e {
+                    Event::Delivery(d) => Some((d.handles, d.message.unwrap().sequence)),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        /// The sequences delivered to `handle` alone, in order.
+        fn sequences_for(&mut self, handle: u32) -> Vec<u64> {
+            self.deliveries()
+                .into_iter()
+                .map(|(handles, sequence)| {
+                    assert_eq!(handles, [handle], "a delivery to {handle} alone");
+                    sequence
+                })
+                .collect()
+        }
+
+        /// `tinybroker_session_requests_ignored_total{reason}`.
+        fn ignored(&self, reason: IgnoredRequest) -> u64 {
+            let line = format!(
+                "tinybroker_session_requests_ignored_total{{reason=\"{}\"}} ",
+                reason.label()
+            );
+            let text = self.metrics.render();
+            text.lines()
+                .find_map(|l| l.strip_prefix(&line))
+                .unwrap_or_else(|| panic!("{line} in\n{text}"))
+                .parse()
+                .unwrap()
+        }
+
+        /// The queue depth of the one subscription on the broker.
+        fn queued(&self) -> usize {
+            let subscriptions = self.broker.subscriptions(Peaks::Keep);
+            assert_eq!(subscriptions.len(), 1, "one subscription");
+            subscriptions[0].queue_depth
+        }
+    }
+
+    fn opened(event: &Event) -> u32 {
+        match event {
+            Event::Opened(o) => o.handle,
+            other => panic!("an opened event, not {other:?}"),
+        }
+    }
+
+    fn ended(event: &Event) -> &pb::SessionEnded {
+        match event {
+            Event::Ended(e) => e,
+            other => panic!("an ended event, not {other:?}"),
+        }
+    }
+
+    /// Credit 2: two deliveries, then nothing while the rest wait in the
+    /// subscription's queue; each top-up sends that many more, in order.
+    /// (Without the decrement all five go at once; without the wake on a
+    /// top-up from zero the waiting ones never go.)
+    #[test]
+    fn credit_is_spent_per_delivery_and_a_top_up_sends_what_waited() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 2);
+        let events = s.events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(opened(&events[0]), 1);
+
+        let sent: Vec<u64> = (0..5).map(|i| s.publish("t", &format!("m{i}"))).collect();
+        assert_eq!(s.sequences_for(1), sent[..2], "two, for a credit of two");
+        assert_eq!(s.sequences_for(1), [0u64; 0], "none while the credit is spent");
+        assert_eq!(s.queued(), 3, "the other three wait in the queue");
+
+        s.credit(1, 2);
+        assert_eq!(s.sequences_for(1), sent[2..4], "two more for a top-up of two");
+        assert_eq!(s.queued(), 1);
+        s.credit(1, 10);
+        assert_eq!(s.sequences_for(1), sent[4..], "the last");
+        // Eight left of the ten: what comes next goes at once.
+        let later = s.publish("t", "later");
+        assert_eq!(s.sequences_for(1), [later]);
+    }
+
+    /// Credit 0 is no limit, and credit for such a handle changes nothing.
+    #[test]
+    fn zero_credit_at_open_means_no_limit() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 0);
+        s.events();
+        let sent: Vec<u64> = (0..300).map(|i| s.publish("t", &format!("m{i}"))).collect();
+        assert_eq!(s.sequences_for(1), sent);
+        s.credit(1, 1);
+        let sent: Vec<u64> = (0..3).map(|i| s.publish("t", &format!("n{i}"))).collect();
+        assert_eq!(s.sequences_for(1), sent, "still no limit");
+        assert_eq!(s.ignored(IgnoredRequest::UnknownHandle), 0, "a known handle");
+    }
+
+    /// Credit granted while the engine opens the handle counts from the
+    /// start, and a top-up of zero sends nothing.
+    #[test]
+    fn a_top_up_of_nothing_sends_nothing_and_credit_is_per_handle() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 1);
+        s.open(2, subscription(&["t"]), 3);
+        s.events();
+        let sent: Vec<u64> = (0..4).map(|i| s.publish("t", &format!("m{i}"))).collect();
+        let mut to = HashMap::<u32, Vec<u64>>::new();
+        for (handles, sequence) in s.deliveries() {
+            for h in handles {
+                to.entry(h).or_default().push(sequence);
+            }
+        }
+        assert_eq!(to[&1], sent[..1], "handle 1's credit is 1");
+        assert_eq!(to[&2], sent[..3], "handle 2's credit is 3");
+        s.credit(1, 0);
+        s.credit(2, 0);
+        assert_eq!(s.deliveries(), [], "a top-up of 0 adds nothing");
+        s.credit(2, 1);
+        assert_eq!(s.sequences_for(2), sent[3..]);
+    }
+
+    /// A subscription whose credit is spent is still watched for its end:
+    /// closed by an admin, its `ended` event comes at once, counting what
+    /// it never sent.
+    #[test]
+    fn a_subscription_without_credit_still_reports_its_end() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 1);
+        let Event::Opened(o) = &s.events()[0] else {
+            panic!("opened")
+        };
+        let id = o.subscription_id.clone();
+        let first = s.publish("t", "a");
+        s.publish("t", "b");
+        s.publish("t", "c");
+        assert_eq!(s.sequences_for(1), [first]);
+        s.broker.close_subscription(&id).unwrap();
+        let events = s.events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let end = ended(&events[0]);
+        assert_eq!(
+            (end.handle, end.reason.as_str(), end.dropped),
+            (1, "closed_by_admin", 2),
+            "{end:?}"
+        );
+        // The handle is free again.
+        s.open(1, subscription(&["t"]), 0);
+        assert_eq!(opened(&s.events()[0]), 1);
+    }
+
+    /// A consumer-group member's credit is its group's too: the group hands
+    /// it no more than its credit, the rest stays in the group's backlog
+    /// (for another member), and a top-up lets the group hand it more.
+    #[test]
+    fn a_members_credit_holds_the_rest_in_its_groups_backlog_until_a_top_up() {
+        let mut s = session();
+        s.open(1, member("g", "jobs"), 1);
+        s.events();
+        let sent: Vec<u64> = (0..3).map(|i| s.publish("jobs", &format!("j{i}"))).collect();
+        assert_eq!(s.sequences_for(1), sent[..1]);
+        let broker = s.broker.clone();
+        let group = || broker.groups().into_iter().next().unwrap();
+        assert_eq!(group().backlog, 2, "{:?}", group());
+        s.credit(1, 2);
+        assert_eq!(s.sequences_for(1), sent[1..]);
+        assert_eq!(group().backlog, 0);
+    }
+
+    /// One published message matched by several handles of the session is
+    /// one delivery naming them all, without a subscription id (it is
+    /// several); a message for one handle names it and carries its id.
+    #[test]
+    fn one_message_for_several_handles_is_one_delivery_naming_them_all() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 0);
+        s.open(2, subscription(&["t", "only.two"]), 0);
+        s.open(3, subscription(&["*"]), 0);
+        s.open(4, subscription(&["elsewhere"]), 0);
+        let ids: HashMap<u32, String> = s
+            .events()
+            .into_iter()
+            .map(|e| match e {
+                Event::Opened(o) => (o.handle, o.subscription_id),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let shared = s.publish("t", "to three");
+        let events = s.events();
+        assert_eq!(events.len(), 1, "one delivery: {events:?}");
+        let Event::Delivery(d) = &events[0] else {
+            panic!("{events:?}")
+        };
+        let mut handles = d.handles.clone();
+        handles.sort_unstable();
+        assert_eq!(handles, [1, 2, 3]);
+        let m = d.message.as_ref().unwrap();
+        assert_eq!((m.sequence, m.subscription_id.as_str()), (shared, ""));
+        assert_eq!(&m.payload[..], b"to three");
+
+        let alone = s.publish("only.two", "to two");
+        let events = s.events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let Event::Delivery(d) = &events[0] else {
+            panic!("{events:?}")
+        };
+        assert_eq!(d.handles, [2]);
+        let m = d.message.as_ref().unwrap();
+        assert_eq!((m.sequence, &m.subscription_id), (alone, &ids[&2]));
+    }
+
+    /// A handle appears once per round, so a handle with more queued than
+    /// another does not pull a later message into an earlier delivery:
+    /// each handle sees its own messages in order, and a message reaches
+    /// each of its handles exactly once.
+    #[test]
+    fn merged_deliveries_keep_each_handles_order() {
+        let mut s = session();
+        s.open(1, subscription(&["a.*"]), 0);
+        s.open(2, subscription(&["a.x"]), 0);
+        s.events();
+        let y1 = s.publish("a.y", "y1");
+        let x = s.publish("a.x", "x");
+        let y2 = s.publish("a.y", "y2");
+        let mut to = HashMap::<u32, Vec<u64>>::new();
+        for (handles, sequence) in s.deliveries() {
+            for h in handles {
+                to.entry(h).or_default().push(sequence);
+            }
+        }
+        assert_eq!(to[&1], [y1, x, y2]);
+        assert_eq!(to[&2], [x]);
+    }
+
+    /// A message that reaches a broadcast handle and a group member of the
+    /// same session is two deliveries: the member's names it alone, with
+    /// its id and group (never merged: a group delivery is one member's).
+    #[test]
+    fn a_group_members_delivery_is_never_merged_with_a_broadcast_one() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 0);
+        s.open(2, member("g", "t"), 0);
+        s.events();
+        let sequence = s.publish("t", "both");
+        let events = s.events();
+        let mut deliveries: Vec<(Vec<u32>, pb::Message)> = events
+            .into_iter()
+            .map(|e| match e {
+                Event::Delivery(d) => (d.handles, d.message.unwrap()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        deliveries.sort_by_key(|(h, _)| h.clone());
+        assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+        assert_eq!(deliveries[0].0, [1]);
+        assert_eq!(deliveries[1].0, [2]);
+        let m = &deliveries[1].1;
+        assert_eq!((m.sequence, m.consumer_group.as_str()), (sequence, "g"));
+        assert!(!m.subscription_id.is_empty());
+    }
+
+    /// Credit, close, ack and nack for a handle that is not open are
+    /// counted as `unknown_handle` and change nothing; an ack without
+    /// sequences as `no_sequences`.
+    #[test]
+    fn requests_for_an_unknown_handle_are_counted_and_ignored() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 1);
+        s.events();
+        s.credit(9, 5);
+        s.send(Request::Close(pb::SessionClose { handle: 9 }));
+        s.send(Request::Ack(pb::SessionAck {
+            handle: 9,
+            sequences: vec![1],
+        }));
+        s.send(Request::Nack(pb::SessionNack {
+            handle: 9,
+            sequences: vec![1],
+        }));
+        s.send(Request::Ack(pb::SessionAck {
+            handle: 1,
+            sequences: vec![],
+        }));
+        assert_eq!(s.events(), [], "no event for an ignored request");
+        assert_eq!(s.ignored(IgnoredRequest::UnknownHandle), 4);
+        assert_eq!(s.ignored(IgnoredRequest::NoSequences), 1);
+        // Handle 1's credit is still its own 1.
+        let first = s.publish("t", "a");
+        s.publish("t", "b");
+        assert_eq!(s.sequences_for(1), [first]);
+    }
+
+    /// A handle already open is refused (ALREADY_EXISTS) and the first
+    /// subscription under it carries on; handle 0 is refused too. A closed
+    /// handle may be opened again.
+    #[test]
+    fn a_duplicate_handle_is_rejected_and_the_first_keeps_its_subscription() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 0);
+        s.events();
+        s.open(1, subscription(&["other"]), 0);
+        s.open(0, subscription(&["t"]), 0);
+        let events = s.events();
+        assert_eq!(events.len(), 2, "{events:?}");
+        let duplicate = ended(&events[0]);
+        assert_eq!(
+            (duplicate.handle, duplicate.reason.as_str(), duplicate.code),
+            (1, "rejected", Code::AlreadyExists as u32)
+        );
+        let zero = ended(&events[1]);
+        assert_eq!((zero.handle, zero.code), (0, Code::InvalidArgument as u32));
+        assert_eq!(s.broker.subscriptions(Peaks::Keep).len(), 1, "one subscription");
+        let sequence = s.publish("t", "still");
+        assert_eq!(s.sequences_for(1), [sequence], "the first still delivers");
+
+        s.send(Request::Close(pb::SessionClose { handle: 1 }));
+        let events = s.events();
+        assert_eq!(ended(&events[0]).reason, "closed");
+        s.open(1, subscription(&["other"]), 0);
+        assert_eq!(opened(&s.events()[0]), 1, "a closed handle is free again");
+    }
+
+    /// A session holds at most max_subscriptions_per_session handles.
+    #[test]
+    fn handles_beyond_the_sessions_limit_are_rejected() {
+        let mut s = session_with(Limits {
+            max_subscriptions_per_session: 2,
+            ..Limits::default()
+        });
+        for handle in 1..=3 {
+            s.open(handle, subscription(&["t"]), 0);
+        }
+        let events = s.events();
+        assert_eq!((opened(&events[0]), opened(&events[1])), (1, 2));
+        let third = ended(&events[2]);
+        assert_eq!((third.handle, third.code), (3, Code::ResourceExhausted as u32));
+        assert!(third.message.contains("max_subscriptions_per_session 2"), "{third:?}");
+    }
+
+    /// A client that half-closes ends every handle "closed", counting what
+    /// each had queued and not sent (for want of credit), then the session
+    /// with OK.
+    #[test]
+    fn a_half_close_ends_every_handle_then_the_session() {
+        let mut s = session();
+        s.open(1, subscription(&["t"]), 1);
+        s.open(2, subscription(&["t"]), 0);
+        s.events();
+        for i in 0..3 {
+            s.publish("t", &format!("m{i}"));
+        }
+        s.events();
+        s.requests.close_channel();
+        let mut ends: Vec<(u32, String, u64)> = s
+            .events()
+            .iter()
+            .map(|e| {
+                let e = ended(e);
+                (e.handle, e.reason.clone(), e.dropped)
+            })
+            .collect();
+        ends.sort();
+        assert_eq!(ends, [(1, "closed".into(), 2), (2, "closed".into(), 0)]);
+        assert_eq!(s.trailers.as_ref().map(Status::code), Some(Code::Ok));
+        assert!(s.body.is_end_stream());
+    }
+}

@@ -584,9 +584,7 @@ async fn subscribe_says_its_id_group_and_patterns_once_open() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_grpcurl_subscriber_with_v_shows_why_its_stream_ended() {
-    if !grpcurl_available() {
-        return;
-    }
+    require_grpcurl();
     timeout(async {
         let broker = start().await;
         let url = broker.url();
@@ -629,9 +627,6 @@ async fn readme_grpcurl_subscriber_with_v_shows_why_its_stream_ended() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_cluster_mode_tables_name_the_replica_of_each_subscription() {
-    if common::nats::NatsCluster::binary().is_none() {
-        return;
-    }
     timeout(async {
         let broker = start_cluster(config()).await;
         let mut streams = Vec::new();

@@ -1,8 +1,8 @@
 //! `tinybroker top` against a real broker: live in a real terminal (a
 //! detached tmux session of a given size: read the screen, resize it, quit
-//! with `q`), and `--once` for scripts. `.ci/run` installs tmux and sets
-//! `TB_REQUIRE_TEST_TOOLS=1`, which turns a missing tmux into a failure;
-//! elsewhere the terminal test is skipped with a line saying so.
+//! with `q`), and `--once` for scripts. The terminal tests need tmux and
+//! fail, saying how to install it, where it is missing (`.ci/run` installs
+//! it).
 
 mod common;
 
@@ -114,21 +114,14 @@ async fn top_without_a_terminal_says_to_use_once() {
 
 // === live, in tmux ===
 
-fn tmux_available() -> bool {
-    let found = Command::new("tmux")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "tmux is required for the terminal test of `tinybroker top` (apt-get install tmux)"
-        );
-        eprintln!(
-            "!!! tmux not found: SKIPPING the terminal test of `tinybroker top` (apt-get install tmux, or run .ci/run)"
-        );
-    }
-    found
+/// Panics unless tmux runs here ([`require_tool`]).
+#[track_caller]
+fn require_tmux() {
+    require_tool(
+        "tmux (the terminal test of `tinybroker top`)",
+        "apt-get install tmux",
+        Command::new("tmux").arg("-V"),
+    );
 }
 
 /// A tmux server of this test's own (its own socket), killed on drop.
@@ -283,9 +276,7 @@ fn fits(screen: &[String], width: usize, height: usize) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_shows_queues_and_backlogs_fits_a_resized_terminal_and_quits_on_q() {
-    if !tmux_available() {
-        return;
-    }
+    require_tmux();
     timeout(async {
         let (broker, _streams) = scene().await;
         let tmux = Tmux::new("top");
@@ -326,9 +317,7 @@ async fn top_shows_queues_and_backlogs_fits_a_resized_terminal_and_quits_on_q() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_quits_on_ctrl_c_and_restores_the_terminal() {
-    if !tmux_available() {
-        return;
-    }
+    require_tmux();
     timeout(async {
         let (broker, _streams) = scene().await;
         let tmux = Tmux::new("top-ctrl-c");

@@ -1,8 +1,8 @@
 //! Cluster mode (docs/contract.md, "Cluster mode"): tinybroker replicas on
 //! ephemeral ports over a real 3-node NATS cluster (tests/common/nats.rs),
 //! each replica connected to a different NATS server first, with the stock
-//! tonic clients. Skipped without a nats-server >= 2.10 unless
-//! `TB_REQUIRE_TEST_TOOLS=1` (`.ci/run` installs one).
+//! tonic clients. Without a nats-server >= 2.10 the tests fail, saying how
+//! to install one (`.ci/run` does).
 
 mod common;
 
@@ -57,9 +57,7 @@ async fn replicas_with(nats: &NatsCluster, n: usize, prefix: &str, tweak: impl F
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_published_on_one_replica_reaches_subscribers_on_every_replica() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 3, "fanout").await;
         let mut streams = Vec::new();
@@ -117,9 +115,7 @@ async fn a_message_published_on_one_replica_reaches_subscribers_on_every_replica
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscription_ids_are_unique_in_the_cluster_and_close_works_from_any_replica() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "ids").await;
         let mut on_0 = brokers[0].client().await;
@@ -187,9 +183,7 @@ async fn subscription_ids_are_unique_in_the_cluster_and_close_works_from_any_rep
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nats_comes() {
-    let Some(mut nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let mut nats = NatsCluster::start(1).await;
     rejoin_timeout(async {
         nats.stop(0).await;
         let mut config = replica_config(nats.urls(), "alone", "late");
@@ -230,20 +224,40 @@ async fn without_nats_a_replica_is_not_serving_and_says_why_then_serves_when_nat
     .await;
 }
 
-/// Publishes `n` messages to `topic` through `broker`; their sequences.
-/// Whether a publish on `broker` to `topic` still goes out on core NATS
-/// (seen by `raw`, a plain NATS subscriber of the prefix's `m.>`).
+/// Whether a publish on `broker` to `topic` goes out on core NATS, seen by
+/// `raw`, a plain NATS subscriber of the prefix's `interest.>`. A publish
+/// to [`MARKER_TOPIC`] follows it: its group's JetStream publish goes out on
+/// the replica's one NATS connection after the probe's core NATS copy, if
+/// there is one, so the probe's copy is seen before the marker or not at
+/// all (no wait for silence).
 async fn goes_out_on_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscriber, topic: &str) -> bool {
     use futures::StreamExt;
     let mut client = broker.client().await;
     client.publish(publish_request(topic, "probe")).await.unwrap();
+    let marker = client
+        .publish(publish_request(MARKER_TOPIC, "marker"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(marker.matched_groups, 1, "the marker's group took it");
+    let probe_subject = format!("interest.m.{topic}");
     let mut seen = false;
-    // Whatever earlier probes left, and this one's copy if it comes.
-    while let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(300), raw.next()).await {
-        seen = true;
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), raw.next())
+            .await
+            .expect("the marker's JetStream publish on NATS within 10 s")
+            .expect("the raw subscription is open");
+        if m.subject.as_str() == probe_subject {
+            seen = true;
+        } else if m.subject.starts_with("interest.g.") {
+            return seen;
+        }
     }
-    seen
 }
+
+/// The topic of [`goes_out_on_core_nats`]'s marker, taken by a consumer
+/// group (a JetStream publish).
+const MARKER_TOPIC: &str = "marker.probe";
 
 /// Waits (at most 20 s) until `broker`'s publishes stay off core NATS.
 async fn wait_off_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscriber, what: &str) {
@@ -255,14 +269,19 @@ async fn wait_off_core_nats(broker: &TestBroker, raw: &mut async_nats::Subscribe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn core_nats_carries_publishes_only_while_another_replica_has_a_broadcast_subscriber() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "interest").await;
         let raw_client = async_nats::connect(nats.url(2).as_str()).await.unwrap();
-        let mut raw = raw_client.subscribe("interest.m.>").await.unwrap();
+        let mut raw = raw_client.subscribe("interest.>").await.unwrap();
         raw_client.flush().await.unwrap();
+        // The markers' group, with a member on r0 (not a broadcast
+        // subscriber: it leaves r0's publishes off core NATS).
+        let (_markers, _) = open(
+            &mut brokers[0].client().await,
+            member_request(&[MARKER_TOPIC], "markers", false, 64),
+        )
+        .await;
         // No broadcast subscriber anywhere: once r1 said so, r0's publishes
         // stay off core NATS.
         wait_off_core_nats(&brokers[0], &mut raw, "r0 to stop sending on core NATS").await;
@@ -310,6 +329,7 @@ async fn core_nats_carries_publishes_only_while_another_replica_has_a_broadcast_
     .await;
 }
 
+/// Publishes `n` messages to `topic` through `broker`; their sequences.
 async fn publish_n(broker: &TestBroker, topic: &str, n: usize) -> Vec<u64> {
     let mut client = broker.client().await;
     let mut sequences = Vec::new();
@@ -347,9 +367,7 @@ async fn next_message(stream: &mut tonic::Streaming<pb::Message>, what: &str) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_members_on_three_replicas_share_the_work_each_message_once() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 3, "share").await;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -396,21 +414,31 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
             by_member.iter().all(|&n| n > 0),
             "every replica's member got work: {by_member:?}"
         );
-        // Nothing more arrives (no duplicates later).
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), rx.recv())
-                .await
-                .is_err()
-        );
-        // And JetStream was told: every message acked, so the work-queue
+        // JetStream was told: every message acked, so the work-queue
         // stream holds none (unacked, they would come again after ack_wait).
         wait_until("JetStream to have every delivered message acked", || async {
             group_stream_state(&nats, 0, "share").await == Some((0, 0))
         })
         .await;
+        // So nothing more can come (no duplicates later): the members were
+        // handed the 60 and no more, and none waits in a queue.
         let groups = groups(&mut brokers[1].admin().await).await;
         assert_eq!(groups.len(), 1, "{groups:?}");
         assert_eq!((groups[0].name.as_str(), groups[0].members), ("workers", 3));
+        assert_eq!(
+            (groups[0].backlog, groups[0].in_flight, groups[0].redeliveries),
+            (0, 0, 0),
+            "{groups:?}"
+        );
+        let members: Vec<_> = brokers[1]
+            .subscriptions()
+            .await
+            .into_iter()
+            .filter(|s| s.consumer_group == "workers")
+            .collect();
+        assert_eq!(members.len(), 3, "{members:?}");
+        let handed: u64 = members.iter().map(|s| s.delivered + s.queue_depth).sum();
+        assert_eq!(handed, 60, "each message handed to a member once: {members:?}");
         // Every replica's group gauges give the cluster-wide value.
         for broker in &brokers {
             wait_until("cluster-wide group gauges", || async {
@@ -437,9 +465,7 @@ async fn group_members_on_three_replicas_share_the_work_each_message_once() {
 /// one replica and published to at once on another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_group_takes_a_message_published_on_another_replica_right_after_its_first_join() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         // Eight groups' streams, each reserving its byte budget on every
         // server: a small budget, so they fit the test servers' memory.
@@ -478,9 +504,7 @@ async fn a_new_group_takes_a_message_published_on_another_replica_right_after_it
 /// subscribers anyway (their stores overlapped with its own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_group_store_fails_ends_counting_only_what_was_stored() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let mut config = replica_config(urls_from(&nats, 0), "r0", "gone");
         if let Some(c) = config.cluster.as_mut() {
@@ -533,9 +557,7 @@ async fn a_stream_whose_group_store_fails_ends_counting_only_what_was_stored() {
 /// as for an outage), and the groups already there go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_beyond_the_nats_servers_memory_is_refused_naming_the_budget() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         // 100 MiB per group on each of the 3 servers (256 MB each): two fit.
         let mut config = replica_config(urls_from(&nats, 0), "r0", "nomem");
@@ -581,9 +603,7 @@ async fn a_group_beyond_the_nats_servers_memory_is_refused_naming_the_budget() {
 /// loop from the moment it starts takes the first one it accepts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_started_later_knows_the_groups_from_its_first_publish() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let first = replicas(&nats, 1, "late").await;
         let mut client = first[0].client().await;
@@ -633,9 +653,7 @@ async fn a_replica_started_later_knows_the_groups_from_its_first_publish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut config = replica_config(urls_from(&nats, 0), "m0", "manual");
         config.limits.max_delivery_attempts = 2;
@@ -696,7 +714,8 @@ async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
         assert_eq!((nack.requeued, nack.unknown), (1, 0));
         // The nacked one comes again at once; the third, unacked past its
         // 1 s deadline, too: both on their second (last) attempt.
-        let (mut dlq, _) = subscribe(&mut m1.client().await, &["_dlq.billing"]).await;
+        // The dead letters, and the markers that end them (below).
+        let (mut dlq, _) = subscribe(&mut m1.client().await, &["_dlq.billing", "marker.*"]).await;
         let mut again = std::collections::BTreeMap::new();
         for _ in 0..2 {
             let m = next_message(&mut member, "a redelivery").await;
@@ -729,21 +748,37 @@ async fn manual_ack_from_any_replica_redelivery_backlog_and_dead_letters() {
             Some("2")
         );
         assert_eq!(&letter.payload[..], b"m1");
-        assert!(
-            tokio::time::timeout(Duration::from_millis(1500), dlq.message())
+        // One dead letter, not one per replica. Once the group's stream
+        // holds nothing, no replica can dead-letter the message again (it
+        // publishes the letter before it acks the message away); a marker
+        // published through each replica then comes after any letter that
+        // replica published, on the same path: the next two messages are
+        // the markers.
+        wait_until("the dead-lettered message to leave the group's stream", || async {
+            group_stream_state(&nats, 0, "manual").await == Some((0, 0))
+        })
+        .await;
+        for (replica, marker) in [(&m0, "marker.m0"), (&m1, "marker.m1")] {
+            replica
+                .client()
                 .await
-                .is_err(),
-            "one dead letter, not one per replica"
-        );
+                .publish(publish_request(marker, "end"))
+                .await
+                .unwrap();
+        }
+        let mut next: Vec<String> = Vec::new();
+        for _ in 0..2 {
+            next.push(next_message(&mut dlq, "a marker").await.topic);
+        }
+        next.sort();
+        assert_eq!(next, ["marker.m0", "marker.m1"], "one dead letter, not one per replica");
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut brokers = replicas(&nats, 2, "shutdown").await;
         let mut request = subscribe_request(&["jobs.>"]);
@@ -784,9 +819,7 @@ async fn a_replica_shutting_down_ends_its_streams_and_frees_their_ids() {
 /// (`reason="nats_slow_consumer"`), exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving() {
-    let Some(mut nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "failover").await;
         let mut subscriber = brokers[0].client().await;
@@ -899,9 +932,7 @@ async fn losing_its_nats_server_a_replica_moves_to_another_and_keeps_receiving()
 /// carries stops the replica when it connects, with one line naming both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_limit_above_the_nats_max_payload_stops_the_replica() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let mut replica = common::process::BrokerProcess::spawn(&[
             ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
@@ -921,9 +952,9 @@ async fn a_message_limit_above_the_nats_max_payload_stops_the_replica() {
 }
 
 /// Debian 12's nats-server (2.9.10): `TB_OLD_NATS_SERVER`, or
-/// `/usr/sbin/nats-server` when it is older than 2.10. None, after saying
-/// so, when there is none and `TB_SKIP_CLUSTER_TESTS` is set.
-fn old_nats_server() -> Option<std::path::PathBuf> {
+/// `/usr/sbin/nats-server` when it is older than 2.10. Panics, saying how to
+/// install it, when there is none.
+fn old_nats_server() -> std::path::PathBuf {
     let path = std::env::var_os("TB_OLD_NATS_SERVER")
         .filter(|p| !p.is_empty())
         .map_or_else(|| std::path::PathBuf::from("/usr/sbin/nats-server"), Into::into);
@@ -932,18 +963,15 @@ fn old_nats_server() -> Option<std::path::PathBuf> {
         .output()
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-    match version {
-        Some(v) if v.contains("v2.9.") || v.contains("v2.8.") => Some(path),
-        other => {
-            assert!(
-                std::env::var_os("TB_SKIP_CLUSTER_TESTS").is_some(),
-                "a nats-server older than 2.10 is needed at {} (apt-get install nats-server on Debian 12, or TB_OLD_NATS_SERVER); found {other:?}",
-                path.display()
-            );
-            eprintln!("!!! SKIPPED (TB_SKIP_CLUSTER_TESTS): no nats-server older than 2.10");
-            None
-        }
-    }
+    assert!(
+        version
+            .as_ref()
+            .is_some_and(|v| v.contains("v2.9.") || v.contains("v2.8.")),
+        "this test needs a nats-server older than 2.10 at {} (apt-get install nats-server on Debian 12, \
+         or TB_OLD_NATS_SERVER=<path>; .ci/run installs it); found {version:?}",
+        path.display()
+    );
+    path
 }
 
 /// API.md, "Cluster mode": a NATS server older than 2.10 makes the replica
@@ -951,9 +979,7 @@ fn old_nats_server() -> Option<std::path::PathBuf> {
 /// 2.10 (not a JetStream decode error, retried for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_server_older_than_2_10_stops_the_replica_naming_both_versions() {
-    let Some(old) = old_nats_server() else {
-        return;
-    };
+    let old = old_nats_server();
     timeout(async {
         let port = common::process::free_port();
         let dir = std::env::temp_dir().join(format!("tb-old-nats-{}-{}", std::process::id(), unique()));
@@ -1005,9 +1031,7 @@ async fn a_nats_server_older_than_2_10_stops_the_replica_naming_both_versions() 
 /// other replica, one byte more is refused naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unset_message_limit_is_what_the_nats_max_payload_carries() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let prefix = format!("limit{}", unique());
         let spawn = |id: &str| {
@@ -1116,9 +1140,7 @@ async fn an_unset_message_limit_is_what_the_nats_max_payload_carries() {
 /// cluster variables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_environment_turns_cluster_mode_on() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let replica = common::process::BrokerProcess::spawn(&[
             ("TINYBROKER_NATS_URL", nats.url(0).as_str()),
@@ -1183,9 +1205,7 @@ async fn service(backends: std::sync::Arc<parking_lot::Mutex<Vec<std::net::Socke
 /// live replica and receives what is published after it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_moves_broadcast_subscribers_to_live_replicas() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut live: Vec<(String, TestBroker)> = replicas(&nats, 2, "rolling")
             .await
@@ -1261,9 +1281,7 @@ async fn a_rolling_restart_moves_broadcast_subscribers_to_live_replicas() {
 /// deadline, none lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_unacked_group_messages_go_to_another_member() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut doomed = common::process::BrokerProcess::spawn(&[
             ("TINYBROKER_NATS_URL", urls_from(&nats, 0).join(",").as_str()),
@@ -1597,9 +1615,7 @@ struct GroupStream {
 /// whole and every member gets work again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_group_streams_nats_leader_loses_no_acknowledged_publish() {
-    let Some(mut nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut nats = NatsCluster::start(3).await;
     rejoin_timeout(async {
         let brokers = replicas(&nats, 3, "jskill").await;
         let ledger = ledger(3);
@@ -1810,9 +1826,7 @@ async fn spawn_replica(nats: &NatsCluster, first: usize, id: &str, prefix: &str)
 /// replica after each round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_a_publisher_loses_no_manual_group_message() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let prefix = "rollgrp";
         let mut live: Vec<(String, common::process::BrokerProcess)> = Vec::new();
@@ -2017,9 +2031,7 @@ async fn group_streams(nats: &NatsCluster, i: usize, prefix: &str) -> Option<Vec
 /// group with a member stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         const TTL: Duration = Duration::from_secs(3);
         let brokers = replicas_with(&nats, 2, "idle", |c| c.limits.group_idle_ttl = TTL).await;
@@ -2138,9 +2150,7 @@ async fn a_memberless_group_is_removed_cluster_wide_after_its_idle_ttl() {
 /// metrics. The member that comes back gets the newest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_replicas() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas_with(&nats, 2, "full", |c| c.limits.group_capacity = 4).await;
         let mut client = brokers[0].client().await;
@@ -2207,10 +2217,15 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
                 "{seq} is among the newest: kept {kept:?}, a {a:?}, b {b:?}"
             );
         }
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), member.message())
+        // Nothing beyond the 4 kept: a message published now is the
+        // member's next (the group hands its stream's messages out in
+        // order, to its one member).
+        let marker = publish_n(&brokers[0], "work", 1).await[0];
+        assert_eq!(
+            next_message(&mut member, "the message after the kept ones")
                 .await
-                .is_err(),
+                .sequence,
+            marker,
             "nothing beyond the 4 kept"
         );
     })
@@ -2225,9 +2240,7 @@ async fn a_full_group_backlog_drops_the_oldest_and_counts_each_once_across_repli
 /// would give it to the first again.) The first's late Ack is unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_goes_to_another_member_on_the_same_replica() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "nackhere").await;
         let mut client = brokers[0].client().await;
@@ -2252,18 +2265,21 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
         let again = next_message(&mut second, "the nacked message, at the other member").await;
         assert_eq!((again.sequence, again.delivery_attempt), (a.sequence, 2));
         assert_eq!(again.subscription_id, second_id);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), first.message())
-                .await
-                .is_err(),
-            "nothing more for the member that nacked"
-        );
         let late = ack(&mut client, &first_id, &[a.sequence]).await;
         assert_eq!(late, (0, 1), "a late ack from the old holder");
         let ok = ack(&mut client, &second_id, &[a.sequence, b.sequence]).await;
         assert_eq!(ok, (2, 0));
         let g = groups(&mut brokers[1].admin().await).await.remove(0);
-        assert_eq!((g.in_flight, g.redeliveries), (0, 1), "{g:?}");
+        assert_eq!((g.in_flight, g.redeliveries, g.backlog), (0, 1, 0), "{g:?}");
+        // The group holds nothing, so nothing more can come: the member
+        // that nacked was handed its one message and no other.
+        let f = listed(brokers[0].subscriptions().await, &first_id).unwrap();
+        assert_eq!(
+            (f.delivered, f.queue_depth),
+            (1, 0),
+            "nothing more for the member that nacked: {f:?}"
+        );
+        drop(first);
     })
     .await;
 }
@@ -2274,9 +2290,7 @@ async fn a_nack_goes_to_another_member_on_the_same_replica() {
 /// JetStream to whichever pull comes first, the nacking member's included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "nackthere").await;
         let mut clients = [brokers[0].client().await, brokers[1].client().await];
@@ -2334,15 +2348,13 @@ async fn a_nack_goes_to_a_member_on_another_replica_when_none_here_has_room() {
 /// that never acks all reach the member that joined after them, attempt 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_deadline_hands_the_message_to_another_member() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas(&nats, 2, "deadline").await;
         let mut client = brokers[0].client().await;
         let mut request = member_request(&["slow"], "w", true, 4);
         request.ack_deadline_ms = 1_000;
-        let (mut late, _) = open(&mut client, request).await;
+        let (mut late, late_id) = open(&mut client, request).await;
         let sent = publish_n(&brokers[1], "slow", 4).await;
         for seq in &sent {
             let m = next_message(&mut late, "a message for the member that never acks").await;
@@ -2358,14 +2370,18 @@ async fn an_expired_deadline_hands_the_message_to_another_member() {
         }
         again.sort_unstable();
         assert_eq!(again, sent);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), late.message())
-                .await
-                .is_err(),
-            "nothing came back to the member that let its deadlines pass"
-        );
         let g = groups(&mut brokers[1].admin().await).await.remove(0);
-        assert_eq!((g.in_flight, g.redeliveries), (0, 4), "{g:?}");
+        assert_eq!((g.in_flight, g.redeliveries, g.backlog), (0, 4, 0), "{g:?}");
+        // Every message is acked and the group holds nothing more: the
+        // member that let its deadlines pass was handed the 4 first
+        // attempts and nothing came back to it.
+        let l = listed(brokers[0].subscriptions().await, &late_id).unwrap();
+        assert_eq!(
+            (l.delivered, l.queue_depth, l.unacked),
+            (4, 0, 0),
+            "nothing came back to the member that let its deadlines pass: {l:?}"
+        );
+        drop(late);
     })
     .await;
 }
@@ -2376,9 +2392,7 @@ async fn an_expired_deadline_hands_the_message_to_another_member() {
 /// messages again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_backlog_held_by_members_drops_the_new_message_and_counts_it() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let mut config = replica_config(urls_from(&nats, 0), "r0", "held");
         config.limits.group_capacity = 2;
@@ -2415,9 +2429,7 @@ async fn a_full_backlog_held_by_members_drops_the_new_message_and_counts_it() {
 /// `TINYBROKER_MAX_DELIVERY_ATTEMPTS` must not repeat or stretch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetstream() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     timeout(async {
         let brokers = replicas_with(&nats, 1, "attempts", |c| c.limits.max_delivery_attempts = 3).await;
         let mut client = brokers[0].client().await;
@@ -2489,13 +2501,20 @@ async fn attempts_keep_counting_after_a_hand_over_and_a_redelivery_through_jetst
             entries().await == 0
         })
         .await;
-        assert!(
-            tokio::time::timeout(Duration::from_millis(500), y.message())
-                .await
-                .is_err(),
-            "no fourth attempt"
-        );
         assert_eq!(ack(&mut client, &x_id, &[second]).await, (1, 0));
+        // The group holds nothing now, so nothing more can come: no fourth
+        // attempt. y was handed the second and third, x the first and the
+        // other message.
+        let g = groups(&mut brokers[0].admin().await).await.remove(0);
+        assert_eq!((g.in_flight, g.backlog, g.dead_lettered), (0, 0, 1), "{g:?}");
+        let listing = brokers[0].subscriptions().await;
+        let handed = |id: &str| {
+            let s = listed(listing.clone(), id).unwrap();
+            (s.delivered, s.queue_depth)
+        };
+        assert_eq!(handed(&y_id), (2, 0), "no fourth attempt");
+        assert_eq!(handed(&x_id), (2, 0));
+        drop((x, y));
     })
     .await;
 }

@@ -43,9 +43,7 @@ async fn lines_for(replica: &BrokerProcess, wait: Duration) -> Vec<String> {
 /// warning at start (no "no connection" line although NATS answered).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_replica_with_the_same_id_refuses_to_serve_naming_the_variable() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let first = spawn(replica_env(&nats.url(0), "same-id", "dup")).await;
         wait_serving_at(&first.url()).await;
@@ -79,9 +77,7 @@ async fn a_second_replica_with_the_same_id_refuses_to_serve_naming_the_variable(
 /// over and the new process serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_and_restarted_under_its_id_takes_it_over() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let mut first = spawn(replica_env(&nats.url(0), "pod-0", "restart")).await;
         wait_serving_at(&first.url()).await;
@@ -101,9 +97,7 @@ async fn a_replica_killed_and_restarted_under_its_id_takes_it_over() {
 /// change, once, and stays NOT_SERVING.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_refusals_are_said_once_naming_what_to_change() {
-    let Some(binary) = NatsCluster::binary() else {
-        return;
-    };
+    let binary = NatsCluster::binary();
     timeout(async {
         for (jetstream, replicas, needle) in [(false, "1", "-js"), (true, "3", "TINYBROKER_NATS_REPLICAS=1")] {
             let port = free_port();
@@ -155,9 +149,7 @@ fn config_for(url: String, id: &str, prefix: &str) -> Config {
 /// as `nats_state_lost`: the backlog and the messages the member held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_lone_nats_server_restarts_the_replica_rebuilds_and_counts_the_loss() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     lost_state_rebuilt(nats, 1).await;
 }
 
@@ -166,9 +158,7 @@ async fn after_a_lone_nats_server_restarts_the_replica_rebuilds_and_counts_the_l
 /// loss as silent as a missing stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_whole_nats_cluster_restarts_the_replica_rebuilds_and_counts_the_loss() {
-    let Some(nats) = NatsCluster::start(3).await else {
-        return;
-    };
+    let nats = NatsCluster::start(3).await;
     lost_state_rebuilt(nats, 3).await;
 }
 
@@ -305,9 +295,7 @@ async fn lost_state_rebuilt(mut nats: NatsCluster, replicas: usize) {
 /// the gauges are the cluster's on both (2 members, nothing in flight).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_counters_summed_over_replicas_are_the_clusters_totals() {
-    let Some(nats) = NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = NatsCluster::start(1).await;
     timeout(async {
         let r0 = start_with(config_for(nats.url(0), "r0", "sums")).await;
         let r1 = start_with(config_for(nats.url(0), "r1", "sums")).await;

@@ -1,6 +1,6 @@
 //! The README's grpcurl examples against a real broker, with the real grpcurl
-//! (reflection only, no .proto files). `.ci/run` installs grpcurl and sets
-//! `TB_REQUIRE_TEST_TOOLS=1`, which turns a missing grpcurl into a failure.
+//! (reflection only, no .proto files). Without grpcurl the tests fail,
+//! saying how to install it (`.ci/run` does).
 
 mod common;
 
@@ -25,9 +25,7 @@ fn grpcurl(addr: &str, flags: &[&str], args: &[&str]) -> (bool, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_grpcurl_examples_work() {
-    if !grpcurl_available() {
-        return;
-    }
+    require_grpcurl();
     timeout(async {
         let broker = start().await;
         let addr = broker.grpc_addr.to_string();
@@ -109,9 +107,7 @@ async fn readme_grpcurl_examples_work() {
 /// then the end of stdin ends handle 2 and the session, and grpcurl exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_grpcurl_session_opens_two_subscriptions_and_closes_them() {
-    if !grpcurl_available() {
-        return;
-    }
+    require_grpcurl();
     timeout(async {
         let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
         let lines: Vec<&str> = readme.lines().collect();

@@ -6,9 +6,8 @@
 //! cluster-wide registry. What they showed is in docs/cluster-notes.md.
 //!
 //! The harness is tests/common/nats.rs; without a nats-server >= 2.10 the
-//! tests are skipped, or fail under `TB_REQUIRE_TEST_TOOLS=1` (`.ci/run`
-//! installs one with scripts/install-nats.sh). `--nocapture` shows the
-//! timings each test measures.
+//! tests fail, saying how to install one (scripts/install-nats.sh, which
+//! `.ci/run` runs). `--nocapture` shows the timings each test measures.
 
 mod common;
 
@@ -164,9 +163,7 @@ async fn next_within(sub: &mut async_nats::Subscriber, limit: Duration) -> Optio
 ///   the propagation time, and shows the probe lands in the subscription.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn core_nats_interest_propagates_from_server_2_to_server_0() {
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     timeout(async {
         let publisher = connect(&cluster.url(0)).await;
         let subscriber = connect(&cluster.url(2)).await;
@@ -365,9 +362,7 @@ fn group_consumer(group: &str, ack_wait: Duration, max_deliver: i64, max_ack_pen
 /// delivered and an advisory says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_queue_group_members_on_two_servers_share_the_messages() {
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     timeout(async {
         let client0 = connect(&cluster.url(0)).await;
         let js0 = js(&client0);
@@ -575,9 +570,7 @@ async fn work_queue_group_members_on_two_servers_share_the_messages() {
 /// it sends progress (`+WPI`) for them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unacked_messages_are_redelivered_after_ack_wait() {
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     timeout(async {
         let client0 = connect(&cluster.url(0)).await;
         let js0 = js(&client0);
@@ -656,9 +649,7 @@ async fn unacked_messages_are_redelivered_after_ack_wait() {
 /// restarted, rejoins as a current replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_survives_sigkill_of_its_leader_and_the_server_rejoins() {
-    let Some(mut cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut cluster = NatsCluster::start(3).await;
     let cluster = &mut cluster;
     timeout(async {
         let admin = js(&connect(&cluster.url(0)).await);
@@ -891,9 +882,7 @@ async fn stream_survives_sigkill_of_its_leader_and_the_server_rejoins() {
 /// server's max_payload as async-nats reports it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pitfalls_the_engine_must_avoid() {
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     timeout(async {
         let client = connect(&cluster.url(1)).await;
         let js1 = js(&client);
@@ -1065,9 +1054,7 @@ async fn pitfalls_the_engine_must_avoid() {
 /// `[-/_=.a-zA-Z0-9]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_bucket_as_the_cluster_wide_registry() {
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     timeout(async {
         let js0 = js(&connect(&cluster.url(0)).await);
         let js1 = js(&connect(&cluster.url(1)).await);
@@ -1153,9 +1140,7 @@ async fn kv_bucket_as_the_cluster_wide_registry() {
 /// it needs whenever it (re)connects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_server_restart_loses_memory_streams() {
-    let Some(mut cluster) = NatsCluster::start(1).await else {
-        return;
-    };
+    let mut cluster = NatsCluster::start(1).await;
     let cluster = &mut cluster;
     timeout(async {
         let config = stream::Config {

@@ -513,9 +513,7 @@ async fn tracing_headers_never_make_a_valid_publish_invalid_nor_change_the_publi
 /// broker routes it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tracing_headers_never_make_a_valid_publish_invalid_in_cluster_mode() {
-    let Some(nats) = common::nats::NatsCluster::start(1).await else {
-        return;
-    };
+    let nats = common::nats::NatsCluster::start(1).await;
     timeout(async {
         let (otlp_addr, _receiver) = otlp::start().await;
         let (_child, grpc_addr) = start_traced(
@@ -711,9 +709,7 @@ async fn tracing_headers_scenario(grpc_addr: &str) {
 /// refused naming the count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stock_clients_traced_publish_keeps_its_headers_and_limits() {
-    if !grpcurl_available() {
-        return;
-    }
+    require_grpcurl();
     timeout(async {
         let (otlp_addr, _receiver) = otlp::start().await;
         let (_child, grpc_addr) = start_traced(otlp_addr, &[]);

@@ -5,8 +5,8 @@
 //! the token once when the broker has one. A screenshot is written to
 //! `target/test-artifacts/status-page.png`.
 //!
-//! Without chromium the browser tests are skipped with a line on stderr, or
-//! fail under `TB_REQUIRE_TEST_TOOLS=1` (`.ci/run` installs it).
+//! Without chromium the browser tests fail, saying how to install it
+//! (`.ci/run` does).
 
 mod common;
 
@@ -334,26 +334,17 @@ async fn with_a_token_status_json_needs_it_and_the_page_does_not() {
 
 // === the page in a real browser ===
 
-/// The chromium to run (`TB_CHROMIUM`, else `chromium` on the PATH), or
-/// None after a loud skip line (a failure under `TB_REQUIRE_TEST_TOOLS`).
-fn chromium() -> Option<PathBuf> {
+/// The chromium to run (`TB_CHROMIUM`, else `chromium` on the PATH);
+/// panics when it does not run ([`require_tool`]).
+#[track_caller]
+fn chromium() -> PathBuf {
     let binary = PathBuf::from(std::env::var("TB_CHROMIUM").unwrap_or_else(|_| "chromium".into()));
-    let found = std::process::Command::new(&binary)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "chromium is required for the status page's browser tests (apt-get install chromium)"
-        );
-        eprintln!(
-            "\n!!! SKIPPED: {} not found: the status page was NOT tested in a browser (apt-get install chromium, or run .ci/run) !!!\n",
-            binary.display()
-        );
-        return None;
-    }
-    Some(binary)
+    require_tool(
+        "chromium (the status page's browser tests)",
+        "apt-get install chromium, or TB_CHROMIUM=/path/to/chromium",
+        std::process::Command::new(&binary).arg("--version"),
+    );
+    binary
 }
 
 /// Where the tests keep what they produce for people to look at.
@@ -619,7 +610,7 @@ fn backlog(view: &Value, group: &str) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_page_in_a_browser_shows_the_broker_and_follows_it() {
-    let Some(binary) = chromium() else { return };
+    let binary = chromium();
     timeout(async {
         let started = Instant::now();
         let broker = start_with_limits(Limits {
@@ -707,7 +698,7 @@ async fn status_page_in_a_browser_shows_the_broker_and_follows_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_page_in_a_browser_asks_for_the_token_once() {
-    let Some(binary) = chromium() else { return };
+    let binary = chromium();
     timeout(async {
         let started = Instant::now();
         let broker = start_with(Config {

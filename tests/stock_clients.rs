@@ -6,13 +6,13 @@
 //! And grpcio holds 1,000 subscriptions on one `Session` (issue 26).
 //!
 //! The clients are the scripts in tests/clients/. `.ci/run` installs grpcio,
-//! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js and sets
-//! `TB_REQUIRE_TEST_TOOLS=1`, which turns a missing tool into a failure;
-//! elsewhere a missing tool skips the test with a line on stderr.
+//! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js; where
+//! one is missing, its tests fail saying how to install it.
 
 mod common;
 
 use common::process::{BrokerProcess, ChildGuard, metric_sum, try_http_get_blocking};
+use common::require_tool;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -34,36 +34,27 @@ fn proto_dir() -> String {
     root().join("proto").display().to_string()
 }
 
-/// True if `check` runs and succeeds; else fails under
-/// TB_REQUIRE_TEST_TOOLS or prints a skip line.
-fn tool_available(what: &str, install: &str, check: &mut Command) -> bool {
-    let found = check.output().is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "{what} is required ({install})"
-        );
-        eprintln!("{what} not found: skipping (run .ci/run to install it)");
-    }
-    found
-}
-
-fn grpcio_available() -> bool {
-    tool_available(
+/// Panics unless python3 imports grpcio and grpcio-tools ([`require_tool`]).
+#[track_caller]
+fn require_grpcio() {
+    require_tool(
         "python3 with grpcio and grpcio-tools",
-        "pip install grpcio grpcio-tools",
+        "pip install grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2",
         Command::new("python3").args(["-c", "import grpc, grpc_tools.protoc"]),
-    )
+    );
 }
 
-fn grpc_js_available() -> bool {
-    tool_available(
+/// Panics unless node loads @grpc/grpc-js and @grpc/proto-loader from
+/// tests/clients ([`require_tool`]).
+#[track_caller]
+fn require_grpc_js() {
+    require_tool(
         "node with @grpc/grpc-js and @grpc/proto-loader",
-        "npm ci in tests/clients",
+        "cd tests/clients && npm ci",
         Command::new("node")
             .current_dir(clients_dir())
             .args(["-e", "require('@grpc/grpc-js'); require('@grpc/proto-loader')"]),
-    )
+    );
 }
 
 /// A client script's run: its stdout lines as they come, stderr for reports.
@@ -254,9 +245,7 @@ fn assert_nothing_lost(result: &serde_json::Value, count: u64, received: Option<
 /// 90 s for the publisher alone: `full` mode of the script does that.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_publish_stream_of_a_million_tiny_messages_survives_a_pause() {
-    if !grpcio_available() {
-        return;
-    }
+    require_grpcio();
     let started = Instant::now();
     const COUNT: u64 = 1_000_000;
     let broker = BrokerProcess::spawn(&[("TINYBROKER_CONSUMER_CAPACITY", "2000000")]);
@@ -308,9 +297,7 @@ async fn grpcio_publish_stream_of_a_million_tiny_messages_survives_a_pause() {
 /// middle. Nothing is lost, no RESOURCE_EXHAUSTED.
 #[test]
 fn grpc_js_publish_stream_survives_a_pause_with_a_subscription_on_the_same_channel() {
-    if !grpc_js_available() {
-        return;
-    }
+    require_grpc_js();
     let started = Instant::now();
     const COUNT: u64 = 200_000;
     let broker = BrokerProcess::spawn(&[("TINYBROKER_CONSUMER_CAPACITY", "400000")]);
@@ -346,9 +333,7 @@ fn grpc_js_publish_stream_survives_a_pause_with_a_subscription_on_the_same_chann
 /// buffered messages on every completed write, BENCHMARKS.md.)
 #[test]
 fn grpc_js_publish_streams_of_10_and_100_byte_messages_lose_nothing() {
-    if !grpc_js_available() {
-        return;
-    }
+    require_grpc_js();
     const COUNT: u64 = 100_000;
     let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
     let small_retry_buffer = r#"{"grpc.per_rpc_retry_buffer_size": 65536}"#;
@@ -388,9 +373,7 @@ fn grpc_js_publish_streams_of_10_and_100_byte_messages_lose_nothing() {
 /// session and 1,000 subscriptions meanwhile, none after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_holds_a_thousand_subscriptions_on_one_session() {
-    if !grpcio_available() {
-        return;
-    }
+    require_grpcio();
     const COUNT: u64 = 1000;
     const ROUNDS: u64 = 3;
     const CLOSE: u64 = 100;

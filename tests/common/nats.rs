@@ -4,9 +4,8 @@
 //!
 //! The server binary is `TB_NATS_SERVER`, else a nats-server >= 2.10 on
 //! PATH, else the one `scripts/install-nats.sh` installs. With none, a test
-//! fails naming the script and `TB_SKIP_CLUSTER_TESTS`; with that variable
-//! set it is skipped with a `!!! SKIPPED` line on stderr (never under
-//! `TB_REQUIRE_TEST_TOOLS=1`, as `.ci/run` sets it).
+//! fails naming the script (a test that cannot run says so; it does not
+//! pass).
 //!
 //! Each server has a directory under one temporary directory: its config
 //! file, its JetStream `store_dir` (the meta layer's state lives there even
@@ -66,15 +65,14 @@ struct Server {
 }
 
 impl NatsCluster {
-    /// The nats-server binary to use, or None (after printing why) when the
-    /// test should be skipped; panics when there is none and
-    /// `TB_REQUIRE_TEST_TOOLS` is set, or when `TB_NATS_SERVER` names a
-    /// binary that does not run or is older than 2.10.
-    pub fn binary() -> Option<PathBuf> {
+    /// The nats-server binary to use; panics when there is none, or when
+    /// `TB_NATS_SERVER` names a binary that does not run or is older than
+    /// 2.10.
+    pub fn binary() -> PathBuf {
         if let Some(path) = std::env::var_os("TB_NATS_SERVER").filter(|p| !p.is_empty()) {
             let path = PathBuf::from(path);
             match version(&path) {
-                Some(v) if v >= MIN_VERSION => return Some(path),
+                Some(v) if v >= MIN_VERSION => return path,
                 Some((major, minor)) => {
                     panic!(
                         "TB_NATS_SERVER={} is nats-server {major}.{minor}, older than 2.10",
@@ -95,29 +93,21 @@ impl NatsCluster {
             .into_iter()
             .chain([PathBuf::from(INSTALLED)])
             .find(|p| version(p).is_some_and(|v| v >= MIN_VERSION));
-        if found.is_none() {
-            // A test that passes by skipping says nothing: skipping is
-            // asked for by name.
-            assert!(
-                std::env::var("TB_REQUIRE_TEST_TOOLS").is_err() && std::env::var_os("TB_SKIP_CLUSTER_TESTS").is_some(),
-                "nats-server >= 2.10 is required for the cluster tests and was not found (TB_NATS_SERVER, PATH, \
-                 {INSTALLED}): run `bash scripts/install-nats.sh`, or set TB_SKIP_CLUSTER_TESTS=1 to skip them"
-            );
-            eprintln!(
-                "!!! SKIPPED (TB_SKIP_CLUSTER_TESTS): nats-server >= 2.10 not found (TB_NATS_SERVER, PATH, {INSTALLED}); \
-                 run scripts/install-nats.sh or .ci/run to install it"
-            );
-        }
-        found
+        found.unwrap_or_else(|| {
+            panic!(
+                "this test needs nats-server >= 2.10, which was not found (TB_NATS_SERVER, PATH, {INSTALLED}): \
+                 run `bash scripts/install-nats.sh` (or .ci/run, which installs every tool the tests need)"
+            )
+        })
     }
 
     /// Starts `n` servers and waits until every one answers /healthz, has
     /// routes to all the others and agrees on one JetStream meta leader
-    /// whose peers are all current. None when the test is to be skipped
-    /// (see [`NatsCluster::binary`]).
-    pub async fn start(n: usize) -> Option<NatsCluster> {
+    /// whose peers are all current. Panics without a nats-server (see
+    /// [`NatsCluster::binary`]).
+    pub async fn start(n: usize) -> NatsCluster {
         assert!(n >= 1, "a cluster of at least one server");
-        let binary = Self::binary()?;
+        let binary = Self::binary();
         let name = format!("tbtest-{}-{}", std::process::id(), unique());
         let dir = std::env::temp_dir().join(&name);
         let started = Instant::now();
@@ -145,7 +135,7 @@ impl NatsCluster {
                         cluster.name,
                         started.elapsed()
                     );
-                    return Some(cluster);
+                    return cluster;
                 }
                 Err(why) if attempt < START_ATTEMPTS => {
                     eprintln!("nats: cluster start, attempt {attempt}: {why}; again on new ports");

@@ -66,7 +66,7 @@ async fn a_member_with_max_in_flight_1_that_never_acks_gets_only_1() {
     timeout(async {
         let broker = start().await;
         let mut client = broker.client().await;
-        let (mut stuck, _) = open(&mut client, member_request(&["jobs.>"], "w", true, 1)).await;
+        let (mut stuck, stuck_id) = open(&mut client, member_request(&["jobs.>"], "w", true, 1)).await;
         let (tx, mut rx) = mpsc::unbounded_channel::<pb::Message>();
         for _ in 0..2 {
             let mut request = member_request(&["jobs.>"], "w", true, 16);
@@ -93,21 +93,26 @@ async fn a_member_with_max_in_flight_1_that_never_acks_gets_only_1() {
         }
         publish_many(&broker, "jobs.x", 300).await;
         let first = stuck.message().await.unwrap().unwrap();
-        let mut others = 0;
-        while others < 299 {
-            rx.recv().await.unwrap();
-            others += 1;
-        }
         assert_eq!(first.delivery_attempt, 1);
+        // Once nothing waits and the others acked all they got, what the
+        // group holds is the stuck member's: nothing more can come to it.
+        wait_until("the others to ack all they were handed", || async {
+            let g = broker.group("w").await.unwrap();
+            let stuck = listed(broker.subscriptions().await, &stuck_id).unwrap();
+            g.backlog == 0 && g.in_flight == stuck.unacked
+        })
+        .await;
         let g = broker.group("w").await.unwrap();
         assert_eq!(g.in_flight, 1, "only the stuck member's message is unacked");
-        assert_eq!(g.backlog, 0);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), stuck.message())
-                .await
-                .is_err(),
-            "the stuck member gets nothing more"
+        let stuck = listed(broker.subscriptions().await, &stuck_id).unwrap();
+        assert_eq!(
+            (stuck.delivered, stuck.queue_depth),
+            (1, 0),
+            "the stuck member gets nothing more: {stuck:?}"
         );
+        for _ in 0..299 {
+            rx.recv().await.unwrap();
+        }
     })
     .await
 }
