@@ -12,8 +12,8 @@
 //! - `snapshot.rs`: what Admin and the metrics read, as plain values;
 //! - `engine.rs`: the [`crate::engine::Engine`] implementation;
 //! - [`queue`], [`subscription`]: one subscription's queue and stream;
-//! - `group/`: a consumer group (`mod.rs`) and its state machine
-//!   (`machine.rs`, which a cluster hub runs too).
+//! - `group/`: a consumer group, its state machine and rules
+//!   ([`crate::group`], which a cluster hub runs too) behind its lock.
 //!
 //! # Lock order
 //!
@@ -43,8 +43,6 @@ mod snapshot;
 mod subscribe;
 pub mod subscription;
 
-pub use group::MemberSettings;
-pub(crate) use group::machine;
 pub use message::{Delivery, Published, message_size};
 pub use publish::{RemoteRoutes, RouteCache};
 pub use queue::WakeBatch;

@@ -2,7 +2,8 @@
 //! consumer group (created on first use).
 
 use super::Broker;
-use super::group::{ConsumerGroup, GroupLimits, MemberSettings};
+use super::group::{ConsumerGroup, GroupLimits};
+use crate::group::MemberSettings;
 use super::publish::Route;
 use super::queue::Queue;
 use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};

@@ -1,6 +1,7 @@
 //! One open subscription and the stream of its deliveries.
 
-use super::group::{ConsumerGroup, MemberSettings};
+use super::group::ConsumerGroup;
+use crate::group::MemberSettings;
 use super::queue::Queue;
 use super::{Broker, Delivery};
 use crate::engine::{AckMode, CloseReason, DeliveryMode, Peaks, SubscriptionInfo};

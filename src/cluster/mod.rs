@@ -36,8 +36,8 @@
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
 //! between the local fan-out and NATS; `groups/` consumer groups (`mod.rs`
 //! the table, publishing and joining; `state.rs` a hub's state, which is
-//! the group state machine single-node mode uses,
-//! `broker/group/machine.rs`, run with JetStream's rules; `hub.rs` its
+//! the consumer-group state machine both engines share,
+//! `group/machine.rs`, run with JetStream's rules; `hub.rs` its
 //! tasks; `nats.rs` its JetStream); `attempts.rs` delivery attempts
 //! JetStream does not count; `handover.rs` nacked messages offered to
 //! other replicas; `interest.rs` which replicas need core-NATS publishes;

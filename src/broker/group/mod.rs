@@ -3,7 +3,7 @@
 //! handed no more than their session's credit), manual
 //! acks with deadlines, redelivery and dead-lettering.
 //!
-//! What happens to a message is decided by [`machine::GroupMachine`], the
+//! What happens to a message is decided by [`GroupMachine`], the
 //! state machine both engines use (a cluster hub keeps one too). A
 //! [`ConsumerGroup`] keeps one behind its mutex with what only a
 //! single-node group has: its name, patterns and ack mode, when it was last
@@ -15,21 +15,18 @@
 //! outside it. Time is passed in (`now`), so the logic is tested without a
 //! clock.
 
-pub(crate) mod machine;
-
 use super::{Delivery, Published, Subscription};
 use crate::engine::validate;
 use crate::engine::{AckMode, Acked, BrokerError, GroupInfo, Nacked};
 use crate::topic::TopicPattern;
-use machine::{AutoDone, BacklogLimits, Event, GroupMachine, NoRoom, Rules};
+use crate::group::machine::{self, AutoDone, Event, GroupMachine, NoRoom, Rules};
+use crate::group::{BacklogLimits, MemberSettings};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
-
-pub use machine::MemberSettings;
 
 /// What bounds a group, fixed when it is created.
 #[derive(Debug, Clone, Copy)]
@@ -360,7 +357,7 @@ impl GroupState {
 
 #[cfg(test)]
 mod tests {
-    use super::machine::tests::{member, pop};
+    use crate::group::machine::tests::{member, pop};
     use super::*;
 
     fn published(seq: u64) -> Arc<Published> {

@@ -17,7 +17,7 @@
 //! - A replica with members of a group runs a hub (`hub.rs`): it pulls only
 //!   as many messages as its members have room for (`max_in_flight`), and
 //!   decides what happens to each with the consumer-group state machine
-//!   single-node groups use (`broker/group/machine.rs`): round-robin with
+//!   single-node groups use too (`group/machine.rs`): round-robin with
 //!   room, the member a message failed with passed over, deadlines,
 //!   attempts, dead letters. It holds each JetStream message until it is
 //!   done: acked when an AUTO member's stream takes it, or by a MANUAL
