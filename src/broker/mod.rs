@@ -68,14 +68,6 @@ pub const EVICTION_HISTORY: usize = 1024;
 pub const GROUP_REMOVAL_HISTORY: usize = 64;
 /// How often ack deadlines and idle groups are checked.
 pub const MAINTENANCE_INTERVAL: Duration = Duration::from_millis(50);
-/// A group that has had work but completed nothing for this long is logged
-/// at WARN, once per stall (the shipped `TinybrokerConsumerGroupStuck` alert
-/// uses the same threshold).
-pub const STALL_WARNING_AFTER: Duration = Duration::from_secs(45);
-/// Header of a dead letter naming the topic it was first published to.
-pub const ORIGINAL_TOPIC_HEADER: &str = "tinybroker-original-topic";
-/// Header of a dead letter giving how many deliveries were tried.
-pub const DELIVERY_ATTEMPTS_HEADER: &str = "tinybroker-delivery-attempts";
 
 /// Lifetime counters, all plain atomics so the publish path never locks for
 /// them. Counts of live subscriptions are read from the subscriptions.

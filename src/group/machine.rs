@@ -328,8 +328,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         let mut dropped = 0;
         if let Some(limits) = self.rules.backlog {
             while !self.backlog.items.is_empty()
-                && (self.backlog.items.len() >= limits.capacity
-                    || self.backlog.bytes + message.size() > limits.max_bytes)
+                && limits.must_drop_oldest(self.backlog.items.len(), self.backlog.bytes, message.size())
             {
                 if let Some(oldest) = self.backlog.pop_front() {
                     self.out.push(Event::Dropped(oldest.token));

@@ -84,6 +84,8 @@ use super::{ClusterEngine, ClusterStream, Ready};
 use crate::broker::{ExternalMember, RouteCache};
 use crate::engine::validate::{self, truncate};
 use crate::engine::{AckMode, BrokerError, Delivery, GroupInfo, NewMessage, PublishTime, SubscribeRequest};
+use crate::group::admission::{self, Terms};
+use crate::group::{BacklogLimits, MemberSettings, backlog, dead_letter, idle};
 use crate::sublist::Sublist;
 use crate::topic::TopicPattern;
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
@@ -92,10 +94,9 @@ use futures::StreamExt;
 use hub::{HubConfig, HubHandle};
 use nats::Nats;
 use parking_lot::{Mutex, RwLock};
-use state::{Pulled, Settings};
+use state::Pulled;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -477,11 +478,7 @@ impl ClusterEngine {
     }
 
     fn count_overflow(&self, group: &str) {
-        self.inner
-            .local
-            .stats()
-            .dropped_group_overflow
-            .fetch_add(1, Ordering::Relaxed);
+        backlog::count_overflow(&self.inner.local.stats().dropped_group_overflow, 1);
         *self.inner.groups.dropped.lock().entry(group.to_owned()).or_default() += 1;
     }
 
@@ -497,15 +494,8 @@ impl ClusterEngine {
             .iter()
             .map(|p| p.to_string())
             .collect();
-        let limits = self.inner.local.limits().clone();
-        let max_in_flight = match request.max_in_flight {
-            0 => limits.default_max_in_flight,
-            n => n,
-        };
-        let ack_deadline = match request.ack_deadline_ms {
-            0 => limits.default_ack_deadline,
-            ms => Duration::from_millis(ms.into()),
-        };
+        let settings = MemberSettings::of(&request, self.inner.local.limits());
+        let ack_deadline = settings.ack_deadline;
         let created = self
             .fix_patterns(ready, &name, &patterns, Some(request.ack_mode))
             .await?;
@@ -548,12 +538,10 @@ impl ClusterEngine {
             group: name.clone(),
             ack_mode: request.ack_mode,
         };
-        let inner = self.inner.local.open_external(&request, max_in_flight, member)?;
-        let settings = Settings {
-            ack_mode: request.ack_mode,
-            max_in_flight,
-            ack_deadline,
-        };
+        let inner = self
+            .inner
+            .local
+            .open_external(&request, settings.max_in_flight, member)?;
         // A hub stops LINGER after its last member left (or after it was
         // started, without one); if that moment fell within this join (the
         // claim above waits for NATS), join a new one: a member of a
@@ -617,21 +605,21 @@ impl ClusterEngine {
             let (existing_patterns, fixed_mode) = serde_json::from_slice::<TableEntry>(&existing.value)
                 .map(|e| (e.patterns, e.ack_mode))
                 .unwrap_or_default();
-            if existing_patterns != patterns {
-                let shown = |p: &[String]| {
-                    let parsed: Vec<TopicPattern> = p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect();
-                    validate::pattern_list(&parsed)
-                };
-                return Err(BrokerError::FailedPrecondition(format!(
-                    "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
-                    truncate(name),
-                    shown(&existing_patterns),
-                    shown(patterns)
-                )));
-            }
-            if let (Some(fixed), Some(asked)) = (fixed_mode, ack_mode) {
-                validate::same_ack_mode(name, fixed, asked)?;
-            }
+            // The table holds the patterns as validate::patterns gave
+            // them to the member that wrote it: sorted, without duplicates.
+            let parsed =
+                |p: &[String]| -> Vec<TopicPattern> { p.iter().filter_map(|p| TopicPattern::parse(p).ok()).collect() };
+            admission::admit(
+                name,
+                Terms {
+                    patterns: &parsed(&existing_patterns),
+                    ack_mode: fixed_mode,
+                },
+                Terms {
+                    patterns: &parsed(patterns),
+                    ack_mode,
+                },
+            )?;
             // A record without an ack mode (an earlier version's) gets this
             // member's.
             let value = match (fixed_mode, ack_mode) {
@@ -735,7 +723,7 @@ impl ClusterEngine {
             if let Some(group) = groups.iter_mut().find(|g| g.name == name) {
                 group.memberless = Some(now.duration_since(seen_since));
             }
-            if idle_since.is_none_or(|since| now.duration_since(since) < ttl) {
+            if !idle_since.is_some_and(|since| idle::outlived(since, now, ttl)) {
                 continue;
             }
             self.inner.groups.idle.lock().remove(&name);
@@ -827,6 +815,7 @@ impl ClusterEngine {
     /// The group's stream, created if missing.
     async fn group_stream(&self, ready: &Ready, name: &str) -> Result<jetstream::stream::Stream, BrokerError> {
         let limits = self.inner.local.limits();
+        let bounds = BacklogLimits::of(limits);
         let prefix = &self.inner.config.prefix;
         let unavailable =
             |e: &dyn std::fmt::Display| BrokerError::Unavailable(format!("JetStream did not answer: {e}"));
@@ -836,8 +825,8 @@ impl ClusterEngine {
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::Memory,
             num_replicas: self.inner.config.nats_replicas,
-            max_messages: limits.group_capacity as i64,
-            max_bytes: limits.group_max_bytes as i64,
+            max_messages: bounds.capacity as i64,
+            max_bytes: bounds.max_bytes as i64,
             // Refused when full, so the publishing replica drops (and
             // counts) the oldest: `publish_to_group`.
             discard: stream::DiscardPolicy::New,
@@ -1103,8 +1092,8 @@ impl ClusterEngine {
             "message dead-lettered after its last delivery attempt"
         );
         let mut headers = m.headers;
-        headers.insert(crate::broker::ORIGINAL_TOPIC_HEADER.into(), m.topic.clone());
-        headers.insert(crate::broker::DELIVERY_ATTEMPTS_HEADER.into(), attempts.to_string());
+        headers.insert(dead_letter::ORIGINAL_TOPIC_HEADER.into(), m.topic.clone());
+        headers.insert(dead_letter::DELIVERY_ATTEMPTS_HEADER.into(), attempts.to_string());
         let letter = NewMessage {
             topic: format!("{}{group}", validate::DEAD_LETTER_PREFIX),
             payload: m.payload,

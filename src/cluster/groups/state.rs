@@ -32,9 +32,9 @@
 //! and held messages, or has left it in one operation of [`HubCore::out`]
 //! (property tests here and in the machine check it after every step).
 
-use crate::group::machine::{AutoDone, Event, GroupMachine, MemberUnacked, NoRoom, Rules};
 use crate::broker::{Published, Subscription};
 use crate::engine::{Acked, Nacked};
+use crate::group::machine::{AutoDone, Event, GroupMachine, MemberUnacked, NoRoom, Rules};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
