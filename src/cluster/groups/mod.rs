@@ -83,7 +83,7 @@ use super::registry::key;
 use super::{ClusterEngine, ClusterStream, Ready};
 use crate::broker::{ExternalMember, RouteCache};
 use crate::engine::validate::{self, truncate};
-use crate::engine::{AckMode, BrokerError, Delivery, GroupInfo, NewMessage, PublishTime, SubscribeRequest};
+use crate::engine::{AckMode, BrokerError, Delivery, GroupInfo, PublishTime, SubscribeRequest};
 use crate::group::admission::{self, Terms};
 use crate::group::{BacklogLimits, MemberSettings, backlog, dead_letter, idle};
 use crate::sublist::Sublist;
@@ -1077,32 +1077,33 @@ impl ClusterEngine {
         }
     }
 
-    /// Publishes a message that used its last attempt to `_dlq.<group>`.
+    /// Publishes a message that used its last attempt to `_dlq.<group>`
+    /// (as [`crate::group::dead_letter`] makes it), then acks it: done
+    /// with. A dead letter that breaks a message limit is dropped and
+    /// counted there, and the message acked all the same; one that NATS
+    /// did not take is nacked (redelivered, to be dead-lettered again).
     /// `remembered`: its attempts were read from the `<prefix>_attempts`
-    /// bucket, where its entry goes once it is dead-lettered.
+    /// bucket, where its entry goes once it is done with.
     async fn dead_letter(&self, group: &str, message: &jetstream::Message, attempts: u32, remembered: bool) {
         let Ok(m) = super::wire::decode(message.payload.clone()) else {
             return;
         };
-        tracing::warn!(
-            consumer_group = group,
-            sequence = m.sequence,
-            topic = %m.topic,
-            attempts,
-            "message dead-lettered after its last delivery attempt"
+        let letter = dead_letter::letter(
+            dead_letter::Original {
+                group,
+                sequence: m.sequence,
+                topic: &m.topic,
+                payload: m.payload,
+                headers: m.headers,
+                attempts,
+            },
+            crate::engine::Engine::max_message_bytes(self),
+            &self.inner.local.stats().dropped_dead_letter_invalid,
         );
-        let mut headers = m.headers;
-        headers.insert(dead_letter::ORIGINAL_TOPIC_HEADER.into(), m.topic.clone());
-        headers.insert(dead_letter::DELIVERY_ATTEMPTS_HEADER.into(), attempts.to_string());
-        let letter = NewMessage {
-            topic: format!("{}{group}", validate::DEAD_LETTER_PREFIX),
-            payload: m.payload,
-            headers,
-            ..Default::default()
-        };
-        if let Err(error) = self
-            .publish_cluster(letter, &mut RouteCache::default(), PublishTime::now())
-            .await
+        if let Some(letter) = letter
+            && let Err(error) = self
+                .publish_cluster(letter.message, &mut RouteCache::default(), PublishTime::now())
+                .await
         {
             tracing::warn!(consumer_group = group, %error, "dead letter not published; the message is redelivered instead");
             let _ = message.ack_with(AckKind::Nak(None)).await;
