@@ -14,7 +14,7 @@
 //!   replicated by NATS. A full stream refuses the message (discard new);
 //!   the publishing replica then deletes the oldest message never delivered,
 //!   counts it (`group_overflow`) and stores the new one
-//!   ([`ClusterEngine::make_room`](crate::cluster::ClusterEngine::make_room)): JetStream discarding the oldest itself
+//!   ([`ClusterEngine::make_room`]): JetStream discarding the oldest itself
 //!   would say nothing, and every loss must be counted.
 //! - A replica with members of a group runs a hub (`hub.rs`): it pulls only
 //!   as many messages as its members have room for (`max_in_flight`), and
@@ -33,10 +33,10 @@
 //!   dead letter that breaks a message limit is dropped and counted
 //!   instead, and the message acked all the same).
 //! - A group without members on any live replica for its idle TTL is
-//!   removed cluster-wide ([`ClusterEngine::expire_idle_groups`](crate::cluster::ClusterEngine::expire_idle_groups), from each
+//!   removed cluster-wide ([`ClusterEngine::expire_idle_groups`], from each
 //!   replica's heartbeat): table entry, stream and consumer.
 //! - A replica shutting down stops pulling, and hands back what its members
-//!   still hold before it exits ([`ClusterEngine::hand_back_groups`](crate::cluster::ClusterEngine::hand_back_groups)).
+//!   still hold before it exits ([`ClusterEngine::hand_back_groups`]).
 //!
 //! # Files
 //!
@@ -75,17 +75,23 @@
 //!   (acks, naks, progress, terms, dead letters, offers to other
 //!   replicas): one operation after another, in the order decided.
 //!
-//! Per replica: the table watch ([`ClusterEngine::watch_groups`](crate::cluster::ClusterEngine::watch_groups)), and the
+//! Per replica: the table watch ([`ClusterEngine::watch_groups`]), and the
 //! offers answered from other replicas (`handover.rs`).
 //!
 //! Locks, all plain mutexes held for a few instructions and never across
 //! an `.await`; none is taken while another is held, except `table` then
-//! `routes` (in [`ClusterEngine::route_group`](crate::cluster::ClusterEngine::route_group)):
+//! `routes` (in [`ClusterEngine::route_group`]):
 //! - `Groups::table`, then `Groups::routes`;
 //! - `Groups::hubs`, `Groups::members`, `Groups::idle`,
 //!   `Groups::dropped`: leaves;
 //! - a hub's view and its `Open` watch (`hub.rs`), and its backend's
 //!   consumer and repair time (`nats.rs`): leaves.
+//!
+//! [`ClusterEngine::expire_idle_groups`]: crate::cluster::ClusterEngine::expire_idle_groups
+//! [`ClusterEngine::hand_back_groups`]: crate::cluster::ClusterEngine::hand_back_groups
+//! [`ClusterEngine::make_room`]: crate::cluster::ClusterEngine::make_room
+//! [`ClusterEngine::route_group`]: crate::cluster::ClusterEngine::route_group
+//! [`ClusterEngine::watch_groups`]: crate::cluster::ClusterEngine::watch_groups
 
 mod dead_letters;
 mod hub;
@@ -130,7 +136,7 @@ pub(super) struct Groups {
     /// Cancelled when this replica begins to shut down: its hubs stop
     /// pulling (the group's backlog stays in JetStream for the members
     /// elsewhere), and what they still hold is handed back before it exits
-    /// ([`ClusterEngine::hand_back_groups`](crate::cluster::ClusterEngine::hand_back_groups)).
+    /// ([`ClusterEngine::hand_back_groups`]).
     closing: tokio_util::sync::CancellationToken,
     /// Groups seen without members on any replica: since when, at which
     /// revision of their table entry (a join writes it again).
