@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 /// How long a replica shutting down waits for its last pulls to be
 /// answered before it hands back what its members hold.
-pub(super) const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
+const HAND_BACK_WAIT: Duration = Duration::from_millis(1500);
 
 impl ClusterEngine {
     /// The group's hub on this replica, started (with its stream and

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 /// least, before it is removed, however short its idle TTL: a join that
 /// wrote the table just before the first check shows its member by the
 /// second.
-pub(super) const IDLE_SEEN_FOR: Duration = Duration::from_secs(1);
+const IDLE_SEEN_FOR: Duration = Duration::from_secs(1);
 
 pub(super) struct Idle {
     revision: u64,

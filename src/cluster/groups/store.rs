@@ -20,12 +20,12 @@ use tokio::time::Instant;
 
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
-pub(super) const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
+const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
 
 /// Most messages one publish deletes from a full group backlog to make room
 /// (a large message in a backlog full of bytes needs several); beyond it,
 /// the new message is the one dropped.
-pub(super) const MAKE_ROOM_AT_MOST: usize = 64;
+const MAKE_ROOM_AT_MOST: usize = 64;
 
 /// Why a message is not (known to be) stored in a group's stream.
 pub(in crate::cluster) enum NotStored {
@@ -55,7 +55,7 @@ impl NotStored {
 
 /// Whether JetStream refused a message because the group's stream is full
 /// (`max_msgs` or `max_bytes`, discard new).
-pub(super) fn backlog_full(error: &jetstream::context::PublishError) -> bool {
+fn backlog_full(error: &jetstream::context::PublishError) -> bool {
     std::error::Error::source(error)
         .and_then(|e| e.downcast_ref::<jetstream::Error>())
         .is_some_and(|e| {
@@ -149,7 +149,7 @@ impl ClusterEngine {
     /// none (every message it holds is with a member or waits for
     /// redelivery) or JetStream did not answer. Two replicas making room at
     /// once find the same message; the one whose delete fails looks again.
-    pub(super) async fn make_room(&self, ready: &Ready, route: &GroupRoute) -> bool {
+    async fn make_room(&self, ready: &Ready, route: &GroupRoute) -> bool {
         let name = stream_name(&self.inner.config.prefix, &route.name);
         let Ok(stream) = ready.js.get_stream_no_info(&name).await else {
             return false;
@@ -179,7 +179,7 @@ impl ClusterEngine {
         false
     }
 
-    pub(super) fn count_overflow(&self, group: &str) {
+    fn count_overflow(&self, group: &str) {
         backlog::count_overflow(&self.inner.local.stats().dropped_group_overflow, 1);
         *self.inner.groups.dropped.lock().entry(group.to_owned()).or_default() += 1;
     }

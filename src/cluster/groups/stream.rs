@@ -24,7 +24,7 @@ pub(super) fn fnv(name: &str) -> u64 {
 /// The consumer's `ack_wait`, fixed by the group's first member: its ack
 /// deadline, at least 2 s so that progress reports (every third of it)
 /// stay few.
-pub(super) fn consumer_ack_wait(ack_deadline: Duration) -> Duration {
+fn consumer_ack_wait(ack_deadline: Duration) -> Duration {
     ack_deadline.max(Duration::from_secs(2))
 }
 
@@ -38,12 +38,12 @@ pub(super) fn subject(prefix: &str, group: &str) -> String {
 
 /// How long creating a group's stream is retried while JetStream cannot
 /// place it (see [`placement_pending`]).
-pub(super) const PLACEMENT_RETRY_FOR: Duration = Duration::from_secs(5);
+const PLACEMENT_RETRY_FOR: Duration = Duration::from_secs(5);
 
 /// Whether JetStream refused a stream for want of room on its servers
 /// (`CLUSTER_NO_PEERS`, `INSUFFICIENT_RESOURCES`): retried for a while,
 /// since a stream deleted a moment before still holds its reservation.
-pub(super) fn placement_pending(error: &jetstream::context::CreateStreamError) -> bool {
+fn placement_pending(error: &jetstream::context::CreateStreamError) -> bool {
     use jetstream::ErrorCode;
     matches!(
         error.kind(),
@@ -55,7 +55,7 @@ pub(super) fn placement_pending(error: &jetstream::context::CreateStreamError) -
 /// Whether JetStream has no memory left to reserve for a new stream
 /// ("insufficient memory resources available": the servers'
 /// `max_memory_store` is taken by other streams' reservations).
-pub(super) fn memory_exhausted(error: &jetstream::context::CreateStreamError) -> bool {
+fn memory_exhausted(error: &jetstream::context::CreateStreamError) -> bool {
     matches!(
         error.kind(),
         jetstream::context::CreateStreamErrorKind::JetStream(e)

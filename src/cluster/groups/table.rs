@@ -25,7 +25,7 @@ pub(in crate::cluster) struct GroupRoute {
 
 /// A group's record in the table, fixed by its first member.
 #[derive(serde::Serialize, serde::Deserialize)]
-pub(super) struct TableEntry {
+struct TableEntry {
     patterns: Vec<String>,
     /// None in a record written by a version before the ack mode was
     /// recorded: not fixed yet; the next member to join fixes it (a
@@ -140,9 +140,10 @@ impl ClusterEngine {
     /// them, or checks them against what is written (FAILED_PRECONDITION
     /// naming both); a record without an ack mode gets `ack_mode`, and an
     /// `ack_mode` of None (no member to take it from) fixes and checks
-    /// none. A join also writes the entry again (same value, a new revision), so that a replica about to remove the
-    /// group as idle (a delete expecting the revision it saw while the group
-    /// had no members) leaves it be. The entry's revision when this made it
+    /// none. A join also writes the entry again (same value, a new
+    /// revision), so that a replica about to remove the group as idle (a
+    /// delete expecting the revision it saw while the group had no
+    /// members) leaves it be. The entry's revision when this made it
     /// (a new group, for [`ClusterEngine::announce_group`]).
     pub(super) async fn fix_patterns(
         &self,
