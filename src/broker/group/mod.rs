@@ -3,12 +3,13 @@
 //! handed no more than their session's credit), manual
 //! acks with deadlines, redelivery and dead-lettering.
 //!
-//! What happens to a message is decided by [`GroupMachine`], the
-//! state machine both engines use (a cluster hub keeps one too). A
-//! [`ConsumerGroup`] keeps one behind its mutex with what only a
-//! single-node group has: its name, patterns and ack mode, when it was last
-//! without members (the idle TTL), and when it last made progress (the
-//! stall report).
+//! What happens to a message is decided by [`GroupMachine`], and who may
+//! join, when the group has been idle too long and when its stall is
+//! reported by the other rules of [`crate::group`], which a cluster hub
+//! decides with too. A [`ConsumerGroup`] keeps the machine behind its mutex
+//! with what only a single-node group has: its name, patterns and ack mode,
+//! when it was last without members (the idle TTL), and when it last made
+//! progress (the stall report).
 //!
 //! All of it happens under the group's one lock, for one short transition per
 //! call; dead letters are returned to the caller, which publishes them
