@@ -5,7 +5,8 @@
 //! [`engine`] (the seam between the gRPC front and an engine: its trait, the
 //! engine-neutral types, [`engine::validate`]), [`broker`] (the embedded
 //! engine: routing, queues, eviction, groups), [`cluster`] (the cluster
-//! engine over NATS, each replica's fan-out a [`broker::Broker`]), [`grpc`]
+//! engine over NATS, each replica's fan-out a [`broker::Broker`]), [`group`]
+//! (the consumer-group rules both engines decide with), [`grpc`]
 //! (tonic adapter over any engine) with [`wire`] (pre-encoded deliveries),
 //! [`server`] (lifecycle; picks the engine) with [`connections`] (the gRPC
 //! listener) and [`incoming`] (requests being received), [`memory`] (the byte
@@ -21,6 +22,7 @@ pub mod cluster;
 pub mod config;
 pub mod connections;
 pub mod engine;
+pub mod group;
 pub mod grpc;
 pub mod incoming;
 pub mod memory;

@@ -1,8 +1,9 @@
 //! Shutdown and draining, and the maintenance tick (ack deadlines, stalls,
 //! idle groups).
 
-use super::{Broker, GROUP_REMOVAL_HISTORY, MAINTENANCE_INTERVAL, STALL_WARNING_AFTER};
+use super::{Broker, GROUP_REMOVAL_HISTORY, MAINTENANCE_INTERVAL};
 use crate::engine::{BrokerError, CloseReason, GroupRemoval};
+use crate::group::{idle, stall};
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
@@ -78,16 +79,8 @@ impl Broker {
         for group in self.live_groups() {
             let dead = group.expire(now);
             self.dead_letter(group.name(), dead);
-            if let Some(s) = group.stall_to_report(now, STALL_WARNING_AFTER) {
-                tracing::warn!(
-                    consumer_group = group.name(),
-                    stalled_seconds = s.stalled.as_secs(),
-                    members = s.members,
-                    backlog = s.backlog,
-                    in_flight = s.in_flight,
-                    redeliveries = s.redeliveries,
-                    "consumer group stalled: it has messages waiting or held but none was acked or delivered"
-                );
+            if let Some(s) = group.stall_to_report(now) {
+                stall::warn(&s);
             }
         }
         let ttl = self.shared.limits.group_idle_ttl;
@@ -115,19 +108,10 @@ impl Broker {
             .stats
             .dropped_group_expired
             .fetch_add(left as u64, Ordering::Relaxed);
+        idle::log_removal(name, left);
         if left == 0 {
-            tracing::info!(
-                consumer_group = name,
-                dropped = left,
-                "consumer group removed after its idle TTL with no members"
-            );
             return;
         }
-        tracing::warn!(
-            consumer_group = name,
-            dropped = left,
-            "consumer group removed after its idle TTL with no members"
-        );
         let mut removals = self.shared.group_removals.lock();
         if removals.len() >= GROUP_REMOVAL_HISTORY {
             removals.pop_front();

@@ -12,8 +12,8 @@
 //! - `snapshot.rs`: what Admin and the metrics read, as plain values;
 //! - `engine.rs`: the [`crate::engine::Engine`] implementation;
 //! - [`queue`], [`subscription`]: one subscription's queue and stream;
-//! - `group/`: a consumer group (`mod.rs`) and its state machine
-//!   (`machine.rs`, which a cluster hub runs too).
+//! - `group/`: a consumer group, its state machine and rules
+//!   ([`crate::group`], which a cluster hub runs too) behind its lock.
 //!
 //! # Lock order
 //!
@@ -43,8 +43,6 @@ mod snapshot;
 mod subscribe;
 pub mod subscription;
 
-pub use group::MemberSettings;
-pub(crate) use group::machine;
 pub use message::{Delivery, Published, message_size};
 pub use publish::{RemoteRoutes, RouteCache};
 pub use queue::WakeBatch;
@@ -70,14 +68,6 @@ pub const EVICTION_HISTORY: usize = 1024;
 pub const GROUP_REMOVAL_HISTORY: usize = 64;
 /// How often ack deadlines and idle groups are checked.
 pub const MAINTENANCE_INTERVAL: Duration = Duration::from_millis(50);
-/// A group that has had work but completed nothing for this long is logged
-/// at WARN, once per stall (the shipped `TinybrokerConsumerGroupStuck` alert
-/// uses the same threshold).
-pub const STALL_WARNING_AFTER: Duration = Duration::from_secs(45);
-/// Header of a dead letter naming the topic it was first published to.
-pub const ORIGINAL_TOPIC_HEADER: &str = "tinybroker-original-topic";
-/// Header of a dead letter giving how many deliveries were tried.
-pub const DELIVERY_ATTEMPTS_HEADER: &str = "tinybroker-delivery-attempts";
 
 /// Lifetime counters, all plain atomics so the publish path never locks for
 /// them. Counts of live subscriptions are read from the subscriptions.

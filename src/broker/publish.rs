@@ -4,9 +4,10 @@
 use super::close::Eviction;
 use super::group::{ConsumerGroup, DeadLetter};
 use super::queue::Push;
-use super::{Broker, DELIVERY_ATTEMPTS_HEADER, Delivery, ORIGINAL_TOPIC_HEADER, Published, Subscription};
-use crate::engine::validate::{self, DEAD_LETTER_PREFIX, truncate};
+use super::{Broker, Delivery, Published, Subscription};
+use crate::engine::validate::{self, truncate};
 use crate::engine::{BrokerError, NewMessage, PublishOutcome, PublishTime};
+use crate::group::{backlog, dead_letter};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -217,61 +218,37 @@ impl Broker {
                 Route::Group(group) => {
                     outcome.matched_groups += 1;
                     let dropped = group.offer(published.clone(), at.monotonic);
-                    if dropped > 0 {
-                        stats.dropped_group_overflow.fetch_add(dropped, Ordering::Relaxed);
-                    }
+                    backlog::count_overflow(&stats.dropped_group_overflow, dropped);
                 }
             }
         }
         outcome
     }
 
-    /// Publishes dead letters to `_dlq.<group>`, with the original topic and
-    /// the attempts in headers. Runs even while shutting down.
+    /// Publishes dead letters to `_dlq.<group>`, as
+    /// [`crate::group::dead_letter`] makes them (one that breaks a message
+    /// limit is dropped and counted there). Runs even while shutting down.
     pub(super) fn dead_letter(&self, group: &str, letters: Vec<DeadLetter>) {
         for letter in letters {
             let original = &letter.message;
-            tracing::warn!(
-                consumer_group = group,
-                sequence = original.sequence,
-                topic = %original.topic,
-                attempts = letter.attempts,
-                "message dead-lettered after its last delivery attempt"
-            );
-            let mut headers = original.headers.clone();
-            headers.insert(ORIGINAL_TOPIC_HEADER.into(), original.topic.clone());
-            headers.insert(DELIVERY_ATTEMPTS_HEADER.into(), letter.attempts.to_string());
-            let letter = NewMessage {
-                topic: format!("{DEAD_LETTER_PREFIX}{group}"),
-                payload: original.payload.clone(),
-                headers,
-                ..Default::default()
-            };
-            // A dead letter obeys the limits of every message a subscriber
-            // can receive. One that breaks them (its original had more than
-            // MAX_HEADERS - 2 headers, or was within the two headers' bytes
-            // of max_message_bytes) is dropped and counted, never delivered
-            // over a limit a client may rely on.
-            let size = match validate::message(&letter, self.shared.limits.max_message_bytes) {
-                Ok(size) => size,
-                Err(error) => {
-                    self.shared
-                        .stats
-                        .dropped_dead_letter_invalid
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        consumer_group = group,
-                        sequence = original.sequence,
-                        %error,
-                        "dead letter dropped: with the broker's two dead-letter headers it breaks a message limit"
-                    );
-                    continue;
-                }
+            let Some(letter) = dead_letter::letter(
+                dead_letter::Original {
+                    group,
+                    sequence: original.sequence,
+                    topic: &original.topic,
+                    payload: original.payload.clone(),
+                    headers: original.headers.clone(),
+                    attempts: letter.attempts,
+                },
+                self.shared.limits.max_message_bytes,
+                &self.shared.stats.dropped_dead_letter_invalid,
+            ) else {
+                continue;
             };
             // The original is released as the letter takes its place: charged
             // whatever the limit, so a dead letter is never lost to it.
-            self.shared.memory.charge(size);
-            self.route(letter, size, None, PublishTime::now());
+            self.shared.memory.charge(letter.size);
+            self.route(letter.message, letter.size, None, PublishTime::now());
         }
     }
 

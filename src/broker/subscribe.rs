@@ -2,16 +2,16 @@
 //! consumer group (created on first use).
 
 use super::Broker;
-use super::group::{ConsumerGroup, GroupLimits, MemberSettings};
+use super::group::{ConsumerGroup, GroupLimits};
 use super::publish::Route;
 use super::queue::Queue;
 use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};
 use crate::engine::validate::{self, truncate};
 use crate::engine::{BrokerError, DeliveryMode, SubscribeRequest};
+use crate::group::{BacklogLimits, MemberSettings};
 use crate::topic::TopicPattern;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 impl Broker {
     /// Opens a subscription. Registration is complete when this returns: every
@@ -144,17 +144,7 @@ impl Broker {
         patterns: Vec<TopicPattern>,
     ) -> Result<SubscriptionStream, BrokerError> {
         let limits = &self.shared.limits;
-        let settings = MemberSettings {
-            ack_mode: request.ack_mode,
-            max_in_flight: match request.max_in_flight {
-                0 => limits.default_max_in_flight,
-                n => n,
-            },
-            ack_deadline: match request.ack_deadline_ms {
-                0 => limits.default_ack_deadline,
-                ms => Duration::from_millis(ms.into()),
-            },
-        };
+        let settings = MemberSettings::of(&request, limits);
         let name = request.consumer_group.as_str();
         let mut groups = self.shared.groups.lock();
         let existing = groups.get(name).cloned();
@@ -169,8 +159,7 @@ impl Broker {
                 patterns.clone(),
                 settings.ack_mode,
                 GroupLimits {
-                    capacity: limits.group_capacity,
-                    max_bytes: limits.group_max_bytes,
+                    backlog: BacklogLimits::of(limits),
                     max_delivery_attempts: limits.max_delivery_attempts,
                 },
                 tokio::time::Instant::now(),

@@ -1,9 +1,10 @@
 //! One open subscription and the stream of its deliveries.
 
-use super::group::{ConsumerGroup, MemberSettings};
+use super::group::ConsumerGroup;
 use super::queue::Queue;
 use super::{Broker, Delivery};
 use crate::engine::{AckMode, CloseReason, DeliveryMode, Peaks, SubscriptionInfo};
+use crate::group::MemberSettings;
 use crate::topic::TopicPattern;
 use futures::Stream;
 use std::net::SocketAddr;

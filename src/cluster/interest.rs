@@ -27,9 +27,9 @@
 //!
 //! [`HEARTBEAT`]: super::HEARTBEAT
 
-use super::{ClusterEngine, HEARTBEAT, Inner, REPLICA_TTL, rpc};
+use super::rpc::{self, Version};
+use super::{ClusterEngine, HEARTBEAT, Inner, REPLICA_TTL};
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -40,14 +40,6 @@ use std::time::{Duration, Instant};
 pub const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a replica's word counts: it repeats it every heartbeat.
 pub const FRESH_FOR: Duration = Duration::from_secs(3 * HEARTBEAT.as_secs());
-
-/// An announcement's number: later incarnations of a replica id, then later
-/// announcements of one incarnation, are newer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Version {
-    pub incarnation: u64,
-    pub n: u64,
-}
 
 /// What a replica said last, and when it was heard.
 struct Said {

@@ -35,11 +35,12 @@
 //!
 //! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
 //! between the local fan-out and NATS; `groups/` consumer groups (`mod.rs`
-//! the table, publishing and joining; `state.rs` a hub's state, which is
-//! the group state machine single-node mode uses,
-//! `broker/group/machine.rs`, run with JetStream's rules; `hub.rs` its
-//! tasks; `nats.rs` its JetStream); `attempts.rs` delivery attempts
-//! JetStream does not count; `handover.rs` nacked messages offered to
+//! their map; `table.rs` the group table, `store.rs` publishing into a
+//! group's stream, `join.rs` joining, and a file for each other concern;
+//! `state.rs` a hub's state, which is the consumer-group state machine
+//! both engines share, `group/machine.rs`, run with JetStream's rules;
+//! `hub.rs` its tasks; `nats.rs` its JetStream); `attempts.rs` delivery
+//! attempts JetStream does not count; `handover.rs` nacked messages offered to
 //! other replicas; `interest.rs` which replicas need core-NATS publishes;
 //! `liveness.rs` whether NATS answers over an open connection, and
 //! broadcast messages that arrive too late; `registry.rs` live replicas,
@@ -65,7 +66,7 @@
 //!   task of its own (a call may wait on a hub);
 //! - the **offer answerer** (`handover.rs`): nacked messages other replicas
 //!   offer, one at a time;
-//! - the **group table watch** (`groups/mod.rs`): the table into the
+//! - the **group table watch** (`groups/table.rs`): the table into the
 //!   local trie;
 //! - the **heartbeat** (`registry.rs`): presence, the live replicas, the
 //!   groups' listing, idle groups removed, lost NATS state noticed;

@@ -54,7 +54,7 @@ pub(super) enum Call {
     /// (`interest.rs`); answered with a pong.
     Interest {
         replica: String,
-        version: super::interest::Version,
+        version: Version,
         some: bool,
     },
 }
@@ -68,9 +68,42 @@ pub(super) enum Answer {
     Closed,
     Subscriptions(Vec<SubscriptionInfo>),
     Evictions(Vec<EvictionRecord>),
-    Groups(Vec<super::groups::LocalGroup>),
+    Groups(Vec<LocalGroup>),
     Routed,
     Error(WireError),
+}
+
+/// One replica's part of a group, for the cluster-wide listing: its
+/// answer to [`Call::ListGroups`] (`groups/listing.rs` makes and sums them).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub(super) struct LocalGroup {
+    pub(super) name: String,
+    pub(super) members: usize,
+    pub(super) held: usize,
+    pub(super) redeliveries: u64,
+    pub(super) dead_lettered: u64,
+    pub(super) acked: u64,
+    /// Dropped from the full backlog by this replica's publishes (absent
+    /// from a replica of an earlier version).
+    #[serde(default)]
+    pub(super) dropped: u64,
+    /// Written to the streams of members here, redeliveries included
+    /// (absent from a replica of an earlier version).
+    #[serde(default)]
+    pub(super) delivered: u64,
+    /// How long the oldest message members here hold has been held, in
+    /// milliseconds (absent from a replica of an earlier version).
+    #[serde(default)]
+    pub(super) oldest_held_ms: Option<u64>,
+}
+
+/// An interest announcement's number (`interest.rs` says what it orders):
+/// later incarnations of a replica id, then later announcements of one
+/// incarnation, are newer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Version {
+    pub incarnation: u64,
+    pub n: u64,
 }
 
 impl Answer {
@@ -452,7 +485,7 @@ mod tests {
             },
             Call::Interest {
                 replica: "a".into(),
-                version: super::super::interest::Version { incarnation: 4, n: 2 },
+                version: Version { incarnation: 4, n: 2 },
                 some: true,
             },
         ]
@@ -488,7 +521,7 @@ mod tests {
             peer: None,
             replica_id: "b".into(),
         };
-        let group = super::super::groups::LocalGroup {
+        let group = LocalGroup {
             name: "workers".into(),
             members: 2,
             held: 3,

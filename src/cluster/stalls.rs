@@ -12,12 +12,12 @@
 //!
 //! A replica that leaves takes its counts out of the sum; that is not
 //! progress, and its return (the counts back) counts as progress: the
-//! stall clock errs toward quiet. A stall of [`STALL_WARNING_AFTER`] is
-//! logged at WARN once, by every replica (whichever pod an operator reads
-//! has it), with the single-node engine's words.
+//! stall clock errs toward quiet. When a stall is reported, and its words,
+//! are the shared rule's ([`crate::group::stall`]): at WARN, once per
+//! stall, by every replica (whichever pod an operator reads has it).
 
-use crate::broker::STALL_WARNING_AFTER;
 use crate::engine::GroupInfo;
+use crate::group::stall::{self, StallReport};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -32,8 +32,7 @@ pub(super) struct Stalls {
 struct Progress {
     acked: u64,
     since: Option<Instant>,
-    /// This stall was logged.
-    said: bool,
+    report: StallReport,
 }
 
 impl Stalls {
@@ -47,13 +46,13 @@ impl Stalls {
             let progress = seen.entry(group.name.clone()).or_insert(Progress {
                 acked: group.acked,
                 since: None,
-                said: false,
+                report: StallReport::default(),
             });
             let completed = group.acked > progress.acked;
             progress.acked = group.acked;
             if !has_work || completed {
                 progress.since = None;
-                progress.said = false;
+                progress.report.progressed();
             }
             let since = if has_work {
                 *progress.since.get_or_insert(now)
@@ -61,17 +60,8 @@ impl Stalls {
                 now
             };
             group.stalled = now.saturating_duration_since(since);
-            if group.stalled >= STALL_WARNING_AFTER && !progress.said {
-                progress.said = true;
-                tracing::warn!(
-                    consumer_group = %group.name,
-                    stalled_seconds = group.stalled.as_secs(),
-                    members = group.members,
-                    backlog = group.backlog,
-                    in_flight = group.in_flight,
-                    redeliveries = group.redeliveries,
-                    "consumer group stalled: it has messages waiting or held but none was acked or delivered"
-                );
+            if progress.report.due(group.stalled) {
+                stall::warn(group);
             }
         }
     }

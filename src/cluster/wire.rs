@@ -38,7 +38,7 @@
 //! - **What the buckets hold**: `<prefix>_replicas` each replica's presence
 //!   (JSON, `registry::Presence`; a field added is skipped by earlier
 //!   readers), `<prefix>_subscriptions` the id of the replica serving each
-//!   subscription, `<prefix>_groups` the group table (JSON, `groups/mod.rs`),
+//!   subscription, `<prefix>_groups` the group table (JSON, `groups/table.rs`),
 //!   `<prefix>_attempts` delivery attempts (`attempts.rs`) and
 //!   `<prefix>_incarnations` nothing (an entry's revision is the number).
 //!

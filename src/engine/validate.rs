@@ -172,20 +172,6 @@ pub fn ack_request(call: &str, id: &str, sequences: &[u64]) -> Result<(), Broker
     Ok(())
 }
 
-/// A member of group `group` must ask for the ack mode its first member
-/// fixed (`fixed`): FAILED_PRECONDITION naming both otherwise.
-pub fn same_ack_mode(group: &str, fixed: AckMode, asked: AckMode) -> Result<(), BrokerError> {
-    if fixed == asked {
-        return Ok(());
-    }
-    Err(BrokerError::FailedPrecondition(format!(
-        "consumer group {:?} was opened with ack_mode {}; this member asked for {}; all members of a group must use the same ack mode (ACK_MODE_UNSPECIFIED is ACK_MODE_AUTO)",
-        truncate(group),
-        ack_mode_name(fixed),
-        ack_mode_name(asked)
-    )))
-}
-
 /// The contract's name of an ack mode.
 pub fn ack_mode_name(mode: AckMode) -> &'static str {
     match mode {

@@ -352,6 +352,72 @@ async fn a_message_is_dead_lettered_after_max_delivery_attempts() {
     .await
 }
 
+/// docs/contract.md, "Dead letters": a dead letter that the broker's two
+/// headers take over a message limit (65 headers; one byte over
+/// max_message_bytes) is neither delivered nor redelivered: it is dropped
+/// and counted (`reason="dead_letter_invalid"`), having been counted as
+/// dead-lettered, and the next dead letter that fits is the next one out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_over_a_message_limit_is_dropped_and_counted_not_redelivered() {
+    const MAX: usize = 2000;
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            max_delivery_attempts: 1,
+            max_message_bytes: MAX,
+            ..Limits::default()
+        })
+        .await;
+        let mut client = broker.client().await;
+        let mut other = broker.client().await;
+        let (mut dlq, _) = subscribe(&mut other, &["_dlq.jobs"]).await;
+        let (mut member, id) = open(&mut client, member_request(&["jobs.>"], "jobs", true, 1)).await;
+        // Publishes `request` and nacks its one delivery (its last
+        // attempt). The member's next message must be it, at attempt 1: a
+        // dead letter given back to the group instead of dropped would
+        // come back to the member (max_in_flight 1) first.
+        let mut fail_once = async |request: pb::PublishRequest| {
+            let sequence = client.publish(request).await.unwrap().into_inner().sequence;
+            let m = member.message().await.unwrap().unwrap();
+            assert_eq!(
+                (m.sequence, m.delivery_attempt),
+                (sequence, 1),
+                "not the message just published"
+            );
+            let r = client
+                .nack(pb::NackRequest {
+                    subscription_id: id.clone(),
+                    sequences: vec![sequence],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.requeued, 1);
+        };
+        let mut too_many_headers = publish_request("jobs.a", "h");
+        too_many_headers.headers = (0..63).map(|i| (format!("h{i:02}"), "v".to_string())).collect();
+        fail_once(too_many_headers).await;
+        // The broker's two headers: their names, the topic and "1".
+        let added = "tinybroker-original-topic".len() + "jobs.a".len() + "tinybroker-delivery-attempts".len() + 1;
+        fail_once(publish_request("jobs.a", &"o".repeat(MAX - added + 1))).await;
+        fail_once(publish_request("jobs.a", "marker")).await;
+        let next = dlq.message().await.unwrap().unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&next.payload),
+            "marker",
+            "a dead letter over a limit must not be delivered"
+        );
+        assert_eq!(broker.dropped_total("dead_letter_invalid").await, 2.0);
+        wait_until("the group to have dead-lettered 3 and hold nothing", || async {
+            broker
+                .group("jobs")
+                .await
+                .is_some_and(|g| (g.dead_lettered, g.in_flight, g.backlog) == (3, 0, 0))
+        })
+        .await;
+    })
+    .await
+}
+
 /// The backlog's byte bound: 20 messages of 1,000 bytes into 4 KiB keep the
 /// newest that fit; every other one is dropped and counted, and the member
 /// that comes back gets exactly the ones kept, the newest.

@@ -3,25 +3,26 @@
 //! handed no more than their session's credit), manual
 //! acks with deadlines, redelivery and dead-lettering.
 //!
-//! What happens to a message is decided by [`machine::GroupMachine`], the
-//! state machine both engines use (a cluster hub keeps one too). A
-//! [`ConsumerGroup`] keeps one behind its mutex with what only a
-//! single-node group has: its name, patterns and ack mode, when it was last
-//! without members (the idle TTL), and when it last made progress (the
-//! stall report).
+//! What happens to a message is decided by [`GroupMachine`], and who may
+//! join, when the group has been idle too long and when its stall is
+//! reported by the other rules of [`crate::group`], which a cluster hub
+//! decides with too. A [`ConsumerGroup`] keeps the machine behind its mutex
+//! with what only a single-node group has: its name, patterns and ack mode,
+//! when it was last without members (the idle TTL), and when it last made
+//! progress (the stall report).
 //!
 //! All of it happens under the group's one lock, for one short transition per
 //! call; dead letters are returned to the caller, which publishes them
 //! outside it. Time is passed in (`now`), so the logic is tested without a
 //! clock.
 
-pub(crate) mod machine;
-
 use super::{Delivery, Published, Subscription};
-use crate::engine::validate;
 use crate::engine::{AckMode, Acked, BrokerError, GroupInfo, Nacked};
+use crate::group::admission::{self, Terms};
+use crate::group::machine::{self, AutoDone, Event, GroupMachine, NoRoom, Rules};
+use crate::group::stall::StallReport;
+use crate::group::{BacklogLimits, MemberSettings, idle};
 use crate::topic::TopicPattern;
-use machine::{AutoDone, BacklogLimits, Event, GroupMachine, NoRoom, Rules};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -29,15 +30,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
-pub use machine::MemberSettings;
-
 /// What bounds a group, fixed when it is created.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupLimits {
-    /// Most messages the backlog holds (`TINYBROKER_GROUP_CAPACITY`).
-    pub capacity: usize,
-    /// Most bytes the backlog holds (`TINYBROKER_GROUP_MAX_BYTES`).
-    pub max_bytes: usize,
+    pub backlog: BacklogLimits,
     /// Deliveries tried before a message is dead-lettered; 0 = no limit.
     pub max_delivery_attempts: u32,
 }
@@ -49,10 +45,7 @@ impl GroupLimits {
     fn rules(self) -> Rules {
         Rules {
             max_delivery_attempts: self.max_delivery_attempts,
-            backlog: Some(BacklogLimits {
-                capacity: self.capacity,
-                max_bytes: self.max_bytes,
-            }),
+            backlog: Some(self.backlog),
             no_room: NoRoom::Wait,
             auto: AutoDone::Counted,
         }
@@ -105,8 +98,8 @@ struct GroupState {
     /// maintenance tick looks every 50 ms): [`GroupInfo::stalled`] is
     /// measured from here.
     progress_at: Instant,
-    /// Set once the current stall has been reported (logged).
-    stall_reported: bool,
+    /// Whether the current stall has been reported (logged).
+    stall: StallReport,
 }
 
 impl ConsumerGroup {
@@ -128,7 +121,7 @@ impl ConsumerGroup {
                 idle_since: Some(now),
                 removed: false,
                 progress_at: now,
-                stall_reported: false,
+                stall: StallReport::default(),
             }),
             delivered: AtomicU64::new(0),
         }
@@ -146,15 +139,17 @@ impl ConsumerGroup {
     /// and `ack_mode` may join: both must be what the first member fixed
     /// (FAILED_PRECONDITION naming both otherwise).
     pub(crate) fn admits(&self, patterns: &[TopicPattern], ack_mode: AckMode) -> Result<(), BrokerError> {
-        if self.patterns != patterns {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "consumer group {:?} has topic_patterns {}; this member asked for {}; all members of a group must use the same set",
-                validate::truncate(&self.name),
-                validate::pattern_list(&self.patterns),
-                validate::pattern_list(patterns)
-            )));
-        }
-        validate::same_ack_mode(&self.name, self.ack_mode, ack_mode)
+        admission::admit(
+            &self.name,
+            Terms {
+                patterns: &self.patterns,
+                ack_mode: Some(self.ack_mode),
+            },
+            Terms {
+                patterns,
+                ack_mode: Some(ack_mode),
+            },
+        )
     }
 
     #[cfg(test)]
@@ -202,18 +197,19 @@ impl ConsumerGroup {
         }
     }
 
-    /// The group's view, once per stall, when it has been stalled for
-    /// `after` (for the broker's WARN line).
-    pub(crate) fn stall_to_report(&self, now: Instant, after: Duration) -> Option<GroupInfo> {
+    /// The group's view, when its stall is due to be reported
+    /// ([`StallReport::due`]: once per stall; for the broker's WARN line).
+    pub(crate) fn stall_to_report(&self, now: Instant) -> Option<GroupInfo> {
         {
             let mut state = self.state.lock();
-            if state.stall_reported
-                || !state.machine.has_work()
-                || now.saturating_duration_since(state.progress_at) < after
-            {
+            let stalled = if state.machine.has_work() {
+                now.saturating_duration_since(state.progress_at)
+            } else {
+                Duration::ZERO
+            };
+            if !state.stall.due(stalled) {
                 return None;
             }
-            state.stall_reported = true;
         }
         Some(self.info(now))
     }
@@ -317,9 +313,7 @@ impl ConsumerGroup {
     pub(crate) fn remove_if_idle(&self, now: Instant, ttl: Duration) -> Option<usize> {
         let mut state = self.state.lock();
         match state.idle_since {
-            Some(since) if state.machine.members() == 0 && now.saturating_duration_since(since) >= ttl => {
-                Some(state.remove())
-            }
+            Some(since) if state.machine.members() == 0 && idle::outlived(since, now, ttl) => Some(state.remove()),
             _ => None,
         }
     }
@@ -334,7 +328,7 @@ impl GroupState {
     /// The group completed a message, or has nothing to do.
     fn progressed(&mut self, now: Instant) {
         self.progress_at = now;
-        self.stall_reported = false;
+        self.stall.progressed();
     }
 
     /// Marks the group removed and empties it; returns how many messages it
@@ -360,8 +354,9 @@ impl GroupState {
 
 #[cfg(test)]
 mod tests {
-    use super::machine::tests::{member, pop};
     use super::*;
+    use crate::engine::validate;
+    use crate::group::machine::tests::{member, pop};
 
     fn published(seq: u64) -> Arc<Published> {
         Arc::new(Published::for_test("t", seq))
@@ -382,8 +377,10 @@ mod tests {
     fn group_at(capacity: usize, max_attempts: u32, now: Instant) -> ConsumerGroup {
         let p = vec![TopicPattern::parse("t").unwrap()];
         let limits = GroupLimits {
-            capacity,
-            max_bytes: usize::MAX,
+            backlog: BacklogLimits {
+                capacity,
+                max_bytes: usize::MAX,
+            },
             max_delivery_attempts: max_attempts,
         };
         ConsumerGroup::new(0, "g".into(), p, AckMode::Auto, limits, now)
@@ -410,8 +407,10 @@ mod tests {
         let patterns =
             |p: &[&str]| -> Vec<TopicPattern> { p.iter().map(|p| TopicPattern::parse(p).unwrap()).collect() };
         let limits = GroupLimits {
-            capacity: 10,
-            max_bytes: usize::MAX,
+            backlog: BacklogLimits {
+                capacity: 10,
+                max_bytes: usize::MAX,
+            },
             max_delivery_attempts: 0,
         };
         for (fixed, other) in [(AckMode::Auto, AckMode::Manual), (AckMode::Manual, AckMode::Auto)] {
@@ -463,8 +462,10 @@ mod tests {
             p,
             AckMode::Auto,
             GroupLimits {
-                capacity: 10,
-                max_bytes: 2 * size + size / 2,
+                backlog: BacklogLimits {
+                    capacity: 10,
+                    max_bytes: 2 * size + size / 2,
+                },
                 max_delivery_attempts: 0,
             },
             now,
@@ -591,21 +592,21 @@ mod tests {
     fn a_stall_is_reported_once_until_the_group_progresses() {
         let start = Instant::now();
         let secs = |n| start + Duration::from_secs(n);
-        let after = Duration::from_secs(45);
+        let after = crate::group::stall::STALL_WARNING_AFTER;
         let g = group_at(10, 0, start);
         let m = member(1, 4);
         g.join(m.clone(), settings(AckMode::Manual, 4), start);
         g.offer(published(1), start);
         pop(&m).unwrap();
-        assert!(g.stall_to_report(secs(44), after).is_none());
-        let s = g.stall_to_report(secs(45), after).expect("stalled for 45 s");
+        assert!(g.stall_to_report(secs(44)).is_none());
+        let s = g.stall_to_report(secs(45)).expect("stalled for 45 s");
         assert_eq!((s.members, s.in_flight, s.stalled), (1, 1, after));
-        assert!(g.stall_to_report(secs(100), after).is_none(), "once per stall");
+        assert!(g.stall_to_report(secs(100)).is_none(), "once per stall");
         g.ack(1, &[1], secs(100));
         g.offer(published(2), secs(100));
         pop(&m).unwrap();
-        assert!(g.stall_to_report(secs(144), after).is_none());
-        assert!(g.stall_to_report(secs(145), after).is_some(), "a new stall");
+        assert!(g.stall_to_report(secs(144)).is_none());
+        assert!(g.stall_to_report(secs(145)).is_some(), "a new stall");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! A hub's state and its decisions, with no I/O: the consumer-group state
-//! machine both engines use (`broker/group/machine.rs`), with JetStream as
+//! machine both engines use (`group/machine.rs`), with JetStream as
 //! the backlog behind it, and what JetStream must hear of what it decides.
 //! Time is passed in (`now`), and every decision JetStream must hear of (an
 //! ack, a nak, a progress report, a term, a dead letter, an offer to the
@@ -32,16 +32,16 @@
 //! and held messages, or has left it in one operation of [`HubCore::out`]
 //! (property tests here and in the machine check it after every step).
 
-use crate::broker::machine::{AutoDone, Event, GroupMachine, MemberUnacked, NoRoom, Rules};
 use crate::broker::{Published, Subscription};
 use crate::engine::{Acked, Nacked};
+use crate::group::machine::{AutoDone, Event, GroupMachine, MemberUnacked, NoRoom, Rules};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-pub(crate) use crate::broker::MemberSettings as Settings;
-pub(crate) use crate::broker::machine::Counters;
+pub(crate) use crate::group::MemberSettings as Settings;
+pub(crate) use crate::group::machine::Counters;
 
 /// What a hub sends to JetStream (or, for an offer, to the other
 /// replicas), in the order its state machine decided it. `M` is the handle

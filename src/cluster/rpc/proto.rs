@@ -62,7 +62,7 @@ impl TryFrom<pb::Call> for Call {
             },
             C::Interest(i) => Call::Interest {
                 replica: i.replica,
-                version: crate::cluster::interest::Version {
+                version: super::Version {
                     incarnation: i.incarnation,
                     n: i.n,
                 },
@@ -261,7 +261,7 @@ fn eviction_from_wire(e: pb::Eviction) -> Result<EvictionRecord, String> {
     })
 }
 
-fn group_to_wire(g: crate::cluster::groups::LocalGroup) -> pb::GroupPart {
+fn group_to_wire(g: super::LocalGroup) -> pb::GroupPart {
     pb::GroupPart {
         name: g.name,
         members: g.members as u64,
@@ -275,9 +275,9 @@ fn group_to_wire(g: crate::cluster::groups::LocalGroup) -> pb::GroupPart {
     }
 }
 
-fn group_from_wire(g: pb::GroupPart) -> Result<crate::cluster::groups::LocalGroup, String> {
+fn group_from_wire(g: pb::GroupPart) -> Result<super::LocalGroup, String> {
     let name = &g.name;
-    Ok(crate::cluster::groups::LocalGroup {
+    Ok(super::LocalGroup {
         members: size_from_wire(g.members, || format!("group {name:?}'s members"))?,
         held: size_from_wire(g.held, || format!("group {name:?}'s held"))?,
         name: g.name,

@@ -7,7 +7,7 @@
 //! was decided.
 //!
 //! The single-node engine keeps one behind each group's mutex
-//! ([`super::ConsumerGroup`]); a cluster hub keeps one in its task
+//! ([`crate::broker`]'s `group/mod.rs`); a cluster hub keeps one in its task
 //! (`cluster/groups/state.rs`), with JetStream as the backlog behind it.
 //! What differs between them is data, [`Rules`], not code.
 //!
@@ -44,30 +44,15 @@
 //! while another member has room. Credit added is a call here too
 //! ([`GroupMachine::room_made`]).
 
-use super::super::queue::Push;
-use super::super::{Delivery, Published, Subscription};
+use super::admission::MemberSettings;
+use super::backlog::BacklogLimits;
+use crate::broker::queue::Push;
+use crate::broker::{Delivery, Published, Subscription};
 use crate::engine::{AckMode, Acked, Nacked};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
-
-/// A member's settings, fixed when it joins.
-#[derive(Debug, Clone, Copy)]
-pub struct MemberSettings {
-    pub ack_mode: AckMode,
-    pub max_in_flight: u32,
-    pub ack_deadline: Duration,
-}
-
-/// What bounds a backlog that holds messages itself (single-node mode).
-#[derive(Debug, Clone, Copy)]
-pub struct BacklogLimits {
-    /// Most messages (`TINYBROKER_GROUP_CAPACITY`).
-    pub capacity: usize,
-    /// Most bytes (`TINYBROKER_GROUP_MAX_BYTES`).
-    pub max_bytes: usize,
-}
 
 /// Where a failed delivery goes when no member but the one it failed with
 /// has room.
@@ -343,8 +328,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         let mut dropped = 0;
         if let Some(limits) = self.rules.backlog {
             while !self.backlog.items.is_empty()
-                && (self.backlog.items.len() >= limits.capacity
-                    || self.backlog.bytes + message.size() > limits.max_bytes)
+                && limits.must_drop_oldest(self.backlog.items.len(), self.backlog.bytes, message.size())
             {
                 if let Some(oldest) = self.backlog.pop_front() {
                     self.out.push(Event::Dropped(oldest.token));
@@ -798,7 +782,7 @@ pub(crate) fn attempts_exhausted(attempt: u32, max: u32) -> bool {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::broker::queue::Queue;
     use crate::engine::CloseReason;
@@ -829,7 +813,7 @@ pub(super) mod tests {
     }
 
     /// A member's subscription whose queue holds `capacity`.
-    pub(in crate::broker::group) fn member(key: u64, capacity: usize) -> Arc<Subscription> {
+    pub(crate) fn member(key: u64, capacity: usize) -> Arc<Subscription> {
         Arc::new(Subscription::new(
             key,
             format!("m{key}").into(),
@@ -841,7 +825,7 @@ pub(super) mod tests {
     }
 
     /// What the member's stream would take next.
-    pub(in crate::broker::group) fn pop(sub: &Subscription) -> Option<Delivery> {
+    pub(crate) fn pop(sub: &Subscription) -> Option<Delivery> {
         match sub.queue.poll_pop(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(d) => d,
             Poll::Pending => None,
