@@ -9,10 +9,10 @@ use crate::engine::{
     AckMode, BrokerError, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine, NewMessage, PublishOutcome,
     PublishTime, SubscribeRequest, TracingHeaders,
 };
-use crate::metrics::{LocalObserver, Metrics};
+use crate::ops::metrics::{LocalObserver, Metrics};
 use crate::pb;
 use crate::session::SessionBody;
-use crate::telemetry::{self, TRACEPARENT};
+use crate::ops::telemetry::{self, TRACEPARENT};
 use crate::wire::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::{FutureExt, Stream};

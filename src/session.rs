@@ -64,9 +64,9 @@
 use crate::broker::Published;
 use crate::engine::{Acked, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, StreamEnd};
 use crate::grpc::{self, FRAME_THRESHOLD, GRPC_HEADER};
-use crate::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
+use crate::ops::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
 use crate::pb;
-use crate::telemetry;
+use crate::ops::telemetry;
 use crate::wire::{EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;

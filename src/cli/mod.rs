@@ -230,7 +230,7 @@ async fn serve() -> anyhow::Result<()> {
     if let Some(files) = &config.tls {
         files.load()?;
     }
-    let telemetry = crate::telemetry::init(config.log_format)?;
+    let telemetry = crate::ops::telemetry::init(config.log_format)?;
     let names: Vec<String> = std::env::vars_os()
         .filter_map(|(name, _)| name.into_string().ok())
         .collect();

@@ -143,7 +143,7 @@ impl Metrics {
             Box::new(build_info),
             Box::new(sessions.clone()),
             Box::new(session_ignored.clone()),
-            Box::new(crate::process_metrics::ProcessCollector::for_self()),
+            Box::new(crate::ops::process_metrics::ProcessCollector::for_self()),
             Box::new(BrokerCollector::new(source.clone(), per_subscription)),
         ];
         for collector in collectors {
