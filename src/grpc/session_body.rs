@@ -38,7 +38,7 @@
 //! - **Framing.** Deliveries are encoded by hand straight into the body's
 //!   buffer ([`put_delivery`]): the `SessionEvent` and `SessionDelivery`
 //!   headers, the packed handles, then the `Message` as
-//!   [`crate::wire::EncodedMessage`] writes it for `OpenSubscription`. One
+//!   [`crate::grpc::framing::EncodedMessage`] writes it for `OpenSubscription`. One
 //!   message for 50 subscriptions is one encode and one copy of its payload,
 //!   and everything ready goes to h2 as one DATA frame.
 //! - **Credit.** A subscription opened with credit is not polled for
@@ -63,11 +63,11 @@
 
 use crate::broker::Published;
 use crate::engine::{Acked, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, StreamEnd};
-use crate::grpc::{self, FRAME_THRESHOLD, GRPC_HEADER};
+use crate::grpc::services::{self as grpc, FRAME_THRESHOLD, GRPC_HEADER};
 use crate::ops::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
 use crate::pb;
 use crate::ops::telemetry;
-use crate::wire::{EncodedMessage, SubscriberFields};
+use crate::grpc::framing::{EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;

@@ -11,9 +11,9 @@ use crate::engine::{
 };
 use crate::ops::metrics::{LocalObserver, Metrics};
 use crate::pb;
-use crate::session::SessionBody;
+use crate::grpc::session_body::SessionBody;
 use crate::ops::telemetry::{self, TRACEPARENT};
-use crate::wire::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
+use crate::grpc::framing::{ENCODE_CHUNK, EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::{FutureExt, Stream};
 use parking_lot::Mutex;
