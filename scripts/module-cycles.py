@@ -14,7 +14,9 @@ Nor is a file naming a module that encloses it (`super::Broker` in
 broker/publish.rs): a child module is part of its parent, sees its private
 items, and is how Rust spreads one module's `impl` blocks over files; the
 parent naming the child's items is an edge.
-Comments, doc comments and string literals are skipped. `#[cfg(test)]`
+Comments, doc comments and string literals are skipped; the paths build.rs
+writes into generated code (`"crate::…"`) count as uses of the file that
+`include!`s it from OUT_DIR. `#[cfg(test)]`
 modules (inline or files) are left out: the graph is the library's as it is
 compiled; `--with-tests` counts them as part of their file. `--edges`
 prints every edge first.
@@ -278,6 +280,17 @@ def resolve(segs, files_by_module, depth=0):
     return f
 
 
+def generated_paths(src):
+    """The `crate::…` paths build.rs writes into generated code (tonic's
+    `codec_path`, `extern_path`): uses of the file that includes it."""
+    build = os.path.join(src, "..", "build.rs")
+    if not os.path.exists(build):
+        return []
+    with open(build, encoding="utf-8") as handle:
+        text = handle.read()
+    return [p.split("::") for p in re.findall(r'"(crate(?:::[A-Za-z_][A-Za-z0-9_]*)+)"', text)]
+
+
 def build_graph(src, no_tests):
     files = []
     for root, _dirs, names in os.walk(src):
@@ -286,9 +299,13 @@ def build_graph(src, no_tests):
                 path = os.path.join(root, name)
                 files.append(File(path, module_of(path, src)))
     by_module = {f.module: f for f in files}
+    generated = generated_paths(src)
     for f in files:
         with open(f.path, encoding="utf-8") as handle:
-            read_file(f, handle.read(), no_tests)
+            text = handle.read()
+        read_file(f, text, no_tests)
+        if 'env!("OUT_DIR")' in text:
+            f.uses.extend((f.module, segs) for segs in generated)
     for f in files:
         for segs, name in f.pub_uses:
             absolute = absolute_path(f.module, segs, f)
