@@ -28,8 +28,8 @@
 //!   once; it stages that buffer so that a larger frame's payload, which h2
 //!   writes next, still goes out with it in one `writev`, as before.
 
-use crate::grpc::request_budget::{BoundedBody, ConnectionIncoming, IncomingLimits};
 use crate::grpc::executor::Requests;
+use crate::grpc::request_budget::{BoundedBody, ConnectionIncoming, IncomingLimits};
 use bytes::{Buf, Bytes};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};

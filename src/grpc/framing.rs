@@ -1,12 +1,17 @@
-//! Deliveries for subscription streams, encoded straight from the published
-//! message. Protobuf parses concatenated encodings as one message, so a
-//! delivery is written as three pieces: the published message's fields
-//! (topic, payload, headers, sequence, publish time), read from the one
-//! `Arc<Published>` every subscriber shares; the subscription's own fields
-//! (id, group), encoded once per subscription; and the delivery attempt.
-//! Nothing is allocated or copied per delivery before the subscription's
-//! encode buffer (`grpc::SubscriptionBody`): the payload is copied once,
-//! into that buffer.
+//! A delivery as the bytes of a gRPC frame, for both subscription bodies
+//! ([`super::subscription_body`], [`super::session_body`]): the frame
+//! header ([`GRPC_HEADER`]), the encode buffer's growth ([`reserve_frame`],
+//! [`FRAME_THRESHOLD`]), the `deliver` span each delivery gets, and the
+//! `Message` itself ([`EncodedMessage`]).
+//!
+//! A delivery is encoded straight from the published message. Protobuf
+//! parses concatenated encodings as one message, so a delivery is written
+//! as three pieces: the published message's fields (topic, payload,
+//! headers, sequence, publish time), read from the one `Arc<Published>`
+//! every subscriber shares; the subscription's own fields (id, group),
+//! encoded once per subscription; and the delivery attempt. Nothing is
+//! allocated or copied per delivery before the subscription's encode buffer
+//! (`grpc::SubscriptionBody`): the payload is copied once, into that buffer.
 //!
 //! (An earlier version encoded the shared fields once per published message
 //! into their own buffer and copied that into each subscriber's. The extra

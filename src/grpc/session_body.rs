@@ -66,8 +66,8 @@ use super::framing::{EncodedMessage, FRAME_THRESHOLD, GRPC_HEADER, SubscriberFie
 use crate::broker::Published;
 use crate::engine::{Acked, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, StreamEnd};
 use crate::ops::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
-use crate::pb;
 use crate::ops::telemetry;
+use crate::pb;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;

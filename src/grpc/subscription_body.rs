@@ -226,9 +226,9 @@ mod tests {
     use crate::engine::{NewMessage, SubscribeRequest};
     use crate::ops::metrics::Metrics;
     use http_body::Body as _;
-    use tonic::Code;
     use prost::Message as _;
     use std::task::Waker;
+    use tonic::Code;
 
     enum Polled {
         Data(Vec<pb::Message>),

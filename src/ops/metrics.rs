@@ -8,8 +8,8 @@
 //! happen (lock-free atomics). Each scrape starts a new peak period of every
 //! queue, so peaks cover the last two scrape intervals.
 
-use crate::grpc::connections::{ConnectionStats, Rejection};
 use crate::engine::{DeliveryMode, Engine, EvictionRecord, GroupRemoval, Peaks, Snapshot, display_peer};
+use crate::grpc::connections::{ConnectionStats, Rejection};
 use crate::grpc::request_budget::IncomingLimits;
 use prometheus::core::{Collector, Desc};
 use prometheus::local::LocalHistogram;
