@@ -1,9 +1,9 @@
 //! Every proto ↔ engine conversion of the gRPC front, written once: a
-//! request into the engine's ([`subscribe_request`], its modes), an engine
+//! request into the engine's (`subscribe_request`, its modes), an engine
 //! record into the proto's (the Admin listings), a [`BrokerError`] into the
 //! status docs/contract.md (Errors) gives for it ([`status`]), and tonic's
 //! own decoding failures into the statuses the contract promises
-//! ([`request_stream_error`], [`map_oversized_response`]).
+//! (`request_stream_error`, [`map_oversized_response`]).
 
 use crate::engine::{AckMode, BrokerError, DeliveryMode, SubscribeRequest};
 use crate::pb;

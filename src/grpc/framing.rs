@@ -1,7 +1,7 @@
 //! A delivery as the bytes of a gRPC frame, for both subscription bodies
 //! ([`super::subscription_body`], [`super::session_body`]): the frame
-//! header ([`GRPC_HEADER`]), the encode buffer's growth ([`reserve_frame`],
-//! [`FRAME_THRESHOLD`]), the `deliver` span each delivery gets, and the
+//! header (`GRPC_HEADER`), the encode buffer's growth (`reserve_frame`,
+//! `FRAME_THRESHOLD`), the `deliver` span each delivery gets, and the
 //! `Message` itself ([`EncodedMessage`]).
 //!
 //! A delivery is encoded straight from the published message. Protobuf

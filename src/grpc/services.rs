@@ -2,7 +2,7 @@
 //! (Publish, PublishStream, OpenSubscription, Session, Ack, Nack) and
 //! `Admin`. They hold no broker logic: a request is converted
 //! ([`super::convert`]), handed to the engine, and its answer or
-//! [`BrokerError`] converted back; a subscription's deliveries go out
+//! [`BrokerError`](crate::engine::BrokerError) converted back; a subscription's deliveries go out
 //! through a response body of its own ([`super::subscription_body`],
 //! [`super::session_body`]).
 
