@@ -18,7 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".tinybroker.v1.PublishRequest.payload")
         .bytes(".tinybroker.v1.Message.payload")
         .compile_fds(fds.clone())?;
-    // Servers, using the types above, with our codec (`wire::ServerCodec`).
+    // Servers, using the types above, with our codec (`grpc::codec::ServerCodec`).
     // Subscription streams do not go through it: `grpc::SubscriptionBody`
     // encodes their deliveries itself.
     let server_dir = out_dir.join("server");
@@ -27,7 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .out_dir(&server_dir)
         .extern_path(".tinybroker.v1", "crate::pb")
-        .codec_path("crate::wire::ServerCodec")
+        .codec_path("crate::grpc::codec::ServerCodec")
         .compile_fds(fds)?;
     // What only replicas exchange (`cluster::wire`); its descriptor set is
     // written for a test, not served.

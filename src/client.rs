@@ -2,18 +2,18 @@
 //! calls, and subscriptions that re-subscribe with backoff after an
 //! eviction or a lost connection, and report each such event. Every
 //! subscription of a [`Client`] (and of its clones) is opened on one
-//! `Session` stream ([`session`]), with credit given back as the
+//! `Session` stream ([`session_task`]), with credit given back as the
 //! application takes messages and acks sent in-band. Sends
 //! `authorization: Bearer <token>` when a token is set (by default from
 //! `TINYBROKER_AUTH_TOKEN`).
 
-mod session;
+mod session_task;
 
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
-use session::{CREDIT_BATCH, Command, HandleEvent};
+use session_task::{CREDIT_BATCH, Command, HandleEvent};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -133,7 +133,7 @@ impl Client {
         match &*commands {
             Some(sender) if !sender.is_closed() => sender.clone(),
             _ => {
-                let sender = session::spawn(self.broker.clone(), self.authorization.clone());
+                let sender = session_task::spawn(self.broker.clone(), self.authorization.clone());
                 *commands = Some(sender.clone());
                 sender
             }
@@ -768,7 +768,7 @@ impl Subscriber {
         match status.code() {
             // Our own earlier subscription may not be reaped yet.
             Code::AlreadyExists => self.opened_once,
-            _ => session::retryable(status),
+            _ => session_task::retryable(status),
         }
     }
 }

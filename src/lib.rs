@@ -1,18 +1,30 @@
 //! tinybroker: an in-memory publish/subscribe broker over gRPC, single-node
-//! or several replicas over a NATS cluster.
+//! or several replicas over a NATS cluster. ARCHITECTURE.md is the map.
 //!
-//! Modules, one concern each: [`topic`] (syntax), [`sublist`] (matching),
-//! [`engine`] (the seam between the gRPC front and an engine: its trait, the
-//! engine-neutral types, [`engine::validate`]), [`broker`] (the embedded
-//! engine: routing, queues, eviction, groups), [`cluster`] (the cluster
-//! engine over NATS, each replica's fan-out a [`broker::Broker`]), [`group`]
-//! (the consumer-group rules both engines decide with), [`grpc`]
-//! (tonic adapter over any engine) with [`wire`] (pre-encoded deliveries),
-//! [`server`] (lifecycle; picks the engine) with [`connections`] (the gRPC
-//! listener) and [`incoming`] (requests being received), [`memory`] (the byte
-//! budget), [`side`] (HTTP side server) with [`status`] (the status page's
-//! data), [`metrics`] with [`process_metrics`], [`config`], [`telemetry`],
-//! [`client`] and [`cli`].
+//! Modules, one concern each:
+//! - [`topic`] (topic and pattern syntax), [`sublist`] (matching: the
+//!   pattern trie);
+//! - [`engine`]: the seam between the gRPC front and an engine (its trait,
+//!   the engine-neutral types, [`engine::validate`]);
+//! - [`broker`]: the embedded single-node engine (routing, queues, eviction,
+//!   consumer groups);
+//! - [`cluster`]: the cluster engine over NATS, each replica's fan-out a
+//!   [`broker::Broker`];
+//! - [`group`]: the consumer-group rules both engines decide with (the
+//!   state machine, admission, backlog overflow, idle TTL, stall reports,
+//!   dead letters);
+//! - [`grpc`]: the gRPC front over any engine (services, conversions, the
+//!   subscription and session response bodies, framing, the generated
+//!   servers' codec, connections, the per-connection executor, the request
+//!   budget);
+//! - [`ops`]: what operators read (the HTTP side server, the status page's
+//!   data, metrics, process metrics, logs and traces);
+//! - [`server`]: the lifecycle (on listeners already bound: picks the engine, starts the
+//!   front and the side server, drains on shutdown);
+//! - [`memory`] (the byte budget), [`auth`] (the bearer token), [`config`]
+//!   (the environment, parsed and validated once), [`pb`] (generated code);
+//! - [`client`] (a Rust client over one `Session`) and [`cli`] (the
+//!   `tinybroker` commands).
 
 pub mod auth;
 pub mod broker;
@@ -20,21 +32,12 @@ pub mod cli;
 pub mod client;
 pub mod cluster;
 pub mod config;
-pub mod connections;
 pub mod engine;
 pub mod group;
 pub mod grpc;
-pub mod incoming;
 pub mod memory;
-pub mod metrics;
+pub mod ops;
 pub mod pb;
-pub mod process_metrics;
 pub mod server;
-pub mod session;
-pub mod side;
-pub mod status;
-pub mod streams;
 pub mod sublist;
-pub mod telemetry;
 pub mod topic;
-pub mod wire;

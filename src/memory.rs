@@ -6,7 +6,7 @@
 //! Every published message is charged once, however many queues hold it,
 //! when it is created, and released when its last holder drops it; a
 //! partially received request is charged while it is being received (see
-//! [`crate::incoming`]). What the budget does not see (the allocator's
+//! [`crate::grpc::request_budget`]). What the budget does not see (the allocator's
 //! slack, HTTP/2 and socket buffers, the runtime) is what the remaining
 //! quarter of the container's limit is for.
 

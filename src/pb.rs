@@ -7,7 +7,7 @@
 tonic::include_proto!("tinybroker.v1");
 
 /// The generated servers. Their subscription streams send
-/// [`crate::wire::EncodedMessage`], which is a `Message` on the wire.
+/// [`crate::grpc::framing::EncodedMessage`], which is a `Message` on the wire.
 mod servers {
     include!(concat!(env!("OUT_DIR"), "/server/tinybroker.v1.rs"));
 }

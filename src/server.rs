@@ -6,17 +6,16 @@ use crate::auth::AuthLayer;
 use crate::broker::Broker;
 use crate::cluster::ClusterEngine;
 use crate::config::Config;
-use crate::connections::{self, ConnectionStats};
 use crate::engine::{Engine, EngineHealth};
+use crate::grpc::connections::{self, ConnectionStats};
+use crate::grpc::request_budget::IncomingLimits;
 use crate::grpc::{self, AdminService, BrokerService};
-use crate::incoming::IncomingLimits;
-use crate::metrics::Metrics;
+use crate::ops::http_server::{self, Readiness};
+use crate::ops::metrics::Metrics;
 use crate::pb;
-use crate::side;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -49,17 +48,6 @@ impl Listeners {
     }
 }
 
-/// Whether the broker is ready for traffic: mirrors the gRPC health status,
-/// read by the side server's `/readyz`.
-#[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
-
-impl Readiness {
-    pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-}
-
 struct Health {
     reporter: HealthReporter,
     readiness: Readiness,
@@ -70,9 +58,7 @@ impl Health {
         for service in ["", pb::BROKER_SERVICE_NAME] {
             self.reporter.set_service_status(service, status).await;
         }
-        self.readiness
-            .0
-            .store(status == ServingStatus::Serving, Ordering::Release);
+        self.readiness.set(status == ServingStatus::Serving);
     }
 }
 
@@ -161,12 +147,12 @@ async fn serve<E: Engine>(
     let grpc_task = tokio::spawn(grpc_server);
 
     let (stop_side, side_stopped) = tokio::sync::oneshot::channel::<()>();
-    let side_task = tokio::spawn(side::serve(
+    let side_task = tokio::spawn(http_server::serve(
         listeners.metrics,
         health.readiness.clone(),
         metrics,
-        side::StatusPage::new(
-            crate::status::StatusSource::new(engine.clone()),
+        http_server::StatusPage::new(
+            crate::ops::status::StatusSource::new(engine.clone()),
             config.auth_token.as_deref(),
         ),
         async {

@@ -26,7 +26,7 @@ use tinybroker::broker::Broker;
 use tinybroker::config::Limits;
 use tinybroker::engine::validate::{MAX_HEADER_BYTES, MAX_HEADERS, MAX_NAME_BYTES, MAX_PATTERNS_PER_SUBSCRIPTION};
 use tinybroker::grpc::{AdminService, BrokerService, SUBSCRIPTION_ID_METADATA, take_subscription_body};
-use tinybroker::metrics::Metrics;
+use tinybroker::ops::metrics::Metrics;
 use tinybroker::pb;
 use tinybroker::pb::admin_server::Admin as _;
 use tinybroker::pb::broker_server::Broker as _;

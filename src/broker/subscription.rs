@@ -216,7 +216,7 @@ pub struct SubscriptionStream {
 /// subscriptions and its writes, and in a consumer group it would take every
 /// refill of the backlog for itself. The stream's own count, not tokio's
 /// cooperative budget: a connection's requests share its task
-/// ([`crate::streams`]), and one budget shared by 50 subscriptions ran out
+/// ([`crate::grpc::executor`]), and one budget shared by 50 subscriptions ran out
 /// after two or three deliveries each.
 const TURN: u32 = 128;
 

@@ -230,7 +230,7 @@ async fn serve() -> anyhow::Result<()> {
     if let Some(files) = &config.tls {
         files.load()?;
     }
-    let telemetry = crate::telemetry::init(config.log_format)?;
+    let telemetry = crate::ops::telemetry::init(config.log_format)?;
     let names: Vec<String> = std::env::vars_os()
         .filter_map(|(name, _)| name.into_string().ok())
         .collect();
@@ -254,7 +254,7 @@ async fn serve() -> anyhow::Result<()> {
     // for the broker's own (listeners, metrics scrapes, the refusal of
     // connection max_connections + 1), so that it never runs out of them.
     const RESERVED_FDS: u64 = 64;
-    match crate::connections::raise_fd_limit() {
+    match crate::grpc::connections::raise_fd_limit() {
         Ok(limit) if limit < config.connections.max_connections as u64 + RESERVED_FDS => {
             let fitting = limit.saturating_sub(RESERVED_FDS).max(1) as usize;
             tracing::warn!(

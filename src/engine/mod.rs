@@ -8,11 +8,11 @@
 //! at start-up, so calls are statically dispatched: the in-memory engine's
 //! publish path has no boxed future and no `dyn` call per message.
 //!
-//! Engines today: [`crate::broker::Broker`], the embedded single-node
-//! engine. A NATS-backed cluster engine (docs/contract.md, "Cluster mode")
-//! implements the same trait and reuses the local fan-out machinery of
-//! `broker` (trie, bounded queues, eviction, subscription streams) for its
-//! own replica's subscribers.
+//! Engines: [`crate::broker::Broker`], the embedded single-node engine, and
+//! [`crate::cluster::ClusterEngine`] (docs/contract.md, "Cluster mode"),
+//! which reuses the local fan-out machinery of `broker` (trie, bounded
+//! queues, eviction, subscription streams) for its own replica's
+//! subscribers.
 //!
 //! The types here are the engine-neutral vocabulary of both sides: requests,
 //! outcomes, refusals and snapshots. [`validate`] holds the checks every

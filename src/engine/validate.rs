@@ -4,7 +4,7 @@
 
 use super::{AckMode, BrokerError, NewMessage, TracingHeaders};
 use crate::memory;
-use crate::telemetry::{TRACEPARENT, TRACESTATE};
+use crate::ops::telemetry::{TRACEPARENT, TRACESTATE};
 use crate::topic::{self, TopicPattern};
 use std::collections::HashMap;
 

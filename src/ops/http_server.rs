@@ -2,11 +2,10 @@
 //! text format), `/healthz` (the process runs), `/readyz` (gRPC health is
 //! SERVING), and the status page: `/status` (one self-contained HTML page,
 //! served to anyone: it holds no data) and `/status.json` (its data, see
-//! [`crate::status`]; behind the bearer token when one is configured).
+//! [`crate::ops::status`]; behind the bearer token when one is configured).
 
-use crate::metrics::Metrics;
-use crate::server::Readiness;
-use crate::status::{self, StatusSource};
+use crate::ops::metrics::Metrics;
+use crate::ops::status::{self, StatusSource};
 use axum::Router;
 use axum::extract::{RawQuery, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
@@ -14,7 +13,23 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
+
+/// Whether the broker is ready for traffic: mirrors the gRPC health status
+/// (set by `server.rs`), read by `/readyz`.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Release);
+    }
+}
 
 /// The status page: no external assets, no build step.
 const STATUS_PAGE: &str = include_str!("status.html");

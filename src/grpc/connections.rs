@@ -20,7 +20,7 @@
 //! a `writev` of its own on a socket that has vectored writes. A message
 //! fanned out to the 50 subscriptions of one connection then cost 50 system
 //! calls. Two things make it one or two:
-//! - the connection's requests run in its own task ([`crate::streams`]), so
+//! - the connection's requests run in its own task ([`crate::grpc::executor`]), so
 //!   all the streams a message woke queue their frames before the
 //!   connection writes;
 //! - [`Coalesce`] reports no vectored writes, so h2 copies frames under
@@ -28,8 +28,8 @@
 //!   once; it stages that buffer so that a larger frame's payload, which h2
 //!   writes next, still goes out with it in one `writev`, as before.
 
-use crate::incoming::{BoundedBody, ConnectionIncoming, IncomingLimits};
-use crate::streams::Requests;
+use crate::grpc::executor::Requests;
+use crate::grpc::request_budget::{BoundedBody, ConnectionIncoming, IncomingLimits};
 use bytes::{Buf, Bytes};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};

@@ -13,7 +13,7 @@
 //! # The delivery path
 //!
 //! [`SessionBody`] is the response body itself, polled by the connection's
-//! task like an `OpenSubscription` body (`grpc::SubscriptionBody`); there is
+//! task like an `OpenSubscription` body ([`super::subscription_body::SubscriptionBody`]); there is
 //! no task or channel of its own.
 //!
 //! - **Wake-ups.** Each subscription's stream is polled with a waker of its
@@ -38,7 +38,7 @@
 //! - **Framing.** Deliveries are encoded by hand straight into the body's
 //!   buffer ([`put_delivery`]): the `SessionEvent` and `SessionDelivery`
 //!   headers, the packed handles, then the `Message` as
-//!   [`crate::wire::EncodedMessage`] writes it for `OpenSubscription`. One
+//!   [`crate::grpc::framing::EncodedMessage`] writes it for `OpenSubscription`. One
 //!   message for 50 subscriptions is one encode and one copy of its payload,
 //!   and everything ready goes to h2 as one DATA frame.
 //! - **Credit.** A subscription opened with credit is not polled for
@@ -61,13 +61,13 @@
 //! What is left of an evicted subscription until the client reads again is
 //! its [`Sub`] and its closed, empty queue.
 
+use super::convert;
+use super::framing::{EncodedMessage, FRAME_THRESHOLD, GRPC_HEADER, SubscriberFields, deliver_span, reserve_frame};
 use crate::broker::Published;
 use crate::engine::{Acked, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, StreamEnd};
-use crate::grpc::{self, FRAME_THRESHOLD, GRPC_HEADER};
-use crate::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
+use crate::ops::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
+use crate::ops::telemetry;
 use crate::pb;
-use crate::telemetry;
-use crate::wire::{EncodedMessage, SubscriberFields};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -265,7 +265,7 @@ where
                 Poll::Ready(Some(Ok(request))) => self.request(request, cx),
                 Poll::Ready(Some(Err(error))) => {
                     self.requests = None;
-                    self.fail(grpc::request_stream_error(error, "tinybroker.v1.SessionRequest"));
+                    self.fail(convert::request_stream_error(error, "tinybroker.v1.SessionRequest"));
                     return;
                 }
                 Poll::Ready(None) => {
@@ -326,7 +326,7 @@ where
                 ),
             );
         }
-        let mut request = match grpc::subscribe_request(open.subscription.unwrap_or_default(), self.peer) {
+        let mut request = match convert::subscribe_request(open.subscription.unwrap_or_default(), self.peer) {
             Ok(request) => request,
             Err(status) => return self.reject(handle, status.code(), status.message().to_owned()),
         };
@@ -358,7 +358,7 @@ where
         let mut stream = match result {
             Ok(stream) => stream,
             Err(error) => {
-                let status = grpc::status(error);
+                let status = convert::status(error);
                 return self.reject(handle, status.code(), status.message().to_owned());
             }
         };
@@ -667,7 +667,7 @@ impl Out {
             if telemetry::tracing_enabled() {
                 // Named by the first of its handles' subscriptions.
                 let group = sub.stream.consumer_group().unwrap_or_default();
-                grpc::deliver_span(&b.message, group, sub.stream.id(), b.attempt);
+                deliver_span(&b.message, group, sub.stream.id(), b.attempt);
             }
             let message = EncodedMessage::new(b.message, fields, b.attempt);
             put_delivery(&mut self.buf, &b.handles, &message);
@@ -693,7 +693,7 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
         + encoded_len_varint(message_len as u64)
         + message_len;
     let event_len = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
-    grpc::reserve_frame(buf, GRPC_HEADER + event_len);
+    reserve_frame(buf, GRPC_HEADER + event_len);
     buf.put_u8(0);
     // max_message_bytes is far below 4 GiB (config), so this holds.
     buf.put_u32(event_len as u32);
@@ -713,7 +713,7 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
 fn put_event(buf: &mut BytesMut, event: pb::session_event::Event) {
     let event = pb::SessionEvent { event: Some(event) };
     let len = prost::Message::encoded_len(&event);
-    grpc::reserve_frame(buf, GRPC_HEADER + len);
+    reserve_frame(buf, GRPC_HEADER + len);
     buf.put_u8(0);
     buf.put_u32(len as u32);
     prost::Message::encode_raw(&event, buf);

@@ -1,12 +1,17 @@
-//! Deliveries for subscription streams, encoded straight from the published
-//! message. Protobuf parses concatenated encodings as one message, so a
-//! delivery is written as three pieces: the published message's fields
-//! (topic, payload, headers, sequence, publish time), read from the one
-//! `Arc<Published>` every subscriber shares; the subscription's own fields
-//! (id, group), encoded once per subscription; and the delivery attempt.
-//! Nothing is allocated or copied per delivery before the subscription's
-//! encode buffer (`grpc::SubscriptionBody`): the payload is copied once,
-//! into that buffer.
+//! A delivery as the bytes of a gRPC frame, for both subscription bodies
+//! ([`super::subscription_body`], [`super::session_body`]): the frame
+//! header (`GRPC_HEADER`), the encode buffer's growth (`reserve_frame`,
+//! `FRAME_THRESHOLD`), the `deliver` span each delivery gets, and the
+//! `Message` itself ([`EncodedMessage`]).
+//!
+//! A delivery is encoded straight from the published message. Protobuf
+//! parses concatenated encodings as one message, so a delivery is written
+//! as three pieces: the published message's fields (topic, payload,
+//! headers, sequence, publish time), read from the one `Arc<Published>`
+//! every subscriber shares; the subscription's own fields (id, group),
+//! encoded once per subscription; and the delivery attempt. Nothing is
+//! allocated or copied per delivery before the subscription's encode buffer
+//! (`grpc::SubscriptionBody`): the payload is copied once, into that buffer.
 //!
 //! (An earlier version encoded the shared fields once per published message
 //! into their own buffer and copied that into each subscriber's. The extra
@@ -14,11 +19,14 @@
 //! consumer group, with one receiver per message, gained nothing from it;
 //! see BENCHMARKS.md.)
 
+use super::codec::ENCODE_CHUNK;
 use crate::broker::Published;
+use crate::ops::telemetry;
 use crate::pb;
-use bytes::{BufMut, Bytes};
+use bytes::{BufMut, Bytes, BytesMut};
 use prost::encoding::{DecodeContext, WireType};
 use std::sync::Arc;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Field number of `Message.delivery_attempt` in `broker.proto`.
 const DELIVERY_ATTEMPT_FIELD: u32 = 8;
@@ -205,81 +213,49 @@ impl prost::Message for EncodedMessage {
     }
 }
 
-/// How much an encode buffer takes at a time once it has something to
-/// encode: tonic's default buffer size, so that a busy subscription encodes
-/// many deliveries into one allocation.
-pub const ENCODE_CHUNK: usize = 8 * 1024;
+/// How much a subscription's body encodes before it hands the frame to h2,
+/// when more deliveries are ready (tonic's own threshold).
+pub(crate) const FRAME_THRESHOLD: usize = 32 * 1024;
 
-/// tonic's default: a stream hands h2 what it has encoded once this much is
-/// buffered, rather than encoding everything that is ready first.
-const YIELD_THRESHOLD: usize = 32 * 1024;
-
-/// The codec of the generated servers (`build.rs`): prost's encoding, with
-/// an encode buffer that takes no memory until the response has something
-/// to send. tonic reserves a response's buffer (8 KiB by default) when the
-/// response is made; when subscription streams went through it, every idle
-/// subscription held 8 KiB it never used (issue 16: 7.1 KiB per idle
-/// subscription, BENCHMARKS.md). Subscriptions have their own body now
-/// (`grpc::SubscriptionBody`); the other responses still start empty, and
-/// [`ServerEncoder`] reserves [`ENCODE_CHUNK`] when a message does not fit
-/// what is left. Decoding is prost's own.
-#[derive(Debug)]
-pub struct ServerCodec<T, U>(std::marker::PhantomData<(T, U)>);
-
-impl<T, U> Default for ServerCodec<T, U> {
-    fn default() -> Self {
-        Self(std::marker::PhantomData)
+/// Makes room for `framed` more bytes in a body's encode buffer.
+#[inline]
+pub(crate) fn reserve_frame(buf: &mut BytesMut, framed: usize) {
+    if buf.is_empty() && buf.capacity() < ENCODE_CHUNK {
+        // Everything encoded so far was handed out. Once h2 has written it
+        // and dropped it, the chunk is this buffer's alone again: encode
+        // from its start rather than into the next bytes of it, so that a
+        // stream woken for one message at a time writes the same few cache
+        // lines each time instead of 8 KiB of them, cold. (Not yet, when h2
+        // still holds some of it: then go on after it.)
+        let _ = buf.try_reclaim(ENCODE_CHUNK);
+    }
+    if buf.capacity() - buf.len() < framed {
+        // A chunk at a time, so a busy stream encodes many deliveries per
+        // allocation; what is handed out shares it.
+        buf.reserve(framed.max(ENCODE_CHUNK));
     }
 }
 
-impl<T, U> tonic::codec::Codec for ServerCodec<T, U>
-where
-    T: prost::Message + Send + 'static,
-    U: prost::Message + Default + Send + 'static,
-{
-    type Encode = T;
-    type Decode = U;
-    type Encoder = ServerEncoder<T>;
-    type Decoder = tonic_prost::ProstDecoder<U>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        ServerEncoder(std::marker::PhantomData)
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::default()
-    }
+/// The `deliver` span of one delivery, a child of the publisher's trace
+/// (tracing on only).
+pub(crate) fn deliver_span(m: &Published, group: &str, subscription_id: &str, attempt: u32) {
+    let span = tracing::info_span!(
+        "deliver",
+        otel.kind = "consumer",
+        messaging.system = "tinybroker",
+        messaging.operation.type = "deliver",
+        messaging.destination.name = %m.topic,
+        messaging.message.id = m.sequence,
+        messaging.consumer.group.name = %group,
+        subscription_id = %subscription_id,
+        delivery_attempt = attempt,
+    );
+    let _ = span.set_parent(telemetry::extract_headers(&m.headers));
 }
 
-/// prost's encoding into a buffer reserved a chunk at a time (see
-/// [`ServerCodec`]).
-#[derive(Debug)]
-pub struct ServerEncoder<T>(std::marker::PhantomData<T>);
-
-impl<T: prost::Message> tonic::codec::Encoder for ServerEncoder<T> {
-    type Item = T;
-    type Error = tonic::Status;
-
-    #[inline]
-    fn encode(&mut self, item: T, buf: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        let len = item.encoded_len();
-        // What is left of the current allocation (`chunk_mut` makes room
-        // for a few bytes when there is none).
-        if buf.chunk_mut().len() < len {
-            buf.reserve(len.max(ENCODE_CHUNK));
-        }
-        // `encode` would compute the length again to check the room made
-        // just above: a second `encoded_len` per delivery.
-        item.encode_raw(buf);
-        Ok(())
-    }
-
-    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
-        // Next to nothing reserved up front: the first message reserves a
-        // chunk. (1, not 0: tonic divides by it when it compresses.)
-        tonic::codec::BufferSettings::new(1, YIELD_THRESHOLD)
-    }
-}
+/// The length of gRPC's message header: the compressed flag and 4 bytes of
+/// length.
+pub(crate) const GRPC_HEADER: usize = 5;
 
 #[cfg(test)]
 mod tests {

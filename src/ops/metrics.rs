@@ -8,9 +8,9 @@
 //! happen (lock-free atomics). Each scrape starts a new peak period of every
 //! queue, so peaks cover the last two scrape intervals.
 
-use crate::connections::{ConnectionStats, Rejection};
 use crate::engine::{DeliveryMode, Engine, EvictionRecord, GroupRemoval, Peaks, Snapshot, display_peer};
-use crate::incoming::IncomingLimits;
+use crate::grpc::connections::{ConnectionStats, Rejection};
+use crate::grpc::request_budget::IncomingLimits;
 use prometheus::core::{Collector, Desc};
 use prometheus::local::LocalHistogram;
 use prometheus::proto::MetricFamily;
@@ -143,7 +143,7 @@ impl Metrics {
             Box::new(build_info),
             Box::new(sessions.clone()),
             Box::new(session_ignored.clone()),
-            Box::new(crate::process_metrics::ProcessCollector::for_self()),
+            Box::new(crate::ops::process_metrics::ProcessCollector::for_self()),
             Box::new(BrokerCollector::new(source.clone(), per_subscription)),
         ];
         for collector in collectors {
