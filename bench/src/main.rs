@@ -112,8 +112,9 @@ struct Cli {
     /// The guard writes its figures as the new baseline, with this reason.
     #[arg(long, value_name = "WHY", requires = "guard")]
     write_baseline: Option<String>,
-    /// The guard's native runs per workload (it reports their medians).
-    #[arg(long, default_value_t = 3, requires = "guard")]
+    /// The guard's runs per workload under callgrind and natively (it
+    /// reports their medians).
+    #[arg(long, default_value_t = 5, requires = "guard")]
     guard_runs: usize,
     /// Add this fraction to every instruction count the guard reads, to show
     /// that it catches a regression of that size (e.g. 0.03).
