@@ -36,6 +36,7 @@ mod close;
 mod engine;
 mod group;
 mod lifecycle;
+mod member;
 pub mod message;
 mod publish;
 pub mod queue;

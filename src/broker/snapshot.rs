@@ -39,16 +39,15 @@ impl Broker {
     /// queue starts a new peak period.
     pub fn subscriptions(&self, peaks: Peaks) -> Vec<SubscriptionInfo> {
         let now = tokio::time::Instant::now();
+        let groups = self.shared.groups.lock().clone();
         // Each group's members' unacked messages, in one pass per group.
         let mut unacked = HashMap::new();
         self.live_subscriptions()
             .iter()
             .map(|s| {
                 let mut info = s.info(peaks, &self.shared.replica_id);
-                if let Some(group) = s.membership().map(|m| &m.group) {
-                    let by_member = unacked
-                        .entry(group.name().to_owned())
-                        .or_insert_with(|| group.unacked_by_member());
+                if let Some(group) = s.membership().and_then(|m| groups.get(m.group.name())) {
+                    let by_member = unacked.entry(group.name()).or_insert_with(|| group.unacked_by_member());
                     if let Some(u) = by_member.get(&s.key) {
                         set_unacked(&mut info, u.count, now.saturating_duration_since(u.oldest));
                     }
