@@ -15,6 +15,7 @@
 
 use super::message::{Delivery, Published};
 use crate::engine::{Acked, Nacked};
+use crate::group::MemberSettings;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -23,7 +24,7 @@ use tokio::time::Instant;
 /// settings it joined with.
 pub(crate) struct Membership {
     pub(crate) group: Arc<dyn MemberGroup>,
-    pub(crate) settings: crate::group::MemberSettings,
+    pub(crate) settings: MemberSettings,
 }
 
 /// A consumer group, as its members reach it (the single-node engine's
