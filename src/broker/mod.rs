@@ -12,6 +12,8 @@
 //! - `snapshot.rs`: what Admin and the metrics read, as plain values;
 //! - `engine.rs`: the [`crate::engine::Engine`] implementation;
 //! - [`queue`], [`subscription`]: one subscription's queue and stream;
+//! - `member.rs`: a member's side of its group (the `MemberGroup` trait a
+//!   member's subscription holds its group by);
 //! - `group/`: a consumer group, its state machine and rules
 //!   ([`crate::group`], which a cluster hub runs too) behind its lock.
 //!
@@ -36,6 +38,7 @@ mod close;
 mod engine;
 mod group;
 mod lifecycle;
+mod member;
 pub mod message;
 mod publish;
 pub mod queue;

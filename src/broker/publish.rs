@@ -2,7 +2,8 @@
 //! groups, and dead letters.
 
 use super::close::Eviction;
-use super::group::{ConsumerGroup, DeadLetter};
+use super::group::ConsumerGroup;
+use super::member::DeadLetter;
 use super::queue::Push;
 use super::{Broker, Delivery, Published, Subscription};
 use crate::engine::validate::{self, truncate};

@@ -3,9 +3,10 @@
 
 use super::Broker;
 use super::group::{ConsumerGroup, GroupLimits};
+use super::member::Membership;
 use super::publish::Route;
 use super::queue::Queue;
-use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};
+use super::subscription::{ExternalMember, Subscription, SubscriptionStream};
 use crate::engine::validate::{self, truncate};
 use crate::engine::{BrokerError, DeliveryMode, SubscribeRequest};
 use crate::group::{BacklogLimits, MemberSettings};

@@ -1,10 +1,9 @@
 //! One open subscription and the stream of its deliveries.
 
-use super::group::ConsumerGroup;
+use super::member::Membership;
 use super::queue::Queue;
 use super::{Broker, Delivery};
 use crate::engine::{AckMode, CloseReason, DeliveryMode, Peaks, SubscriptionInfo};
-use crate::group::MemberSettings;
 use crate::topic::TopicPattern;
 use futures::Stream;
 use std::net::SocketAddr;
@@ -40,12 +39,6 @@ pub struct Subscription {
 pub struct ExternalMember {
     pub group: String,
     pub ack_mode: AckMode,
-}
-
-/// What makes a subscription a consumer-group member.
-pub(crate) struct Membership {
-    pub(crate) group: Arc<ConsumerGroup>,
-    pub(crate) settings: MemberSettings,
 }
 
 impl Subscription {

@@ -225,9 +225,7 @@ fn bounded_tracestate(state: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pb;
     use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
-    use prost::Message as _;
 
     const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
     const SPAN_ID: &str = "00f067aa0ba902b7";
@@ -297,61 +295,5 @@ mod tests {
         assert_eq!(kept, small[..kept.len()].iter().map(String::as_str).collect::<Vec<_>>());
         assert!(kept.len() > 30, "{kept:?}");
         assert_eq!(bounded_tracestate("a=1,b=2".into()), "a=1,b=2");
-    }
-
-    /// The envelope the cluster engine sends on NATS for a maximal valid
-    /// message (256-byte topic, 64 headers of the longest framing, payload
-    /// and headers at `max_message_bytes`), with the largest tracing
-    /// headers the broker adds, fits `max_message_bytes` plus the cluster's
-    /// allowance.
-    #[test]
-    fn the_largest_tracing_headers_fit_the_cluster_encoding_allowance() {
-        use crate::engine::validate::{MAX_HEADER_BYTES, MAX_HEADERS};
-        let max_message_bytes = MAX_HEADERS * 2 * MAX_HEADER_BYTES;
-        let mut headers: HashMap<String, String> = (0..MAX_HEADERS)
-            .map(|i| {
-                (
-                    format!("{i:02}{}", "n".repeat(MAX_HEADER_BYTES - 2)),
-                    "v".repeat(MAX_HEADER_BYTES),
-                )
-            })
-            .collect();
-        let message = |headers: HashMap<String, String>| pb::Message {
-            topic: "t".repeat(256),
-            payload: Default::default(),
-            headers,
-            publish_time: Some(prost_types::Timestamp {
-                seconds: i64::from(u32::MAX) * 8,
-                nanos: 999_999_999,
-            }),
-            sequence: u64::MAX,
-            ..Default::default()
-        };
-        // The sender and count ahead of it on core NATS (cluster/wire.rs).
-        const COUNT_PREFIX: usize = 2 + 10 + 2 + 8;
-        let untraced = message(headers.clone()).encoded_len() + COUNT_PREFIX;
-        assert!(untraced <= max_message_bytes + 1024, "{}", untraced - max_message_bytes);
-        let state: String = (0..32)
-            .map(|i| format!("v{i:02}={}", "s".repeat(60)))
-            .collect::<Vec<_>>()
-            .join(",");
-        let added = inject(&context(&state), &mut headers);
-        assert_eq!((added.traceparent, added.tracestate), (true, true));
-        assert!(
-            headers[TRACESTATE].len() > TRACESTATE_MAX_BYTES - 64,
-            "{}",
-            headers[TRACESTATE].len()
-        );
-        let traced = message(headers).encoded_len() + COUNT_PREFIX;
-        assert!(
-            traced - untraced <= TRACING_HEADERS_MAX_ENCODED,
-            "{}",
-            traced - untraced
-        );
-        assert!(
-            traced <= max_message_bytes + crate::cluster::ENCODING_ALLOWANCE,
-            "{} bytes over max_message_bytes",
-            traced - max_message_bytes
-        );
     }
 }

@@ -16,8 +16,9 @@
 //! outside it. Time is passed in (`now`), so the logic is tested without a
 //! clock.
 
+use super::member::{DeadLetter, MemberGroup, NackOutcome};
 use super::{Delivery, Published, Subscription};
-use crate::engine::{AckMode, Acked, BrokerError, GroupInfo, Nacked};
+use crate::engine::{AckMode, Acked, BrokerError, GroupInfo};
 use crate::group::admission::{self, Terms};
 use crate::group::machine::{self, AutoDone, Event, GroupMachine, NoRoom, Rules};
 use crate::group::stall::StallReport;
@@ -50,21 +51,6 @@ impl GroupLimits {
             auto: AutoDone::Counted,
         }
     }
-}
-
-/// A message that used up its delivery attempts, to be published to the
-/// group's dead-letter topic by the caller (outside the group's lock).
-#[derive(Debug)]
-pub struct DeadLetter {
-    pub message: Arc<Published>,
-    pub attempts: u32,
-}
-
-/// What a Nack did, and the dead letters it made.
-#[derive(Debug)]
-pub struct NackOutcome {
-    pub nacked: Nacked,
-    pub dead_letters: Vec<DeadLetter>,
 }
 
 pub struct ConsumerGroup {
@@ -157,11 +143,6 @@ impl ConsumerGroup {
         self.state.lock().machine.counters()
     }
 
-    /// A member's stream wrote `count` messages.
-    pub(crate) fn add_delivered(&self, count: u64) {
-        self.delivered.fetch_add(count, Ordering::Relaxed);
-    }
-
     /// What each MANUAL member holds unacked, by subscription key.
     pub(crate) fn unacked_by_member(&self) -> std::collections::HashMap<u64, machine::MemberUnacked> {
         self.state.lock().machine.unacked_by_member()
@@ -240,61 +221,6 @@ impl ConsumerGroup {
         true
     }
 
-    /// A member left (cancelled, closed or shutting down). `unstreamed` is
-    /// what its queue still held: never delivered, so it goes back as it was;
-    /// its manual-ack messages that did reach its stream are retried.
-    /// Returns the dead letters that made.
-    pub(crate) fn leave(&self, member: u64, unstreamed: VecDeque<Delivery>, now: Instant) -> Vec<DeadLetter> {
-        let mut state = self.state.lock();
-        state
-            .machine
-            .leave(&member, unstreamed.into_iter().map(|d| (d, ())), now);
-        if state.machine.members() == 0 && state.idle_since.is_none() {
-            state.idle_since = Some(now);
-        }
-        state.dead_letters()
-    }
-
-    /// An auto-ack member's stream took `count` messages: they are done, and
-    /// the member has room for as many more.
-    pub(crate) fn streamed(&self, member: u64, count: u32, now: Instant) {
-        let mut state = self.state.lock();
-        if count > 0 {
-            state.progressed(now);
-        }
-        state.machine.streamed(&member, count, now);
-    }
-
-    /// A member's session added credit: it may have room now.
-    pub(crate) fn credit_added(&self, now: Instant) {
-        self.state.lock().machine.room_made(now);
-    }
-
-    /// Marks messages done. A sequence this member does not hold (never had,
-    /// already acked, or lost to a redelivery) is unknown and changes nothing.
-    pub(crate) fn ack(&self, member: u64, sequences: &[u64], now: Instant) -> Acked {
-        let mut state = self.state.lock();
-        let result = state.machine.ack(&member, sequences, now);
-        state.machine.out.clear();
-        if result.acked > 0 {
-            state.progressed(now);
-        }
-        result
-    }
-
-    /// Hands messages back for immediate redelivery, preferably to another
-    /// member. A message that used its last attempt is dead-lettered
-    /// instead (and still counted as requeued: the member no longer holds
-    /// it).
-    pub(crate) fn nack(&self, member: u64, sequences: &[u64], now: Instant) -> NackOutcome {
-        let mut state = self.state.lock();
-        let nacked = state.machine.nack(&member, sequences, now);
-        NackOutcome {
-            nacked,
-            dead_letters: state.dead_letters(),
-        }
-    }
-
     /// Takes back manual-ack messages whose ack deadline has passed. Also
     /// notes a group with no work as not stalled (see
     /// [`GroupInfo::stalled`]); the maintenance tick calls this. Returns the
@@ -321,6 +247,74 @@ impl ConsumerGroup {
     /// Shutdown: empties the group; returns how many messages it held.
     pub(crate) fn discard_all(&self) -> usize {
         self.state.lock().remove()
+    }
+}
+
+/// A member's subscription reaches its group through this (see
+/// `broker/member.rs`).
+impl MemberGroup for ConsumerGroup {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A member's stream wrote `count` messages.
+    fn add_delivered(&self, count: u64) {
+        self.delivered.fetch_add(count, Ordering::Relaxed);
+    }
+
+    /// A member left (cancelled, closed or shutting down). `unstreamed` is
+    /// what its queue still held: never delivered, so it goes back as it was;
+    /// its manual-ack messages that did reach its stream are retried.
+    /// Returns the dead letters that made.
+    fn leave(&self, member: u64, unstreamed: VecDeque<Delivery>, now: Instant) -> Vec<DeadLetter> {
+        let mut state = self.state.lock();
+        state
+            .machine
+            .leave(&member, unstreamed.into_iter().map(|d| (d, ())), now);
+        if state.machine.members() == 0 && state.idle_since.is_none() {
+            state.idle_since = Some(now);
+        }
+        state.dead_letters()
+    }
+
+    /// An auto-ack member's stream took `count` messages: they are done, and
+    /// the member has room for as many more.
+    fn streamed(&self, member: u64, count: u32, now: Instant) {
+        let mut state = self.state.lock();
+        if count > 0 {
+            state.progressed(now);
+        }
+        state.machine.streamed(&member, count, now);
+    }
+
+    /// A member's session added credit: it may have room now.
+    fn credit_added(&self, now: Instant) {
+        self.state.lock().machine.room_made(now);
+    }
+
+    /// Marks messages done. A sequence this member does not hold (never had,
+    /// already acked, or lost to a redelivery) is unknown and changes nothing.
+    fn ack(&self, member: u64, sequences: &[u64], now: Instant) -> Acked {
+        let mut state = self.state.lock();
+        let result = state.machine.ack(&member, sequences, now);
+        state.machine.out.clear();
+        if result.acked > 0 {
+            state.progressed(now);
+        }
+        result
+    }
+
+    /// Hands messages back for immediate redelivery, preferably to another
+    /// member. A message that used its last attempt is dead-lettered
+    /// instead (and still counted as requeued: the member no longer holds
+    /// it).
+    fn nack(&self, member: u64, sequences: &[u64], now: Instant) -> NackOutcome {
+        let mut state = self.state.lock();
+        let nacked = state.machine.nack(&member, sequences, now);
+        NackOutcome {
+            nacked,
+            dead_letters: state.dead_letters(),
+        }
     }
 }
 
