@@ -16,18 +16,13 @@
 //! while a peer sending 1-byte frames it never lets the broker read is cut
 //! off once about 64 KiB of them (65,000 frames) wait unread.
 //!
-//! Writes (issue 16): h2 writes every DATA frame of 256 bytes or more with
-//! a `writev` of its own on a socket that has vectored writes. A message
-//! fanned out to the 50 subscriptions of one connection then cost 50 system
-//! calls. Two things make it one or two:
-//! - the connection's requests run in its own task ([`crate::grpc::executor`]), so
-//!   all the streams a message woke queue their frames before the
-//!   connection writes;
-//! - [`Coalesce`] reports no vectored writes, so h2 copies frames under
-//!   1 KiB into its 16 KiB write buffer and writes as many as are pending at
-//!   once; it stages that buffer so that a larger frame's payload, which h2
-//!   writes next, still goes out with it in one `writev`, as before.
+//! Writes (issue 16): the requests of a connection run in its own task
+//! ([`crate::grpc::executor`]), so all the streams a message woke queue
+//! their frames before the connection writes, and [`Coalesce`]
+//! (`grpc::coalesce`) sends what one turn of that task wrote in one system
+//! call.
 
+use crate::grpc::coalesce::Coalesce;
 use crate::grpc::executor::Requests;
 use crate::grpc::request_budget::{BoundedBody, ConnectionIncoming, IncomingLimits};
 use bytes::{Buf, Bytes};
@@ -40,7 +35,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -315,7 +310,7 @@ async fn serve_connection<S, B>(
             }
         }
     });
-    let io = match handshake.await {
+    let (io, writes) = match handshake.await {
         Ok(Ok(stream)) => Io::new(stream),
         Ok(Err(Handshake::Closed)) => return,
         Ok(Err(Handshake::Tls(e))) => return stats.reject(Rejection::TlsHandshake, peer, Some(&e.to_string())),
@@ -346,12 +341,21 @@ async fn serve_connection<S, B>(
         .keep_alive_interval(limits.keepalive_interval)
         .keep_alive_timeout(limits.keepalive_timeout);
     let mut connection = Box::pin(builder.serve_connection(TokioIo::new(io), per_request));
+    // One turn of the connection's task: its requests and the connection
+    // are polled with the socket's writes held, and what they wrote goes
+    // out at the end, together (grpc::coalesce).
+    let mut turn = |cx: &mut Context<'_>, connection: Pin<&mut _>| {
+        writes.hold();
+        let polled = requests.drive(connection, cx);
+        writes.release(cx);
+        polled
+    };
     let result = tokio::select! {
-        result = std::future::poll_fn(|cx| requests.drive(connection.as_mut(), cx)) => result,
+        result = std::future::poll_fn(|cx| turn(cx, connection.as_mut())) => result,
         _ = stop.cancelled() => {
             // GOAWAY: calls in progress may finish, no new ones start.
             connection.as_mut().graceful_shutdown();
-            let finished = std::future::poll_fn(|cx| requests.drive(connection.as_mut(), cx));
+            let finished = std::future::poll_fn(|cx| turn(cx, connection.as_mut()));
             match tokio::time::timeout(GRACEFUL_CLOSE, finished).await {
                 Ok(result) => result,
                 Err(_) => return tracing::debug!(%peer, "gRPC connection did not finish its calls in time; dropped"),
@@ -523,130 +527,6 @@ impl AsyncWrite for Stream {
 /// [`Coalesce`].
 type Io = Coalesce<Stream>;
 
-/// The size of h2's write buffer (`DEFAULT_BUFFER_CAPACITY` in h2 0.4's
-/// `codec/framed_write.rs`); no write h2 makes from it is larger.
-const STAGE_MAX: usize = 16 * 1024;
-
-/// A stream that tells h2 it has no vectored writes, and sends h2's buffer
-/// together with the payload that follows it.
-///
-/// h2 0.4 writes with tokio-util's `poll_write_buf`. When the stream has
-/// vectored writes, h2 keeps every DATA frame of 256 bytes or more out of
-/// its 16 KiB write buffer and writes it with its own `writev`
-/// (`[buffer, payload]`), accepting no other frame until then: one system
-/// call per frame, however many frames are pending. Without vectored
-/// writes, only frames of 1 KiB or more are kept out (the buffer then holds
-/// the frame's head and its first bytes), smaller ones are copied into the
-/// buffer, and `poll_write_buf` writes one slice at a time: first the
-/// buffer, then the payload.
-///
-/// So this stream reports no vectored writes, and *stages* a write of up to
-/// [`STAGE_MAX`] bytes (h2's buffer) instead of sending it: the next write,
-/// a large frame's payload, goes out with it in one `writev`, as it did
-/// with vectored writes; `poll_flush`, which h2 calls at the end of every
-/// flush of its buffer, sends what is staged. Nothing stays staged once a
-/// flush has returned `Ready`. The staging buffer grows to the largest
-/// write staged, at most [`STAGE_MAX`].
-struct Coalesce<T> {
-    inner: T,
-    /// Bytes accepted and not sent yet: `staged[sent..]`.
-    staged: Vec<u8>,
-    sent: usize,
-}
-
-impl<T> Coalesce<T> {
-    fn new(inner: T) -> Self {
-        Self {
-            inner,
-            staged: Vec::new(),
-            sent: 0,
-        }
-    }
-
-    fn has_staged(&self) -> bool {
-        self.sent < self.staged.len()
-    }
-
-    fn unstage(&mut self) {
-        self.staged.clear();
-        self.sent = 0;
-    }
-}
-
-impl<T: AsyncWrite + Unpin> Coalesce<T> {
-    /// Sends what is staged; `Ready(Ok)` once nothing is.
-    fn poll_send_staged(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.has_staged() {
-            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.staged[self.sent..]))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            self.sent += n;
-        }
-        self.unstage();
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Coalesce<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesce<T> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if buf.is_empty() {
-            return Poll::Ready(Ok(0));
-        }
-        if !this.has_staged() {
-            if buf.len() <= STAGE_MAX {
-                this.unstage();
-                this.staged.extend_from_slice(buf);
-                return Poll::Ready(Ok(buf.len()));
-            }
-            return Pin::new(&mut this.inner).poll_write(cx, buf);
-        }
-        loop {
-            let staged = &this.staged[this.sent..];
-            let pending = staged.len();
-            let slices = [io::IoSlice::new(staged), io::IoSlice::new(buf)];
-            let n = ready!(Pin::new(&mut this.inner).poll_write_vectored(cx, &slices))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            if n < pending {
-                this.sent += n;
-                continue;
-            }
-            this.unstage();
-            if n > pending {
-                return Poll::Ready(Ok(n - pending));
-            }
-            // All of the staged bytes went and none of `buf`.
-            return Pin::new(&mut this.inner).poll_write(cx, buf);
-        }
-    }
-
-    /// No: see the type's docs.
-    fn is_write_vectored(&self) -> bool {
-        false
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        ready!(this.poll_send_staged(cx))?;
-        Pin::new(&mut this.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        ready!(this.poll_send_staged(cx))?;
-        Pin::new(&mut this.inner).poll_shutdown(cx)
-    }
-}
-
 /// Raises the soft limit of open file descriptors to the hard limit, so that
 /// `max_connections` connections fit; returns the limit now in force.
 pub fn raise_fd_limit() -> io::Result<libc::rlim_t> {
@@ -710,158 +590,6 @@ mod tests {
         let (client, server) = tokio::io::duplex(64);
         drop(client);
         assert!(matches!(read_preface(server).await, Err(Handshake::Closed)));
-    }
-
-    /// A socket that records every call: the slices of each write, how
-    /// many bytes it took (at most `take` per call), and a `Pending` before
-    /// every call while `stall` is set (it wakes the task at once).
-    #[derive(Default)]
-    struct Socket {
-        writes: Vec<Vec<Vec<u8>>>,
-        wire: Vec<u8>,
-        take: Option<usize>,
-        stall: bool,
-        stalled: bool,
-        flushes: usize,
-        shut: bool,
-    }
-
-    impl Socket {
-        fn stall(&mut self, cx: &mut Context<'_>) -> bool {
-            if self.stall && !self.stalled {
-                self.stalled = true;
-                cx.waker().wake_by_ref();
-                return true;
-            }
-            self.stalled = false;
-            false
-        }
-    }
-
-    impl AsyncWrite for Socket {
-        fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-            self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
-        }
-
-        fn poll_write_vectored(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            bufs: &[io::IoSlice<'_>],
-        ) -> Poll<io::Result<usize>> {
-            let this = self.get_mut();
-            if this.stall(cx) {
-                return Poll::Pending;
-            }
-            this.writes.push(bufs.iter().map(|b| b.to_vec()).collect());
-            let all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-            let n = all.len().min(this.take.unwrap_or(usize::MAX));
-            this.wire.extend_from_slice(&all[..n]);
-            Poll::Ready(Ok(n))
-        }
-
-        fn is_write_vectored(&self) -> bool {
-            true
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            let this = self.get_mut();
-            if this.stall(cx) {
-                return Poll::Pending;
-            }
-            this.flushes += 1;
-            Poll::Ready(Ok(()))
-        }
-
-        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            self.get_mut().shut = true;
-            Poll::Ready(Ok(()))
-        }
-    }
-
-    /// One write as h2's `poll_write_buf` makes it (a single slice): how
-    /// much was taken.
-    async fn write_once(io: &mut Coalesce<Socket>, buf: &[u8]) -> usize {
-        std::future::poll_fn(|cx| Pin::new(&mut *io).poll_write(cx, buf))
-            .await
-            .unwrap()
-    }
-
-    #[tokio::test]
-    async fn a_small_write_waits_for_the_flush_and_a_payload_goes_with_it() {
-        use tokio::io::AsyncWriteExt;
-        let mut io = Coalesce::new(Socket::default());
-        assert!(
-            !io.is_write_vectored(),
-            "so that h2 copies frames under 1 KiB into its buffer"
-        );
-
-        // h2's buffer of small frames, then its flush: one write.
-        assert_eq!(write_once(&mut io, b"small frames").await, 12);
-        assert!(io.inner.writes.is_empty(), "staged, not written");
-        io.flush().await.unwrap();
-        assert_eq!(io.inner.writes, [vec![b"small frames".to_vec()]]);
-        assert_eq!(io.inner.flushes, 1);
-
-        // h2's buffer ending with a large frame's head, then the frame's
-        // payload, then the flush: still one write, of both.
-        let payload = vec![7u8; 64 * 1024];
-        assert_eq!(write_once(&mut io, b"head").await, 4);
-        assert_eq!(write_once(&mut io, &payload).await, payload.len());
-        io.flush().await.unwrap();
-        assert_eq!(io.inner.writes.len(), 2);
-        assert_eq!(io.inner.writes[1], [b"head".to_vec(), payload.clone()]);
-
-        // More than h2's buffer holds, with nothing staged: written at once.
-        assert_eq!(write_once(&mut io, &payload).await, payload.len());
-        assert_eq!(io.inner.writes.len(), 3);
-
-        // Shutting down sends what is staged first.
-        assert_eq!(write_once(&mut io, b"goaway").await, 6);
-        io.shutdown().await.unwrap();
-        assert_eq!(io.inner.writes.len(), 4);
-        assert!(io.inner.shut);
-        let mut wire = b"small frameshead".to_vec();
-        wire.extend_from_slice(&payload);
-        wire.extend_from_slice(&payload);
-        wire.extend_from_slice(b"goaway");
-        assert_eq!(io.inner.wire, wire);
-    }
-
-    proptest::proptest! {
-        /// Whatever the socket takes per call and however often it is not
-        /// ready, the bytes reach it whole and in order, nothing is left
-        /// staged after a flush, and no write makes more system calls than
-        /// the socket needs.
-        #[test]
-        fn writes_reach_the_socket_in_order(
-            writes in proptest::collection::vec((1usize..40_000, proptest::bool::ANY), 1..12),
-            take in proptest::option::of(1usize..20_000),
-            stall in proptest::bool::ANY,
-        ) {
-            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-            runtime.block_on(async {
-                use tokio::io::AsyncWriteExt;
-                let mut io = Coalesce::new(Socket { take, stall, ..Socket::default() });
-                let mut expected = Vec::new();
-                for (i, (len, flush)) in writes.iter().enumerate() {
-                    let buf: Vec<u8> = (0..*len).map(|j| (i * 31 + j) as u8).collect();
-                    io.write_all(&buf).await.unwrap();
-                    expected.extend_from_slice(&buf);
-                    if *flush {
-                        io.flush().await.unwrap();
-                        assert_eq!(io.inner.wire, expected);
-                        assert!(!io.has_staged());
-                    }
-                }
-                io.flush().await.unwrap();
-                assert_eq!(io.inner.wire, expected);
-                if take.is_none() {
-                    // A socket that takes everything: one call per flush at
-                    // most, or per write that follows a staged one.
-                    assert!(io.inner.writes.len() <= writes.len());
-                }
-            });
-        }
     }
 
     #[test]

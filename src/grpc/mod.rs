@@ -11,6 +11,8 @@
 //! - [`framing`]: a delivery as gRPC frame bytes, encoded straight from the
 //!   published message, shared by both bodies;
 //! - [`codec`]: the codec of the generated servers (`build.rs`);
+//! - [`coalesce`]: how a connection's writes reach its socket (one system
+//!   call for what one turn of the connection's task wrote);
 //! - [`connections`]: the accept loop and what one connection may hold
 //!   (cap, handshake timeout, TLS, HTTP/2 windows, abuse counted);
 //! - [`executor`]: runs a connection's requests inside its own task;
@@ -20,6 +22,7 @@
 //! The public surface (what `server.rs`, tests and the fuzz harness use) is
 //! re-exported here.
 
+pub mod coalesce;
 pub mod codec;
 pub mod connections;
 pub mod convert;
