@@ -120,6 +120,10 @@ struct Cli {
     /// that it catches a regression of that size (e.g. 0.03).
     #[arg(long, default_value_t = 0.0, requires = "guard")]
     inflate_instructions: f64,
+    /// Keep the server logs and the guard's callgrind dumps (for
+    /// `callgrind_annotate`) even when every run passed.
+    #[arg(long)]
+    keep_logs: bool,
 }
 
 #[tokio::main]
@@ -235,7 +239,7 @@ async fn run(cli: Cli) -> Result<bool> {
             systems::version_of(&settings.bins.tinybroker, "--version")
         );
         let ok = guard::run(args, settings).await?;
-        if ok {
+        if ok && !cli.keep_logs {
             let _ = std::fs::remove_dir_all(&log_dir);
         } else {
             eprintln!("tinybroker-bench: server logs kept in {}", log_dir.display());
@@ -333,6 +337,10 @@ async fn run(cli: Cli) -> Result<bool> {
                                 + &res
                                     .cpu_s_per_m
                                     .map(|c| format!(", server CPU {c:.3} s per M deliveries"))
+                                    .unwrap_or_default()
+                                + &res
+                                    .kernel_share
+                                    .map(|k| format!(" ({:.0} % in the kernel)", k * 100.0))
                                     .unwrap_or_default(),
                             res.rss_per_sub_bytes
                                 .map(|b| format!(", RSS/sub {b:.0} B"))
@@ -361,7 +369,7 @@ async fn run(cli: Cli) -> Result<bool> {
     if let Some(path) = &cli.out {
         std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?;
     }
-    if all_ok {
+    if all_ok && !cli.keep_logs {
         let _ = std::fs::remove_dir_all(&log_dir);
     } else {
         eprintln!(

@@ -292,6 +292,9 @@ pub struct ProcStats {
     pub peak_rss_kib: u64,
     /// utime + stime, in clock ticks.
     pub cpu_ticks: u64,
+    /// stime alone: the part spent in the kernel (syscalls, the network
+    /// stack, wake-ups).
+    pub sys_ticks: u64,
     pub at: Instant,
 }
 
@@ -329,6 +332,7 @@ impl ProcStats {
             rss_kib,
             peak_rss_kib,
             cpu_ticks: tick(11)? + tick(12)?,
+            sys_ticks: tick(12)?,
             at,
         })
     }
@@ -341,6 +345,7 @@ impl ProcStats {
             rss_kib: parts.iter().map(|p| p.rss_kib).sum(),
             peak_rss_kib: parts.iter().map(|p| p.peak_rss_kib).sum(),
             cpu_ticks: parts.iter().map(|p| p.cpu_ticks).sum(),
+            sys_ticks: parts.iter().map(|p| p.sys_ticks).sum(),
             at: first.at,
         })
     }
@@ -350,6 +355,13 @@ impl ProcStats {
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
         self.cpu_ticks.saturating_sub(earlier.cpu_ticks) as f64 / hz
+    }
+
+    /// The kernel's share (stime) of the CPU used between two snapshots,
+    /// 0 to 1; `None` when none was used.
+    pub fn kernel_share_since(&self, earlier: &ProcStats) -> Option<f64> {
+        let all = self.cpu_ticks.saturating_sub(earlier.cpu_ticks);
+        (all > 0).then(|| self.sys_ticks.saturating_sub(earlier.sys_ticks) as f64 / all as f64)
     }
 
     /// CPU used between two snapshots, in % of one core.

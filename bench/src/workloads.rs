@@ -423,6 +423,8 @@ pub struct RunResult {
     pub cpu_percent: f64,
     /// Server CPU seconds per million deliveries.
     pub cpu_s_per_m: Option<f64>,
+    /// The kernel's share of that CPU (system time), 0 to 1.
+    pub kernel_share: Option<f64>,
     pub rss_per_sub_bytes: Option<f64>,
     /// Each group member's share of the deliveries.
     pub split: Option<Vec<f64>>,
@@ -1001,6 +1003,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
         cpu_percent: after.cpu_percent_since(&before),
         // Under MIN_CPU_S the clock ticks are too coarse to say anything.
         cpu_s_per_m: (unique > 0 && server_cpu_s >= MIN_CPU_S).then(|| server_cpu_s / (unique as f64 / 1e6)),
+        kernel_share: (server_cpu_s >= MIN_CPU_S)
+            .then(|| after.kernel_share_since(&before))
+            .flatten(),
         rss_per_sub_bytes: None,
         split,
         stalled_flagged,
