@@ -24,7 +24,7 @@
 //!   When staging a write would pass the limit, what is staged and that
 //!   write go out together in one `writev`.
 //!
-//! Outside a turn (no driver: tests, the graceful close) it stages only
+//! Outside a turn (a stream with no driver, as in the tests) it stages only
 //! h2's buffer, up to [`STAGE_MAX`], so that the large frame's payload h2
 //! writes next goes out with it in one `writev`; `poll_flush` sends it.
 //!
