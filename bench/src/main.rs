@@ -369,13 +369,15 @@ async fn run(cli: Cli) -> Result<bool> {
     if let Some(path) = &cli.out {
         std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?;
     }
-    if all_ok && !cli.keep_logs {
-        let _ = std::fs::remove_dir_all(&log_dir);
-    } else {
+    if !all_ok {
         eprintln!(
             "tinybroker-bench: some runs failed or lost messages; server logs kept in {}",
             log_dir.display()
         );
+    } else if cli.keep_logs {
+        eprintln!("tinybroker-bench: server logs kept in {}", log_dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&log_dir);
     }
     Ok(all_ok)
 }

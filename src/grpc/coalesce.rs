@@ -408,11 +408,7 @@ mod tests {
             io.flush().await.unwrap();
         }
         assert!(socket(&io, |s| s.writes.is_empty()), "nothing sent during the turn");
-        std::future::poll_fn(|cx| {
-            handle.release(cx);
-            Poll::Ready(())
-        })
-        .await;
+        release_once(&handle);
         assert_eq!(socket(&io, |s| s.writes.len()), 1, "one write for the turn");
         assert_eq!(socket(&io, |s| s.wire.len()), 5 * (4 + frame.len()));
         assert!(
@@ -423,11 +419,7 @@ mod tests {
         handle.hold();
         assert_eq!(write_once(&mut io, b"ping").await, 4);
         io.flush().await.unwrap();
-        std::future::poll_fn(|cx| {
-            handle.release(cx);
-            Poll::Ready(())
-        })
-        .await;
+        release_once(&handle);
         assert_eq!(socket(&io, |s| s.writes.len()), 2);
         assert_eq!(
             io.shared.lock().staged.capacity(),
@@ -482,11 +474,7 @@ mod tests {
         handle.hold();
         write_once(&mut io, b"frames").await;
         io.shared.lock().inner.fail = true;
-        std::future::poll_fn(|cx| {
-            handle.release(cx);
-            Poll::Ready(())
-        })
-        .await;
+        release_once(&handle);
         let e = io.flush().await.expect_err("the send failed");
         assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
     }
@@ -497,22 +485,22 @@ mod tests {
         drop(io);
         assert!(handle.shared.upgrade().is_none());
         handle.hold();
-        std::future::poll_fn(|cx| {
-            handle.release(cx);
-            Poll::Ready(())
-        })
-        .await;
+        release_once(&handle);
+    }
+
+    /// Ends a turn once, as the driver does.
+    fn release_once(handle: &WriteBehind<Socket>) {
+        handle.release(&mut Context::from_waker(std::task::Waker::noop()));
     }
 
     /// Ends a turn, again while the socket is not ready (as its waker
     /// would), until nothing is staged; fails rather than waits forever
     /// when three ends in a row sent nothing.
     fn end_turn(io: &Coalesce<Socket>, handle: &WriteBehind<Socket>) {
-        let mut cx = Context::from_waker(std::task::Waker::noop());
         let mut idle = 0;
         loop {
             let before = io.shared.lock().pending();
-            handle.release(&mut cx);
+            release_once(handle);
             let after = io.shared.lock().pending();
             if after == 0 {
                 return;
