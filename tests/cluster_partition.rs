@@ -22,16 +22,15 @@ use common::nats::NatsCluster;
 use common::process::metric_with_label;
 use common::proxy::{self, Proxy};
 use common::session::TestSession;
+use common::traffic::*;
 use common::*;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tinybroker::config::Config;
 use tinybroker::pb;
-use tinybroker::pb::broker_client::BrokerClient;
 use tinybroker::pb::session_event::Event;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 
 /// The contract's bound on noticing, on serving again and on a broadcast
@@ -39,10 +38,6 @@ use tonic_health::pb::health_check_response::ServingStatus;
 const BOUND: Duration = Duration::from_secs(5);
 /// What the test allows above it (a loaded 2-core machine, debug build).
 const MARGIN: Duration = Duration::from_millis(1500);
-/// "At once", for an UNAVAILABLE answer.
-const AT_ONCE: Duration = Duration::from_secs(1);
-/// A client's own deadline: what a hang would run into.
-const CLIENT_DEADLINE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Cut {
@@ -65,63 +60,6 @@ fn config_for(url: String, id: &str, prefix: &str) -> Config {
     replica_config(config(), vec![url], id, prefix, 1)
 }
 
-/// What a publisher sent: the number of each accepted message and when its
-/// Publish began, and each refusal.
-#[derive(Default)]
-struct Sent {
-    ok: Vec<(u64, Instant)>,
-    refused: Vec<(u64, Instant, Duration, tonic::Status)>,
-}
-
-/// Publishes `<topic>.<n>` (payload n) through `client` every `every`
-/// until `stop`, recording each outcome.
-async fn publisher(
-    mut client: BrokerClient<Channel>,
-    topic: &'static str,
-    every: Duration,
-    stop: CancellationToken,
-    sent: Arc<Mutex<Sent>>,
-) {
-    let mut n = 0;
-    while !stop.is_cancelled() {
-        n += 1;
-        let started = Instant::now();
-        let request = publish_request(&format!("{topic}.{n}"), &n.to_string());
-        match tokio::time::timeout(CLIENT_DEADLINE, client.publish(request)).await {
-            Ok(Ok(_)) => sent.lock().ok.push((n, started)),
-            Ok(Err(status)) => sent.lock().refused.push((n, started, started.elapsed(), status)),
-            Err(_) => sent.lock().refused.push((
-                n,
-                started,
-                started.elapsed(),
-                tonic::Status::deadline_exceeded("the client's deadline"),
-            )),
-        }
-        tokio::time::sleep(every).await;
-    }
-}
-
-/// What a subscriber got: topic and arrival time, in order.
-type Got = Arc<Mutex<Vec<(String, Instant)>>>;
-
-/// Reads `stream` into `got`; acks each message through `acker` (a member
-/// and its own replica's client) when given.
-fn receive(mut stream: tonic::Streaming<pb::Message>, got: Got, acker: Option<(BrokerClient<Channel>, String)>) {
-    tokio::spawn(async move {
-        let mut acker = acker;
-        while let Ok(Some(m)) = stream.message().await {
-            got.lock().push((m.topic.clone(), Instant::now()));
-            if let Some((client, id)) = acker.as_mut() {
-                let ack = client.ack(pb::AckRequest {
-                    subscription_id: id.clone(),
-                    sequences: vec![m.sequence],
-                });
-                let _ = tokio::time::timeout(Duration::from_secs(2), ack).await;
-            }
-        }
-    });
-}
-
 /// `tinybroker_messages_dropped_total{reason}` of one replica.
 async fn dropped(replica: &TestBroker, reason: &str) -> f64 {
     let text = scrape(replica.metrics_addr).await;
@@ -131,41 +69,6 @@ async fn dropped(replica: &TestBroker, reason: &str) -> f64 {
         &format!("reason=\"{reason}\""),
     )
     .unwrap_or(0.0)
-}
-
-async fn status(replica: &TestBroker) -> Option<ServingStatus> {
-    serving_status_at(&replica.url()).await
-}
-
-/// Polls `replica`'s health until it is `want`; how long that took from
-/// `since`, or a panic after `limit`.
-async fn wait_status(replica: &TestBroker, want: ServingStatus, since: Instant, limit: Duration) -> Duration {
-    loop {
-        if status(replica).await == Some(want) {
-            return since.elapsed();
-        }
-        assert!(
-            since.elapsed() < limit,
-            "the cut-off replica was not {want:?} within {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Runs `call` under the client's deadline; its status and how long it took.
-async fn refused<T>(call: impl std::future::Future<Output = Result<T, tonic::Status>>) -> (tonic::Status, Duration) {
-    let started = Instant::now();
-    match tokio::time::timeout(CLIENT_DEADLINE, call).await {
-        Ok(Ok(_)) => panic!("accepted on a cut-off replica"),
-        Ok(Err(status)) => (status, started.elapsed()),
-        Err(_) => panic!("no answer within the client's deadline of {CLIENT_DEADLINE:?}: a hang"),
-    }
-}
-
-fn assert_unavailable_naming_nats(what: &str, status: &tonic::Status, took: Duration) {
-    assert_eq!(status.code(), tonic::Code::Unavailable, "{what}: {status:?}");
-    assert!(status.message().contains("NATS"), "{what} names NATS: {status:?}");
-    assert!(took < AT_ONCE, "{what} answered in {took:?}, not at once: {status:?}");
 }
 
 async fn cut_off(cut: Cut) {
@@ -222,7 +125,7 @@ async fn cut_off(cut: Cut) {
             Cut::Blackhole => proxy.blackhole(),
             Cut::Reset => proxy.reset(),
         }
-        let to_not_serving = wait_status(&c, ServingStatus::NotServing, cut_at, BOUND + MARGIN).await;
+        let to_not_serving = wait_status(&c.url(), ServingStatus::NotServing, cut_at, BOUND + MARGIN).await;
 
         // Everything on c is UNAVAILABLE at once, naming NATS.
         let mut answers = Vec::new();
@@ -253,8 +156,8 @@ async fn cut_off(cut: Cut) {
         answers.push(took);
 
         // The others serve each other meanwhile.
-        assert_eq!(status(&a).await, Some(ServingStatus::Serving));
-        assert_eq!(status(&b).await, Some(ServingStatus::Serving));
+        assert_eq!(serving_status_at(&a.url()).await, Some(ServingStatus::Serving));
+        assert_eq!(serving_status_at(&b.url()).await, Some(ServingStatus::Serving));
         ca.publish(publish_request("cut.ab.1", "1")).await.expect("a publishes");
         wait_until("b to get a's message while c is cut off", || async {
             on_b.lock().iter().any(|(t, _)| t == "cut.ab.1")
@@ -273,7 +176,7 @@ async fn cut_off(cut: Cut) {
 
         let healed_at = Instant::now();
         proxy.heal();
-        let to_serving = wait_status(&c, ServingStatus::Serving, healed_at, BOUND + MARGIN).await;
+        let to_serving = wait_status(&c.url(), ServingStatus::Serving, healed_at, BOUND + MARGIN).await;
         // Traffic through c again, then the publishers stop.
         let resumed = broadcast.lock().ok.len();
         wait_until("c to accept publishes again", || async { broadcast.lock().ok.len() >= resumed + 10 }).await;

@@ -12,7 +12,7 @@
 //!
 //! [`DELIVER_WITHIN`]: super::liveness::DELIVER_WITHIN
 
-use super::groups::{GroupRoute, NotStored};
+use super::groups::{GroupRoute, NotStored, stored};
 use super::wire;
 use super::{ClusterEngine, REMOTE_BURST, Ready};
 use crate::broker::{RouteCache, WakeBatch};
@@ -168,7 +168,7 @@ impl ClusterEngine {
                 let mut took = 0;
                 for (route, ack) in sent {
                     let first = match ack {
-                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| NotStored::of_answer(&e)),
+                        Ok(ack) => stored(ack.await),
                         Err(e) => Err(NotStored::Refused(e.to_string())),
                     };
                     // The retries' future is boxed only when needed: held

@@ -137,6 +137,8 @@ impl ClusterEngine {
             self.inner.config.prefix,
             key(&self.inner.config.replica_id)
         );
+        let beyond = Beyond::start(client, &self.inner.config.prefix).await;
+        let stream = format!("KV_{}_replicas", self.inner.config.prefix);
         let mut last_heard = Instant::now();
         let mut read = client.statistics().in_bytes.load(Ordering::Relaxed);
         let mut tick = tokio::time::interval(PROBE_EVERY);
@@ -150,6 +152,7 @@ impl ClusterEngine {
                 // Lost outright: the event watcher has said so, and a
                 // reconnection starts a fresh count.
                 last_heard = Instant::now();
+                beyond.heard();
                 continue;
             }
             // Bytes read since the last look: heard by now (looked at before
@@ -160,21 +163,35 @@ impl ClusterEngine {
                 last_heard = Instant::now();
             }
             read = now_read;
-            if probe(client, &subject).await {
+            beyond.ping(client).await;
+            let (own, quorum) = tokio::join!(probe(client, &subject), probe_quorum(client, &stream));
+            if own {
                 last_heard = Instant::now();
             }
+            if quorum {
+                beyond.heard();
+            }
             let silent = last_heard.elapsed();
+            let silent_beyond = beyond.silent();
             let answering = self.inner.liveness.answering();
-            if answering && silent >= SILENT_FOR {
-                let why = format!(
-                    "NATS is unreachable: the NATS server ({}) has not answered for {:.1} s although the connection is open (a network partition?)",
-                    self.nats_server(),
-                    silent.as_secs_f64()
-                );
+            if answering && (silent >= SILENT_FOR || silent_beyond >= SILENT_FOR) {
+                let why = if silent >= SILENT_FOR {
+                    format!(
+                        "NATS is unreachable: the NATS server ({}) has not answered for {:.1} s although the connection is open (a network partition?)",
+                        self.nats_server(),
+                        silent.as_secs_f64()
+                    )
+                } else {
+                    format!(
+                        "NATS is unreachable beyond its server: the NATS server ({}) answers, but for {:.1} s nothing beyond it has (no replica on another NATS server, no JetStream quorum): it is cut off from the rest of the NATS cluster (a network partition?)",
+                        self.nats_server(),
+                        silent_beyond.as_secs_f64()
+                    )
+                };
                 tracing::warn!("{why}: NOT_SERVING until it answers");
                 self.inner.health.send_replace(EngineHealth::NotServing(why));
                 self.inner.liveness.answering.send_replace(false);
-            } else if !answering && silent < SILENT_FOR {
+            } else if !answering && silent < SILENT_FOR && silent_beyond < SILENT_FOR {
                 tracing::info!(nats_server = %self.nats_server(), "NATS answers again");
                 self.inner.liveness.answering.send_replace(true);
                 tokio::spawn(self.clone().back_online(ready.clone()));
@@ -250,9 +267,194 @@ async fn probe(client: &async_nats::Client, subject: &str) -> bool {
     }
 }
 
+/// Signs from beyond this replica's own NATS server: a replica connected
+/// to another server answering a ping, or a JetStream quorum answering
+/// ([`probe_quorum`]). Every replica answers pings on
+/// `<prefix>.alive.peers` with the id of the NATS server it is connected
+/// to; an answer that names another server than this replica's crossed a
+/// route both ways.
+struct Beyond {
+    subject: String,
+    inbox: async_nats::Subject,
+    /// When something beyond was last heard, in ms since `since`.
+    heard_ms: Arc<AtomicU64>,
+    since: Instant,
+    /// The tasks answering pings and reading the answers end with this.
+    _tasks: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl Beyond {
+    async fn start(client: &async_nats::Client, prefix: &str) -> Beyond {
+        let subject = format!("{prefix}.alive.peers");
+        let inbox = async_nats::Subject::from(client.new_inbox());
+        let heard_ms = Arc::new(AtomicU64::new(0));
+        let since = Instant::now();
+        let answer = {
+            let client = client.clone();
+            let subject = subject.clone();
+            async move {
+                // Retried: a subscription is refused only while the
+                // connection is being made.
+                let mut pings = loop {
+                    match client.subscribe(subject.clone()).await {
+                        Ok(pings) => break pings,
+                        Err(_) => tokio::time::sleep(PROBE_EVERY).await,
+                    }
+                };
+                while let Some(ping) = futures::StreamExt::next(&mut pings).await {
+                    if let Some(reply) = ping.reply {
+                        let server = client.server_info().server_id;
+                        let _ = client.publish(reply, server.into()).await;
+                    }
+                }
+            }
+        };
+        let read = {
+            let client = client.clone();
+            let inbox = inbox.clone();
+            let heard_ms = heard_ms.clone();
+            async move {
+                let mut answers = loop {
+                    match client.subscribe(inbox.clone()).await {
+                        Ok(answers) => break answers,
+                        Err(_) => tokio::time::sleep(PROBE_EVERY).await,
+                    }
+                };
+                while let Some(answer) = futures::StreamExt::next(&mut answers).await {
+                    // Not a status (a "no responders" when the ping went
+                    // out before every replica's subscription was up).
+                    let named = answer.status.is_none() && !answer.payload.is_empty();
+                    if named && answer.payload != client.server_info().server_id.as_bytes() {
+                        heard_ms.store(since.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+        };
+        let tasks = tokio::spawn(async move {
+            tokio::join!(answer, read);
+        });
+        Beyond {
+            subject,
+            inbox,
+            heard_ms,
+            since,
+            _tasks: tokio_util::task::AbortOnDropHandle::new(tasks),
+        }
+    }
+
+    /// Asks every replica which NATS server it is on (answers are read
+    /// as they come).
+    async fn ping(&self, client: &async_nats::Client) {
+        let ping = client.publish_with_reply(self.subject.clone(), self.inbox.clone(), bytes::Bytes::new());
+        let _ = tokio::time::timeout(PROBE_TIMEOUT, ping).await;
+    }
+
+    /// Something beyond answered now.
+    fn heard(&self) {
+        self.heard_ms
+            .store(self.since.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long since something beyond answered.
+    fn silent(&self) -> Duration {
+        self.since
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.heard_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// How long ago a stream's leader may have last heard from a peer for the
+/// peer to count towards its quorum (its heartbeats go out every second).
+const PEER_ACTIVE_WITHIN: Duration = Duration::from_secs(2);
+
+/// Whether a JetStream quorum answers: the leader of `stream` (the
+/// replicas bucket, written to every [`super::HEARTBEAT`]) answers its
+/// info request within [`PROBE_TIMEOUT`] and has heard from a majority of
+/// its peers within [`PEER_ACTIVE_WITHIN`] (and has a route to them). A leader cut off with this
+/// replica's server answers, and its peers fall silent; a leader beyond
+/// it does not answer; a server with no leader says "cluster not
+/// available" (10008). Any other JetStream answer (the stream not found,
+/// after NATS lost its state) comes from the meta leader: a quorum.
+async fn probe_quorum(client: &async_nats::Client, stream: &str) -> bool {
+    let request = async_nats::Request::new()
+        .timeout(Some(PROBE_TIMEOUT))
+        .payload(bytes::Bytes::new());
+    let subject = format!("$JS.API.STREAM.INFO.{stream}");
+    let answer = match tokio::time::timeout(PROBE_TIMEOUT, client.send_request(subject, request)).await {
+        Ok(Ok(answer)) => answer,
+        _ => return false,
+    };
+    let Ok(info) = serde_json::from_slice::<serde_json::Value>(&answer.payload) else {
+        return false;
+    };
+    quorum_answered(&info)
+}
+
+/// [`probe_quorum`]'s reading of a stream info answer.
+fn quorum_answered(info: &serde_json::Value) -> bool {
+    if let Some(error) = info.get("error") {
+        return error["err_code"].as_u64() != Some(10008);
+    }
+    let cluster = &info["cluster"];
+    if cluster["leader"].as_str().is_none_or(str::is_empty) {
+        // A single server's stream has no cluster leader: it is the quorum.
+        return cluster.is_null() || cluster["replicas"].is_null();
+    }
+    let peers = cluster["replicas"].as_array().map_or(&[][..], Vec::as_slice);
+    let active = peers
+        .iter()
+        .filter(|p| {
+            // `offline`: no route to its server (`active` may then read 0).
+            p["offline"] != true
+                && p["active"]
+                    .as_u64()
+                    .is_some_and(|ns| Duration::from_nanos(ns) <= PEER_ACTIVE_WITHIN)
+        })
+        .count();
+    // The leader and its active peers, a majority of all of them.
+    2 * (1 + active) > 1 + peers.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_quorum_is_a_leader_that_hears_a_majority() {
+        let info = |leader: &str, active_ms: &[u64]| {
+            let replicas: Vec<_> = active_ms
+                .iter()
+                .map(|ms| serde_json::json!({"name": "n", "current": true, "active": ms * 1_000_000}))
+                .collect();
+            serde_json::json!({"config": {}, "cluster": {"name": "c", "leader": leader, "replicas": replicas}})
+        };
+        assert!(quorum_answered(&info("n1", &[300, 400])));
+        assert!(
+            quorum_answered(&info("n1", &[300, 9_000])),
+            "one peer of two is a majority"
+        );
+        assert!(
+            !quorum_answered(&info("n1", &[2_500, 9_000])),
+            "a leader cut off from its peers is no quorum"
+        );
+        assert!(!quorum_answered(&info("", &[300, 400])), "no leader");
+        let mut routes_lost = info("n1", &[0, 0]);
+        for peer in routes_lost["cluster"]["replicas"].as_array_mut().unwrap() {
+            peer["offline"] = true.into();
+        }
+        assert!(!quorum_answered(&routes_lost), "peers without a route to them");
+        assert!(quorum_answered(&info("n1", &[])), "a stream of one server");
+        assert!(quorum_answered(
+            &serde_json::json!({"config": {}, "cluster": {"name": "c"}})
+        ));
+        assert!(quorum_answered(&serde_json::json!({"config": {}})));
+        assert!(!quorum_answered(&serde_json::json!({
+            "error": {"code": 503, "err_code": 10008, "description": "JetStream system temporarily unavailable"}
+        })));
+        assert!(quorum_answered(&serde_json::json!({
+            "error": {"code": 404, "err_code": 10059, "description": "stream not found"}
+        })));
+    }
 
     #[test]
     fn reconnection_attempts_back_off_to_a_second_at_most() {

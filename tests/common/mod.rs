@@ -8,6 +8,7 @@ pub mod process;
 pub mod proxy;
 pub mod session;
 pub mod tls;
+pub mod traffic;
 
 use std::future::Future;
 use std::net::SocketAddr;

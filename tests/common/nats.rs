@@ -14,6 +14,7 @@
 //! directory; the processes are SIGKILLed either way ([`ChildGuard`]).
 
 use super::process::{ChildGuard, free_port};
+use super::proxy::{Mode, RouteProxies};
 use std::fmt::Write as _;
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -51,6 +52,8 @@ pub struct NatsCluster {
     dir: PathBuf,
     name: String,
     servers: Vec<Server>,
+    /// With [`NatsCluster::start_routed`]: every route goes through these.
+    routes: Option<RouteProxies>,
 }
 
 struct Server {
@@ -106,6 +109,18 @@ impl NatsCluster {
     /// whose peers are all current. Panics without a nats-server (see
     /// [`NatsCluster::binary`]).
     pub async fn start(n: usize) -> NatsCluster {
+        Self::start_with(n, false).await
+    }
+
+    /// As [`NatsCluster::start`], with every route between the servers
+    /// through a proxy of the test's ([`RouteProxies`]), so that a test can
+    /// cut one server off from the rest ([`NatsCluster::isolate`]).
+    pub async fn start_routed(n: usize) -> NatsCluster {
+        assert!(n >= 2, "routes between at least two servers");
+        Self::start_with(n, true).await
+    }
+
+    async fn start_with(n: usize, routed: bool) -> NatsCluster {
         assert!(n >= 1, "a cluster of at least one server");
         let binary = Self::binary();
         let name = format!("tbtest-{}-{}", std::process::id(), unique());
@@ -116,11 +131,23 @@ impl NatsCluster {
             attempt += 1;
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("create the cluster's directory");
+            let servers: Vec<Server> = (0..n).map(|i| Server::new(&dir, &name, i)).collect();
+            let routes = match routed {
+                true => {
+                    let upstreams: Vec<_> = servers
+                        .iter()
+                        .map(|s| std::net::SocketAddr::from(([127, 0, 0, 1], s.route_port)))
+                        .collect();
+                    Some(RouteProxies::start(&upstreams).await)
+                }
+                false => None,
+            };
             let mut cluster = NatsCluster {
                 binary: binary.clone(),
                 dir: dir.clone(),
                 name: name.clone(),
-                servers: (0..n).map(|i| Server::new(&dir, &name, i)).collect(),
+                servers,
+                routes,
             };
             for i in 0..n {
                 cluster.write_config(i);
@@ -181,6 +208,25 @@ impl NatsCluster {
     pub async fn monitor(&self, i: usize, path: &str) -> Option<serde_json::Value> {
         let (_, body) = try_http_get(self.monitor_addr(i), path).await?;
         serde_json::from_str(&body).ok()
+    }
+
+    /// Cuts server `i` off from the other servers (after
+    /// [`NatsCluster::start_routed`]): every route to and from it is
+    /// blackholed or reset until [`NatsCluster::heal`]. Its clients stay
+    /// connected to it.
+    pub async fn isolate(&self, i: usize, how: Mode) {
+        let routes = self.routes.as_ref().expect("a cluster started with start_routed");
+        let varz = self.monitor(i, "/varz").await.expect("the server's /varz");
+        let id = varz["server_id"].as_str().expect("/varz names the server_id");
+        routes.isolate(i, id, how);
+    }
+
+    /// Ends [`NatsCluster::isolate`]'s cut.
+    pub fn heal(&self) {
+        self.routes
+            .as_ref()
+            .expect("a cluster started with start_routed")
+            .heal();
     }
 
     /// The log of server `i` so far.
@@ -346,13 +392,23 @@ impl NatsCluster {
         writeln!(config, "  max_file_store: 0").unwrap();
         writeln!(config, "}}").unwrap();
         if self.len() > 1 {
+            // Through the proxies, when there are: each server's peers reach
+            // it at its proxy, which it also advertises (the routes it
+            // learns of go there too).
+            let route_addr = |j: usize| match &self.routes {
+                Some(proxies) => proxies.addr(j).to_string(),
+                None => format!("127.0.0.1:{}", self.servers[j].route_port),
+            };
             let routes: Vec<String> = (0..self.len())
                 .filter(|&j| j != i)
-                .map(|j| format!("\"nats-route://127.0.0.1:{}\"", self.servers[j].route_port))
+                .map(|j| format!("\"nats-route://{}\"", route_addr(j)))
                 .collect();
             writeln!(config, "cluster {{").unwrap();
             writeln!(config, "  name: {:?}", self.name).unwrap();
             writeln!(config, "  listen: \"127.0.0.1:{}\"", server.route_port).unwrap();
+            if self.routes.is_some() {
+                writeln!(config, "  advertise: \"{}\"", route_addr(i)).unwrap();
+            }
             writeln!(config, "  routes: [{}]", routes.join(", ")).unwrap();
             writeln!(config, "}}").unwrap();
         }

@@ -160,3 +160,198 @@ where
         }
     }
 }
+
+/// What the proxies of a NATS cluster's routes do: forward, or cut one
+/// server off from the others ([`RouteProxies::isolate`]).
+#[derive(Debug, Clone, Default)]
+struct Isolation {
+    /// The server cut off, its `server_id` (what its routes' CONNECT says
+    /// as `name`), and how.
+    cut: Option<(usize, String, Mode)>,
+}
+
+impl Isolation {
+    /// What a route connection accepted by server `owner`, solicited by
+    /// the server whose id is `solicitor` (None until its CONNECT is
+    /// read), goes through.
+    fn mode(&self, owner: usize, solicitor: Option<&str>) -> Mode {
+        match &self.cut {
+            Some((server, id, mode)) if *server == owner || solicitor == Some(id.as_str()) => *mode,
+            _ => Mode::Forward,
+        }
+    }
+}
+
+/// A proxy in front of every server's route port, each server's
+/// `cluster.advertise` (and its peers' `routes`) naming its proxy, so that
+/// every route connection of the cluster, configured or learned, goes
+/// through exactly one of them: the accepting server's. A route's first
+/// line from the soliciting side is `CONNECT {... "name":"<server_id>" ...}`,
+/// so a proxy knows both ends of each connection, and
+/// [`RouteProxies::isolate`] cuts every route to and from one server
+/// (a partition of the NATS cluster), the way [`Proxy`] cuts a client's.
+pub struct RouteProxies {
+    state: watch::Sender<Isolation>,
+    addrs: Vec<SocketAddr>,
+    stop: CancellationToken,
+}
+
+impl RouteProxies {
+    /// Proxies on 127.0.0.1, one to each of `upstreams` (route ports), forwarding.
+    pub async fn start(upstreams: &[SocketAddr]) -> RouteProxies {
+        let (state, _) = watch::channel(Isolation::default());
+        let stop = CancellationToken::new();
+        let mut addrs = Vec::new();
+        for (owner, &upstream) in upstreams.iter().enumerate() {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind a route proxy");
+            addrs.push(listener.local_addr().unwrap());
+            let state = state.subscribe();
+            let stop_all = stop.clone();
+            tokio::spawn(stop.clone().run_until_cancelled_owned(async move {
+                loop {
+                    let Ok((client, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let _ = client.set_nodelay(true);
+                    tokio::spawn(stop_all.clone().run_until_cancelled_owned(serve_route(
+                        client,
+                        upstream,
+                        owner,
+                        state.clone(),
+                    )));
+                }
+            }));
+        }
+        RouteProxies { state, addrs, stop }
+    }
+
+    /// The address server `i`'s peers reach its route port at.
+    pub fn addr(&self, i: usize) -> SocketAddr {
+        self.addrs[i]
+    }
+
+    /// Cuts server `i` (whose `server_id` is `id`) off from every other
+    /// server: [`Mode::Blackhole`] or [`Mode::Reset`].
+    pub fn isolate(&self, i: usize, id: &str, how: Mode) {
+        self.state.send_replace(Isolation {
+            cut: Some((i, id.to_owned(), how)),
+        });
+    }
+
+    pub fn heal(&self) {
+        self.state.send_replace(Isolation::default());
+    }
+}
+
+impl Drop for RouteProxies {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The `name` of a route's `CONNECT {json}` line.
+fn solicitor_of(line: &[u8]) -> Option<String> {
+    let json = std::str::from_utf8(line).ok()?.strip_prefix("CONNECT ")?;
+    let value: serde_json::Value = serde_json::from_str(json.trim()).ok()?;
+    value["name"].as_str().map(str::to_owned)
+}
+
+/// One route connection: as [`serve`], with the mode worked out for this
+/// connection from the cluster's [`Isolation`], its accepting server and
+/// its soliciting one (read from its CONNECT line).
+async fn serve_route(client: TcpStream, upstream: SocketAddr, owner: usize, state: watch::Receiver<Isolation>) {
+    let solicitor = std::sync::Arc::new(std::sync::OnceLock::<String>::new());
+    let mode = {
+        let solicitor = solicitor.clone();
+        move |state: &Isolation| state.mode(owner, solicitor.get().map(String::as_str))
+    };
+    let mut waiting = state.clone();
+    if !route_forwarding(&mut waiting, &mode).await {
+        return reset(client);
+    }
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        return reset(client);
+    };
+    let _ = server.set_nodelay(true);
+    let (mut client, mut server) = (client, server);
+    let was_reset = {
+        let (client_read, client_write) = client.split();
+        let (server_read, server_write) = server.split();
+        let mut resets = state.clone();
+        tokio::select! {
+            _ = route_pump(client_read, server_write, state.clone(), &mode, Some(&solicitor)) => false,
+            _ = route_pump(server_read, client_write, state.clone(), &mode, None) => false,
+            _ = async {
+                loop {
+                    if mode(&resets.borrow_and_update()) == Mode::Reset {
+                        return;
+                    }
+                    if resets.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            } => true,
+        }
+    };
+    if was_reset {
+        reset(client);
+        reset(server);
+    } else {
+        let _ = client.shutdown().await;
+        let _ = server.shutdown().await;
+    }
+}
+
+/// [`forwarding`] for one route connection.
+async fn route_forwarding(state: &mut watch::Receiver<Isolation>, mode: &impl Fn(&Isolation) -> Mode) -> bool {
+    loop {
+        match mode(&state.borrow_and_update()) {
+            Mode::Forward => return true,
+            Mode::Reset => return false,
+            Mode::Blackhole => {}
+        }
+        if state.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// [`pump`] for one route connection; on the soliciting side, the first
+/// line read (its CONNECT) names the solicitor before it is forwarded.
+async fn route_pump<R, W>(
+    mut from: R,
+    mut to: W,
+    mut state: watch::Receiver<Isolation>,
+    mode: &impl Fn(&Isolation) -> Mode,
+    solicitor: Option<&std::sync::OnceLock<String>>,
+) where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut first_line = Vec::new();
+    loop {
+        if !route_forwarding(&mut state, mode).await {
+            return;
+        }
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if let Some(solicitor) = solicitor.filter(|s| s.get().is_none() && first_line.len() < 64 * 1024) {
+            first_line.extend_from_slice(&buf[..n]);
+            if let Some(end) = first_line.windows(2).position(|w| w == b"\r\n") {
+                if let Some(id) = solicitor_of(&first_line[..end]) {
+                    let _ = solicitor.set(id);
+                }
+                first_line = Vec::new();
+            }
+        }
+        if !route_forwarding(&mut state, mode).await {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}

@@ -109,7 +109,7 @@ mod stream;
 mod table;
 
 pub(super) use join::MemberLink;
-pub(super) use store::NotStored;
+pub(super) use store::{NotStored, stored};
 pub(super) use table::GroupRoute;
 
 use crate::sublist::Sublist;

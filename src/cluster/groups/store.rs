@@ -53,6 +53,27 @@ impl NotStored {
     }
 }
 
+/// Whether a store's answer says the message is stored: a sequence, new
+/// or that of the same message id stored before. A duplicate answer with
+/// no sequence is not a store: a stream leader answers so for an id it has
+/// proposed and not yet stored on a quorum, and a leader cut off from its
+/// cluster's majority never will (docs/cluster-notes.md, "Partitioned
+/// inside NATS"). The message may still be stored by then (by a leader
+/// that took it before losing its majority), so it is unconfirmed, and a
+/// retry with the same id is idempotent.
+pub(in crate::cluster) fn stored(
+    answer: Result<jetstream::publish::PublishAck, jetstream::context::PublishError>,
+) -> Result<(), NotStored> {
+    match answer {
+        Ok(ack) if ack.duplicate && ack.sequence == 0 => Err(NotStored::Unconfirmed(format!(
+            "stream {} answered that it has seen the message id, with no sequence: not stored on a quorum",
+            ack.stream
+        ))),
+        Ok(_) => Ok(()),
+        Err(e) => Err(NotStored::of_answer(&e)),
+    }
+}
+
 /// Whether JetStream refused a message because the group's stream is full
 /// (`max_msgs` or `max_bytes`, discard new).
 fn backlog_full(error: &jetstream::context::PublishError) -> bool {
@@ -99,7 +120,7 @@ impl ClusterEngine {
                         .payload(body.clone())
                         .message_id(attempt_id);
                     match ready.js.send_publish(route.subject.clone(), message).await {
-                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| NotStored::of_answer(&e)),
+                        Ok(ack) => stored(ack.await),
                         Err(e) => Err(NotStored::Refused(e.to_string())),
                     }
                 }
@@ -182,5 +203,26 @@ impl ClusterEngine {
     fn count_overflow(&self, group: &str) {
         backlog::count_overflow(&self.inner.local.stats().dropped_group_overflow, 1);
         *self.inner.groups.dropped.lock().entry(group.to_owned()).or_default() += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ack(sequence: u64, duplicate: bool) -> jetstream::publish::PublishAck {
+        serde_json::from_value(serde_json::json!({"stream": "g", "seq": sequence, "duplicate": duplicate}))
+            .expect("a PubAck")
+    }
+
+    #[test]
+    fn a_duplicate_answer_without_a_sequence_is_not_a_store() {
+        assert!(stored(Ok(ack(7, false))).is_ok());
+        assert!(stored(Ok(ack(7, true))).is_ok(), "a retry of a message stored before");
+        match stored(Ok(ack(0, true))) {
+            Err(NotStored::Unconfirmed(why)) => assert!(why.contains("no sequence"), "{why}"),
+            Err(_) => panic!("refused: would not say the message may still be taken"),
+            Ok(()) => panic!("taken as stored: a leader cut off from its quorum answers so and never stores it"),
+        }
     }
 }

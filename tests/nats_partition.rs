@@ -1,0 +1,259 @@
+//! Partitioned inside NATS (docs/contract.md, "Cluster mode", "Partitioned
+//! inside NATS"): three replicas `a`, `b`, `c`, each on its own server of a
+//! 3-node NATS cluster whose routes all go through proxies of the test
+//! (`common/proxy.rs`, [`common::proxy::RouteProxies`]), group state kept
+//! 3 times (`TINYBROKER_NATS_REPLICAS=3`). The test cuts `c`'s server off
+//! from the other two (blackhole: nothing crosses, nothing is reset; or
+//! reset: every route is reset, and so is every new one) while group
+//! messages are published through `a` and through `c`, then heals.
+//!
+//! `c`'s own server still answers it throughout, so only a probe that
+//! reaches beyond that server notices. Asserted, with margins: `c` is
+//! NOT_SERVING within 5 s of the cut, and Publish (to a group and to
+//! broadcast subscribers) and OpenSubscription on it are then UNAVAILABLE
+//! naming NATS at once; `a` and `b` serve throughout; every group message
+//! a Publish answered OK (through either replica) reaches a member; every
+//! message delivered more than once is counted as redelivered in the
+//! group's record; `c` serves again after the heal.
+//!
+//! Run with `--nocapture` for the measured times and counts.
+
+mod common;
+
+use common::nats::NatsCluster;
+use common::proxy::Mode;
+use common::traffic::*;
+use common::*;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tinybroker::pb;
+use tokio_util::sync::CancellationToken;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// The contract's bound on noticing.
+const BOUND: Duration = Duration::from_secs(5);
+/// What the test allows above it (a loaded 2-core machine, debug build).
+const MARGIN: Duration = Duration::from_millis(1500);
+/// How long the cut lasts: past the time stream leaders take to leave
+/// the cut-off server (5 to 8 s here) and the members' ack deadline.
+const CUT_FOR: Duration = Duration::from_secs(15);
+/// What each group member may hold unacked.
+const MAX_IN_FLIGHT: u32 = 8;
+/// The group members' ack deadline.
+const ACK_DEADLINE: Duration = Duration::from_secs(4);
+/// Everything the test does, bounded.
+const WHOLE_TEST: Duration = Duration::from_secs(150);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_cut_off_from_its_cluster_by_a_partition_loses_nothing_acknowledged() {
+    partitioned(Mode::Blackhole).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_whose_routes_are_reset_loses_nothing_acknowledged() {
+    partitioned(Mode::Reset).await;
+}
+
+async fn partitioned(cut: Mode) {
+    let nats = NatsCluster::start_routed(3).await;
+    let body = async {
+        let prefix = format!("natscut{}", unique());
+        let start_replica =
+            |i: usize, id: &'static str| start_with(replica_config(config(), vec![nats.url(i)], id, &prefix, 3));
+        let a = start_replica(0, "a").await;
+        let b = start_replica(1, "b").await;
+        let c = start_replica(2, "c").await;
+        for replica in [&a, &b, &c] {
+            wait_serving_at(&replica.url()).await;
+        }
+        let (mut ca, mut cc) = (a.client().await, c.client().await);
+
+        // A MANUAL group with a member on a and one on c.
+        let delivered: Got = Default::default();
+        for (client, replica) in [(&mut ca, &a), (&mut cc, &c)] {
+            let request = pb::OpenSubscriptionRequest {
+                ack_deadline_ms: ACK_DEADLINE.as_millis() as u32,
+                ..member_request(&["cut.g.>"], "cutters", true, MAX_IN_FLIGHT)
+            };
+            let (s, id) = open(client, request).await;
+            receive(s, delivered.clone(), Some((replica.client().await, id)));
+        }
+        wait_until("both members to be listed", || async {
+            a.group("cutters").await.is_some_and(|g| g.members == 2)
+        })
+        .await;
+
+        // Group publishers through a and through c.
+        let stop = CancellationToken::new();
+        let (through_a, through_c): (Arc<Mutex<Sent>>, Arc<Mutex<Sent>>) = Default::default();
+        let every = Duration::from_millis(50);
+        tokio::spawn(publisher(
+            a.client().await,
+            "cut.g.a",
+            every,
+            stop.clone(),
+            through_a.clone(),
+        ));
+        tokio::spawn(publisher(
+            c.client().await,
+            "cut.g.c",
+            every,
+            stop.clone(),
+            through_c.clone(),
+        ));
+        wait_until("the first group messages through a and c to be delivered", || async {
+            let got = delivered.lock();
+            got.iter().filter(|(t, _)| t.starts_with("cut.g.a.")).count() >= 5
+                && got.iter().filter(|(t, _)| t.starts_with("cut.g.c.")).count() >= 5
+        })
+        .await;
+
+        // The cut: c's server loses its routes; c's own connection to it
+        // is untouched.
+        let cut_at = Instant::now();
+        nats.isolate(2, cut).await;
+        let to_not_serving = wait_status(&c.url(), ServingStatus::NotServing, cut_at, BOUND + MARGIN).await;
+
+        // Everything on c is UNAVAILABLE at once, naming NATS.
+        let mut answers = Vec::new();
+        let (s, took) = refused(cc.publish(publish_request("cut.g.x", "x"))).await;
+        assert_unavailable_naming_nats("a group Publish", &s, took);
+        answers.push(took);
+        let (s, took) = refused(cc.publish(publish_request("cut.b.x", "x"))).await;
+        assert_unavailable_naming_nats("a broadcast Publish", &s, took);
+        answers.push(took);
+        let (s, took) = refused(cc.open_subscription(subscribe_request(&["cut.b.>"]))).await;
+        assert_unavailable_naming_nats("a broadcast OpenSubscription", &s, took);
+        answers.push(took);
+        let (s, took) =
+            refused(cc.open_subscription(member_request(&["cut.g.>"], "cutters", true, MAX_IN_FLIGHT))).await;
+        assert_unavailable_naming_nats("a member's OpenSubscription", &s, took);
+        answers.push(took);
+
+        // a and b serve throughout the cut.
+        while cut_at.elapsed() < CUT_FOR {
+            for (name, replica) in [("a", &a), ("b", &b)] {
+                assert_eq!(
+                    serving_status_at(&replica.url()).await,
+                    Some(ServingStatus::Serving),
+                    "{name} serves while c's NATS server is cut off ({:?} into the cut)",
+                    cut_at.elapsed()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let accepted_by_a_during = through_a.lock().ok.iter().filter(|(_, at)| *at > cut_at).count();
+
+        let healed_at = Instant::now();
+        nats.heal();
+        let to_serving = wait_status(&c.url(), ServingStatus::Serving, healed_at, Duration::from_secs(40)).await;
+        let resumed = through_c.lock().ok.len();
+        wait_until("c to accept group publishes again", || async {
+            through_c.lock().ok.len() >= resumed + 5
+        })
+        .await;
+        stop.cancel();
+
+        // Nothing a Publish acknowledged is lost: every message answered
+        // OK reaches a member (a redelivery of what was cut off with c's
+        // member comes after the ack deadline).
+        let accepted: Vec<String> = [("a", &through_a), ("c", &through_c)]
+            .iter()
+            .flat_map(|(via, sent)| {
+                let ok: Vec<String> = sent.lock().ok.iter().map(|(n, _)| format!("cut.g.{via}.{n}")).collect();
+                ok
+            })
+            .collect();
+        let missing = |got: &[(String, Instant)]| -> Vec<String> {
+            accepted
+                .iter()
+                .filter(|topic| !got.iter().any(|(t, _)| t == *topic))
+                .cloned()
+                .collect()
+        };
+        let deadline = Instant::now() + Duration::from_secs(45);
+        loop {
+            let lost = missing(&delivered.lock());
+            if lost.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {} group messages answered OK never reached a member ({:?} cut): {lost:?}",
+                lost.len(),
+                accepted.len(),
+                cut
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+
+        // Duplicates are bounded: at most what the members held when the
+        // cut came (a held message whose ack did not reach JetStream is
+        // delivered again). What JetStream redelivered after its ack wait
+        // is counted as a redelivery in the group's record; one delivered
+        // twice across a consumer leader's change with the same delivery
+        // count is not (docs/cluster-notes.md).
+        let mut times: HashMap<String, usize> = HashMap::new();
+        for (topic, _) in delivered.lock().iter() {
+            *times.entry(topic.clone()).or_default() += 1;
+        }
+        let extra: usize = times.values().map(|n| n - 1).sum();
+        let twice = times.values().filter(|n| **n > 1).count();
+        for (topic, n) in times.iter().filter(|(_, n)| **n > 1) {
+            let at: Vec<String> = delivered
+                .lock()
+                .iter()
+                .filter(|(t, _)| t == topic)
+                .map(|(_, at)| format!("{:+.2}", at.duration_since(cut_at).as_secs_f64()))
+                .collect();
+            eprintln!(
+                "{topic} delivered {n} times, at {at:?} s from the cut (healed at {:+.2})",
+                healed_at.duration_since(cut_at).as_secs_f64()
+            );
+        }
+        let held_at_most = 2 * MAX_IN_FLIGHT as usize;
+        assert!(
+            extra <= held_at_most,
+            "{extra} extra deliveries, more than the {held_at_most} messages the members could hold"
+        );
+        let redelivered = wait_for_group(&a, |g| g.redeliveries as usize >= extra)
+            .await
+            .redeliveries;
+
+        // Group publishes through c that were refused said so, naming NATS.
+        let refusals = through_c.lock().refused.clone();
+        for (n, _, _, s) in &refusals {
+            assert_eq!(s.code(), tonic::Code::Unavailable, "group message {n} through c: {s:?}");
+            assert!(s.message().contains("NATS"), "group message {n} through c: {s:?}");
+        }
+        let slowest_refusal = refusals.iter().map(|(_, _, took, _)| *took).max().unwrap_or_default();
+        let slowest = answers.iter().max().copied().unwrap_or_default();
+        eprintln!(
+            "{cut:?}: c NOT_SERVING {:.2} s after the cut; UNAVAILABLE answers in at most {:.0} ms; group publishes: {} accepted through a ({accepted_by_a_during} during the cut), {} through c, {} refused through c (slowest refusal {:.2} s); lost 0; {twice} messages delivered more than once ({extra} extra deliveries, {redelivered} counted as redelivered); c SERVING {:.2} s after the heal",
+            to_not_serving.as_secs_f64(),
+            slowest.as_secs_f64() * 1000.0,
+            through_a.lock().ok.len(),
+            through_c.lock().ok.len(),
+            refusals.len(),
+            slowest_refusal.as_secs_f64(),
+            to_serving.as_secs_f64()
+        );
+        assert!(accepted_by_a_during > 0, "a accepted group publishes during the cut");
+    };
+    tokio::time::timeout(WHOLE_TEST, body).await.expect("test timed out");
+}
+
+/// The group `cutters` as `replica` lists it, once `check` holds (or after
+/// 10 s, as it is then).
+async fn wait_for_group(replica: &TestBroker, check: impl Fn(&pb::ConsumerGroupInfo) -> bool) -> pb::ConsumerGroupInfo {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let group = replica.group("cutters").await.expect("the group is listed");
+        if check(&group) || Instant::now() >= deadline {
+            return group;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
