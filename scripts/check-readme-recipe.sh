@@ -62,6 +62,7 @@ mkdir -p "$work/bin"
 printf '#!/bin/sh\nexit 0\n' > "$work/bin/cargo"
 chmod +x "$work/bin/cargo"
 printf '%s\n' "$recipe" > "$work/recipe.sh"
+mkdir "$work/tmp" # TMPDIR: what the recipe makes with mktemp goes with the rest
 path="$work/bin:$PATH"
 run_as=()
 case $as in
@@ -121,7 +122,7 @@ started=$(date +%s%N)
 cd "$work"
 # setsid: the recipe and what it starts in the background are one process
 # group, stopped as one when it is done (or after 60 s).
-setsid "${run_as[@]}" env -u TINYBROKER_BIN PATH="$path" RUST_LOG=warn \
+setsid "${run_as[@]}" env -u TINYBROKER_BIN PATH="$path" TMPDIR="$work/tmp" RUST_LOG=warn \
     TINYBROKER_GRPC_ADDR=127.0.0.1:50051 TINYBROKER_METRICS_ADDR=127.0.0.1:9090 \
     TB_NATS_SERVER="$nats" \
     bash -e recipe.sh > out.txt 2> err.txt &
