@@ -204,15 +204,6 @@ impl<M: Clone> HubCore<M> {
             self.out.push(Outbound::Nak(vec![(pulled.message, attempts)]));
             return;
         }
-        // JetStream delivered it before and no hub counted the attempt
-        // as failed (one that did, and sent it back through JetStream,
-        // remembered its attempts): the attempt ended with a replica that
-        // was cut off or gone, or an ack that did not reach JetStream.
-        // Counted here, so that a message delivered again after a
-        // partition heals is a redelivery in the group's record.
-        if attempts > 0 && !pulled.remembered {
-            self.machine.count_redelivery();
-        }
         let (published, token) = token(pulled);
         self.machine.offer(published, token, attempts, now);
         self.take_out();
