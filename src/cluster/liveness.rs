@@ -15,6 +15,16 @@
 //!   JetStream election does not look like a partition. Bytes read from
 //!   the server since the last probe count as an answer too, so a probe
 //!   queued behind a burst of messages is no false alarm.
+//! - **Beyond the own server** ([`Beyond`], [`probe_quorum`]): the same
+//!   tick pings the other replicas (`<prefix>.alive.peers`, each answers
+//!   with the id of its NATS server) and asks the replicas bucket's stream
+//!   leader for its info. An answer from a replica on another server, or a
+//!   leader that has heard from a majority of its peers lately, is a sign
+//!   that this server still reaches its cluster: a server cut off from the
+//!   rest of the NATS cluster (its routes blackholed or reset) still
+//!   answers the round trip above, so without this its replica served on
+//!   while its group publishes could not be stored (docs/cluster-notes.md,
+//!   "Partitioned inside NATS").
 //! - **Unreachable** after [`SILENT_FOR`] without an answer (each probe
 //!   waits [`PROBE_TIMEOUT`]): 2 to 3 s after the last byte. The replica
 //!   then goes NOT_SERVING saying NATS is unreachable (a WARN, once), its

@@ -71,7 +71,9 @@
 //! - the **heartbeat** (`registry.rs`): presence, the live replicas, the
 //!   groups' listing, idle groups removed, lost NATS state noticed;
 //! - the **probe** (`liveness.rs`): a round trip to the NATS server every
-//!   half second, into the health.
+//!   half second, and one beyond it (a ping other replicas answer, a
+//!   JetStream stream info), into the health; with it, the task answering
+//!   other replicas' pings and the one reading the answers to its own.
 //!
 //! Per consumer group with members here, three (`groups/hub.rs`): the
 //! **hub task**, which alone owns the group's state on this replica; the
