@@ -7,6 +7,7 @@
 
 use super::{TestBroker, member_request, publish_request};
 use std::time::Duration;
+use tinybroker::pb::broker_client::BrokerClient;
 use tokio::task::JoinHandle;
 
 /// Each member's `max_in_flight`.
@@ -36,18 +37,32 @@ impl Drop for HungGroup {
 }
 
 /// Starts group `group` on `broker` (with the cluster engine its members
-/// are spread over the replicas by [`TestBroker::client`]): the hung
+/// are spread over the replicas), with the default ack deadline: the hung
 /// member joins first, then the two healthy ones, then the publisher
 /// starts on topic `<group>.job`.
 pub async fn busy_group_with_a_hung_member(broker: &TestBroker, group: &str) -> HungGroup {
+    let urls: Vec<String> = (0..broker.replica_count()).map(|i| broker.replica(i).url()).collect();
+    busy_group_at(&urls, group, 0).await
+}
+
+/// The same on the brokers at `urls` (each client on the next one, in
+/// turn), with `ack_deadline_ms` (0: the broker's default).
+pub async fn busy_group_at(urls: &[String], group: &str, ack_deadline_ms: u32) -> HungGroup {
+    let mut turn = 0;
+    let mut next_client = || {
+        turn += 1;
+        let url = urls[(turn - 1) % urls.len()].clone();
+        async move { BrokerClient::connect(url).await.unwrap() }
+    };
     let pattern = format!("{group}.>");
     let hung = format!("{group}-hung");
     let healthy = [format!("{group}-ok-1"), format!("{group}-ok-2")];
     let mut tasks = Vec::new();
     for id in std::iter::once(&hung).chain(&healthy) {
-        let mut client = broker.client().await;
+        let mut client = next_client().await;
         let request = tinybroker::pb::OpenSubscriptionRequest {
             subscription_id: id.clone(),
+            ack_deadline_ms,
             ..member_request(&[&pattern], group, true, MAX_IN_FLIGHT)
         };
         let (mut stream, _) = super::open(&mut client, request).await;
@@ -76,7 +91,7 @@ pub async fn busy_group_with_a_hung_member(broker: &TestBroker, group: &str) -> 
             }
         }));
     }
-    let mut publisher = broker.client().await;
+    let mut publisher = next_client().await;
     let topic = format!("{group}.job");
     tasks.push(tokio::spawn(async move {
         let mut tick = tokio::time::interval(PUBLISH_EVERY);
