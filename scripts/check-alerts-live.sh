@@ -5,16 +5,19 @@
 # broker binary and a Prometheus (127.0.0.1 only, 1 s scrape and rule
 # evaluation, deploy/monitoring/alerts.yaml loaded), creates at the same time
 # an evicted slow subscriber, a queue that fills and drains between scrapes,
-# MANUAL groups whose member never acks (1 h and 2 s ack deadlines), a
-# memberless group with a growing backlog and groups removed by their idle
-# TTL, and asserts through the Prometheus API that each alert fires within its
-# promise, naming the subscriber or group, and that every dashboard panel
-# shows what it is for. It prints how long each took; about 90 s, bounded by
+# MANUAL groups whose member never acks (1 h and 2 s ack deadlines), a busy
+# MANUAL group of three whose one member never acks while the others do (10 s
+# ack deadline), a memberless group with a growing backlog and groups removed
+# by their idle TTL, and asserts through the Prometheus API that each alert
+# fires within its promise, naming the subscriber, member or group, that no
+# other fires (not for the acking members), and that every dashboard panel
+# shows what it is for. It prints how long each took; about 70 s, bounded by
 # the test's own 300 s timeout. Then the cluster session: two replicas over
 # a nats-server (TB_NATS_SERVER, as .ci/run sets it), one Prometheus
 # scraping both, known counts made across them, and every consumer-group
-# panel and group rule must add the replicas up to those counts (about
-# 30 s). One after the other: the first session's timings are its promises.
+# panel and group rule must add the replicas up to those counts, and the
+# hung-member rule must name a member hung on one replica while its group
+# acks on the other, once (about 40 s). One after the other: the first session's timings are its promises.
 #
 # The same rules at the chart's 30 s scrape interval: promtool test rules
 # deploy/monitoring/alerts_test.yaml (scripts/check-prometheus.sh runs it).

@@ -4,8 +4,8 @@
 # which gives promtool and the server, when they are missing):
 #
 #   1. starts the broker ($BROKER_BIN, default target/debug/tinybroker) on
-#      127.0.0.1 ephemeral ports, opens a broadcast subscriber and a consumer
-#      group member (group "g") with the CLI, publishes $CHECK_PUBLISH_COUNT
+#      127.0.0.1 ephemeral ports, opens a broadcast subscriber and a
+#      manual-ack consumer group member (group "g") with the CLI, publishes $CHECK_PUBLISH_COUNT
 #      (default 25) messages with the CLI
 #   2. scrapes /metrics: `promtool check metrics` must be silent, the counters
 #      show what was published and delivered, and every metric name, label
@@ -477,12 +477,15 @@ fi
 
 # Both subscribers take every message published (and one more at the end, so
 # that they are still connected, with their series, while Prometheus scrapes).
+# The member acks each message (--manual-ack), so the per-member series of a
+# manual-ack member (tinybroker_subscription_stalled_seconds, ...) that the
+# alerts read are in the exposition.
 TOTAL=$((PUBLISH_COUNT + 1))
 "$TB" subscribe 'check.>' --addr "$GRPC_URL" --id check-broadcast --count "$TOTAL" \
     >"$TMP/sub-broadcast.out" 2>"$TMP/sub-broadcast.err" &
 SUB_BROADCAST=$!
 CLIENT_PIDS+=("$SUB_BROADCAST")
-"$TB" subscribe 'check.>' --addr "$GRPC_URL" --group "$GROUP" --count "$TOTAL" \
+"$TB" subscribe 'check.>' --addr "$GRPC_URL" --group "$GROUP" --manual-ack --count "$TOTAL" \
     >"$TMP/sub-group.out" 2>"$TMP/sub-group.err" &
 SUB_GROUP=$!
 CLIENT_PIDS+=("$SUB_GROUP")

@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::hung::busy_group_with_a_hung_member;
 use common::process::run_cli;
 use common::*;
 use std::process::{Command, Output};
@@ -328,6 +329,74 @@ async fn top_quits_on_ctrl_c_and_restores_the_terminal() {
         tmux.run(&["send-keys", "-t", SESSION, "C-c"]);
         let text = tmux.wait_for_exit().await;
         tmux.assert_exited_and_restored(&text);
+    })
+    .await
+}
+
+/// The rows of the list titled `title` (after its title and column
+/// header), up to the next list's title.
+fn list_rows<'a>(screen: &'a [String], title: &str) -> Vec<&'a String> {
+    screen
+        .iter()
+        .skip_while(|l| !l.starts_with(&format!(" {title}")))
+        .skip(2)
+        .take_while(|l| !l.contains('─') && !l.trim().is_empty())
+        .collect()
+}
+
+/// Issue 42: in a busy manual-ack group every member holds its
+/// max_in_flight; the one that never acks is listed first among the group
+/// members, marked HUNG?, and the acking ones are not. Prints how long top
+/// took from its start to show the mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_lists_a_hung_member_first_among_the_members_and_marks_it() {
+    require_tmux();
+    timeout(async {
+        let broker = start().await;
+        let scene = busy_group_with_a_hung_member(&broker, "busy").await;
+        // Far older than the others' (who ack every 250 ms): 5 s and more.
+        wait_until("the hung member's oldest unacked message to be 6 s old", || async {
+            listed(broker.subscriptions().await, &scene.hung)
+                .and_then(|s| s.oldest_unacked_age)
+                .is_some_and(|age| age.seconds >= 6)
+        })
+        .await;
+        let tmux = Tmux::new("top-hung");
+        let started = std::time::Instant::now();
+        tmux.start_top(&broker.url(), 120, 40);
+        let marked = format!("HUNG?  {}", scene.hung);
+        let screen = tmux
+            .wait_for("the hung member first among the members, marked", |s| {
+                list_rows(s, "Group members, oldest unacked first")
+                    .first()
+                    .is_some_and(|row| row.starts_with(&marked))
+            })
+            .await;
+        eprintln!(
+            "top marked {} {:.1} s after it started",
+            scene.hung,
+            started.elapsed().as_secs_f64()
+        );
+        let members = list_rows(&screen, "Group members, oldest unacked first");
+        let all = screen.join("\n");
+        assert_eq!(members.len(), 3, "{all}");
+        assert!(members[1..].iter().all(|r| !r.contains("HUNG?")), "{all}");
+        for id in &scene.healthy {
+            assert!(members.iter().any(|r| r.contains(id.as_str())), "{id}: {all}");
+        }
+        // Every member holds its max_in_flight: UNACKED names no one.
+        let header = screen
+            .iter()
+            .skip_while(|l| !l.starts_with(" Group members"))
+            .nth(1)
+            .unwrap();
+        let end = header.rfind("UNACKED").unwrap() + "UNACKED".len();
+        for row in &members {
+            assert_eq!(row[..end].split_whitespace().last(), Some("4"), "{all}");
+        }
+        tmux.run(&["send-keys", "-t", SESSION, "q"]);
+        let text = tmux.wait_for_exit().await;
+        assert!(text.contains("top-exited-0"), "{text}");
     })
     .await
 }

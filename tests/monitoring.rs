@@ -4,8 +4,9 @@
 //! only change), and at the same time, beside healthy traffic: a queue that
 //! fills and drains between two scrapes, a slow subscriber that is evicted, a
 //! MANUAL group whose member never acks with a 1 h ack deadline and one with
-//! a 2 s deadline, a memberless group whose backlog grows, and groups removed
-//! by their idle TTL (60 s here) with messages left.
+//! a 2 s deadline, a busy MANUAL group of three whose one member never acks
+//! while the others do, a memberless group whose backlog grows, and groups
+//! removed by their idle TTL (60 s here) with messages left.
 //!
 //! Through Prometheus's HTTP API it asserts that each alert fires, naming the
 //! subscriber or group, within its promise at a 1 s scrape (and not before
@@ -492,16 +493,17 @@ async fn group_members(admin: &mut AdminClient<Channel>, name: &str) -> Option<u
     groups.into_iter().find(|g| g.name == name).map(|g| g.members)
 }
 
-async fn queue_depth(admin: &mut AdminClient<Channel>, id: &str) -> Option<u64> {
-    let subs = admin
+async fn list_subscriptions(admin: &mut AdminClient<Channel>) -> Vec<pb::SubscriptionInfo> {
+    admin
         .list_subscriptions(pb::ListSubscriptionsRequest {})
         .await
         .unwrap()
         .into_inner()
-        .subscriptions;
-    subs.into_iter()
-        .find(|s| s.subscription_id == id)
-        .map(|s| s.queue_depth)
+        .subscriptions
+}
+
+async fn queue_depth(admin: &mut AdminClient<Channel>, id: &str) -> Option<u64> {
+    common::listed(list_subscriptions(admin).await, id).map(|s| s.queue_depth)
 }
 
 /// Polls `check` every 20 ms for up to 20 s.
@@ -710,6 +712,33 @@ async fn session(dir: &Path) {
         );
     }
     log(t0, "stuck-long and stuck-short hold messages and never ack");
+
+    // Issue 42: a busy MANUAL group, every member at its max_in_flight and
+    // a backlog growing, whose member busy-hung never acks while busy-ok-1
+    // and busy-ok-2 ack every 250 ms. Its 10 s ack deadline takes its
+    // messages back every 10 s (so its oldest unacked age never passes
+    // 10 s), its stall goes on: it alone is named, and the group, which
+    // acks, is not stuck.
+    let busy_start = SystemTime::now();
+    let busy = common::hung::busy_group_at(std::slice::from_ref(&url), "busy", 10_000).await;
+    wait_for("busy-hung to hold its max_in_flight", || {
+        let mut admin = admin.clone();
+        let id = busy.hung.clone();
+        async move {
+            common::listed(list_subscriptions(&mut admin).await, &id)
+                .is_some_and(|s| s.unacked == u64::from(common::hung::MAX_IN_FLIGHT))
+        }
+    })
+    .await;
+    watched.lock().unwrap().add(
+        "alert TinybrokerConsumerGroupMemberHung names busy-hung (10 s ack deadline, group acking)",
+        busy_start,
+        STALL - Duration::from_secs(1),
+        STALL + Duration::from_secs(2),
+        "<= 105 s",
+        alert("TinybrokerConsumerGroupMemberHung", "subscription_id", &busy.hung),
+    );
+    log(t0, "busy-hung holds its messages while busy-ok-1 and busy-ok-2 ack");
 
     // A memberless group whose backlog grows, and one left with 5 messages:
     // both removed with their backlog after the TTL.
@@ -955,6 +984,7 @@ async fn session(dir: &Path) {
         }
     }
     watcher.abort();
+    drop(busy);
     stop.cancel();
     steady.await.unwrap();
     orphan_publisher.await.unwrap();
@@ -1006,6 +1036,7 @@ async fn session(dir: &Path) {
         ("TinybrokerConsumerGroupWithoutMembers", "expiring"),
         ("TinybrokerConsumerGroupRemovedWithBacklog", "orphan"),
         ("TinybrokerConsumerGroupRemovedWithBacklog", "expiring"),
+        ("TinybrokerConsumerGroupMemberHung", "busy-hung"),
     ]
     .into_iter()
     .map(|(a, b)| (a.to_owned(), b.to_owned()))
@@ -1770,6 +1801,59 @@ async fn cluster_session(dir: &Path, nats: &common::nats::NatsCluster) {
     }
     failures.extend(settle(&prometheus, &mut after).await);
     log(t0, &format!("{} checks after the removal", after.len()));
+
+    // Issue 42 across replicas: straggle-hung on replica a holds its 2
+    // messages and never acks, straggle-ok on b acks each one it gets while
+    // a message comes every 200 ms. b counts the acks, a reports the hung
+    // member's stall: the rule, over both, names the member once.
+    let straggle = |id: &str| pb::OpenSubscriptionRequest {
+        subscription_id: id.into(),
+        ..cluster_member("straggle", 2, 3_600_000)
+    };
+    let (stream, _) = common::open(&mut clients[0].clone(), straggle("straggle-hung")).await;
+    tasks.push(count_into(stream, seen.clone(), |_| Vec::new()));
+    let (mut stream, _) = common::open(&mut clients[1].clone(), straggle("straggle-ok")).await;
+    let mut acker = clients[1].clone();
+    tasks.push(tokio::spawn(async move {
+        while let Ok(Some(m)) = stream.message().await {
+            common::ack(&mut acker, "straggle-ok", &[m.sequence]).await;
+        }
+    }));
+    let straggle_since = Instant::now();
+    let straggle_publisher = {
+        let clients = clients.clone();
+        tokio::spawn(async move {
+            for i in 0.. {
+                let mut client = clients[i % 2].clone();
+                if client.publish(publish("mon.straggle", 10)).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    wait_for("straggle-hung to hold its 2 messages", || {
+        let mut admin = admin.clone();
+        async move {
+            common::listed(list_subscriptions(&mut admin).await, "straggle-hung").is_some_and(|s| s.unacked == 2)
+        }
+    })
+    .await;
+    wait_for("straggle-hung's stall to pass 8 s", || async {
+        straggle_since.elapsed() > Duration::from_secs(8)
+    })
+    .await;
+    checked.insert("TinybrokerConsumerGroupMemberHung".into());
+    let mut hung = vec![check(
+        "rule TinybrokerConsumerGroupMemberHung".into(),
+        rule("TinybrokerConsumerGroupMemberHung"),
+        1.0,
+        true,
+        Box::new(move || vec![aged("subscription_id", "straggle-hung", straggle_since)]),
+    )];
+    failures.extend(settle(&prometheus, &mut hung).await);
+    straggle_publisher.abort();
+    log(t0, "straggle-hung named once across the replicas");
 
     // Every group panel and rule was checked.
     for (title, ref_id, expr) in dashboard_targets() {

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::hung::busy_group_with_a_hung_member;
 use common::process::ChildGuard;
 use common::*;
 use serde_json::{Value, json};
@@ -292,6 +293,55 @@ async fn status_page_and_status_json_over_http() {
         let (status, s) = status_json(addr, "/status.json?limit=lots", &[]).await;
         assert_eq!(status, 400);
         assert!(field(&s, "error").as_str().unwrap().contains("\"lots\""), "{s}");
+    })
+    .await;
+}
+
+/// Issue 42: a busy manual-ack group whose members all hold their
+/// max_in_flight, one of them never acking. `members[]` lists them oldest
+/// unacked first: the hung one first, `looks_hung` (what the page marks
+/// HUNG?), the acking ones not; its row among the subscriptions says so
+/// too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_json_lists_a_busy_groups_hung_member_first_and_marks_it() {
+    timeout(async {
+        let broker = start().await;
+        let scene = busy_group_with_a_hung_member(&broker, "busy").await;
+        let addr = broker.metrics_addr;
+        let mut last = Value::Null;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let (status, s) = status_json(addr, "/status.json", &[]).await;
+            assert_eq!(status, 200, "{s:#}");
+            let first = &s["members"][0];
+            let done = first["subscription_id"] == scene.hung.as_str() && first["looks_hung"] == true;
+            last = s;
+            if done {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let members = last["members"].as_array().unwrap_or_else(|| panic!("{last:#}"));
+        assert_eq!(members[0]["subscription_id"], scene.hung.as_str(), "{last:#}");
+        assert_eq!(members[0]["looks_hung"], true, "{last:#}");
+        assert_eq!(field(&last, "member_count"), 3, "{last:#}");
+        assert_eq!(members.len(), 3, "{last:#}");
+        for member in members {
+            assert_eq!(member["consumer_group"], "busy", "{member:#}");
+            assert_eq!(member["unacked"], u64::from(common::hung::MAX_IN_FLIGHT), "{last:#}");
+            assert!(member["oldest_unacked_age_seconds"].is_number(), "{member:#}");
+        }
+        for id in &scene.healthy {
+            let row = members.iter().find(|m| m["subscription_id"] == id.as_str());
+            assert_eq!(row.map(|m| &m["looks_hung"]), Some(&json!(false)), "{id}: {last:#}");
+        }
+        let hung_row = last["subscriptions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["subscription_id"] == scene.hung.as_str())
+            .unwrap_or_else(|| panic!("{last:#}"));
+        assert_eq!(hung_row["looks_hung"], true, "{hung_row:#}");
     })
     .await;
 }

@@ -7,17 +7,19 @@ use super::subscription::Subscription;
 use crate::engine::{
     Counters, EngineInfo, EvictionRecord, GroupInfo, GroupRemoval, MemoryUse, Peaks, Snapshot, SubscriptionInfo,
 };
+use crate::group::machine::MemberUnacked;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-/// A group member's unacked messages in its record: `held` handed to it,
-/// the oldest `age` ago. What still waits in its queue was not delivered:
-/// `unacked` is the rest (the record's `queue_depth` says how many wait).
-pub(crate) fn set_unacked(info: &mut SubscriptionInfo, held: u32, age: Duration) {
-    info.unacked = u64::from(held).saturating_sub(info.queue_depth as u64);
-    info.oldest_unacked_age = Some(age);
+/// A group member's unacked messages in its record, as its group's machine
+/// has them at `now`: handed to it, the oldest `oldest` ago, and its stall.
+/// What still waits in its queue was not delivered: `unacked` is the rest
+/// (the record's `queue_depth` says how many wait).
+pub(crate) fn set_unacked(info: &mut SubscriptionInfo, unacked: &MemberUnacked, now: tokio::time::Instant) {
+    info.unacked = u64::from(unacked.count).saturating_sub(info.queue_depth as u64);
+    info.oldest_unacked_age = Some(now.saturating_duration_since(unacked.oldest));
+    info.stalled = Some(now.saturating_duration_since(unacked.stalled_since));
 }
 
 impl Broker {
@@ -56,7 +58,7 @@ impl Broker {
                             .unwrap_or_default()
                     });
                     if let Some(u) = by_member.get(&s.key) {
-                        set_unacked(&mut info, u.count, now.saturating_duration_since(u.oldest));
+                        set_unacked(&mut info, u, now);
                     }
                 }
                 info

@@ -178,6 +178,7 @@ impl Subscription {
             replica_id: replica_id.to_owned(),
             unacked: 0,
             oldest_unacked_age: None,
+            stalled: None,
         }
     }
 }

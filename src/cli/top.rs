@@ -162,6 +162,9 @@ struct Sample {
     info: pb::GetBrokerInfoResponse,
     subscriptions: Vec<pb::SubscriptionInfo>,
     groups: Vec<pb::ConsumerGroupInfo>,
+    /// The manual-ack group members, oldest unacked message first, each
+    /// with whether it looks hung beside its group's others.
+    members: Vec<(pb::SubscriptionInfo, bool)>,
     evictions: Vec<pb::EvictionInfo>,
 }
 
@@ -265,11 +268,16 @@ impl View {
 
     /// Rows each list would like: its title, its column header and one
     /// per entry ("none" takes one too), at most `most` entries.
-    fn wanted_rows(&self, most: usize) -> [u16; 3] {
-        let (s, g, e) = self.sample.as_ref().map_or((0, 0, 0), |s| {
-            (s.subscriptions.len(), s.groups.len(), s.evictions.len())
+    fn wanted_rows(&self, most: usize) -> [u16; LISTS] {
+        let counts = self.sample.as_ref().map_or([0; LISTS], |s| {
+            [
+                s.subscriptions.len(),
+                s.groups.len(),
+                s.members.len(),
+                s.evictions.len(),
+            ]
         });
-        [s, g, e].map(|n| 2 + n.clamp(1, most.max(1)) as u16)
+        counts.map(|n| 2 + n.clamp(1, most.max(1)) as u16)
     }
 
     fn height_of_all(&self) -> u16 {
@@ -284,11 +292,12 @@ impl View {
             ),
             Fit::All => self.wanted_rows(ONCE_ROWS),
         };
-        let [header, subscriptions, groups, evictions, _, footer] = Layout::vertical([
+        let [header, subscriptions, groups, members, evictions, _, footer] = Layout::vertical([
             Constraint::Length(HEADER_ROWS),
             Constraint::Length(lists[0]),
             Constraint::Length(lists[1]),
             Constraint::Length(lists[2]),
+            Constraint::Length(lists[3]),
             Constraint::Fill(1),
             Constraint::Length(FOOTER_ROWS),
         ])
@@ -304,6 +313,7 @@ impl View {
         let now = SystemTime::now();
         subscriptions_list(sample, replica).render(subscriptions, buf);
         groups_list(sample).render(groups, buf);
+        members_list(sample, replica).render(members, buf);
         evictions_list(sample, replica, now).render(evictions, buf);
     }
 
@@ -361,12 +371,15 @@ impl View {
     }
 }
 
+/// The lists under the header: subscriptions, groups, members, evictions.
+const LISTS: usize = 4;
+
 /// Shares `height` rows among the lists: first each list's title and
 /// column header and one entry, in order, then one more row to each list
 /// that wants more, in turn, until the rows or the wishes run out. A list
 /// with few entries leaves the rest to the others.
-fn share_rows(height: u16, wanted: [u16; 3]) -> [u16; 3] {
-    let mut rows = [0u16; 3];
+fn share_rows<const N: usize>(height: u16, wanted: [u16; N]) -> [u16; N] {
+    let mut rows = [0u16; N];
     let mut left = height;
     for (i, want) in wanted.iter().enumerate() {
         let first = (*want).min(3).min(left);
@@ -374,7 +387,7 @@ fn share_rows(height: u16, wanted: [u16; 3]) -> [u16; 3] {
         left -= first;
     }
     while left > 0 && rows.iter().zip(&wanted).any(|(r, w)| r < w) {
-        for i in 0..3 {
+        for i in 0..N {
             if left > 0 && rows[i] < wanted[i] {
                 rows[i] += 1;
                 left -= 1;
@@ -401,10 +414,36 @@ async fn fetch(client: &Client) -> Result<Sample, tonic::Status> {
     sort_newest_first(&mut evictions);
     Ok(Sample {
         info: info?,
+        members: members_by_oldest_unacked(&subscriptions),
         subscriptions,
         groups,
         evictions,
     })
+}
+
+/// The manual-ack group members among `subscriptions`, oldest unacked
+/// message first, each marked as [`crate::group::hung`] says (the status
+/// page marks the same members).
+fn members_by_oldest_unacked(subscriptions: &[pb::SubscriptionInfo]) -> Vec<(pb::SubscriptionInfo, bool)> {
+    let members: Vec<&pb::SubscriptionInfo> = subscriptions
+        .iter()
+        .filter(|s| s.ack_mode == pb::AckMode::Manual as i32 && !s.consumer_group.is_empty())
+        .collect();
+    let ages: Vec<(&str, Option<Duration>)> = members
+        .iter()
+        .map(|s| (s.consumer_group.as_str(), s.oldest_unacked_age.map(duration)))
+        .collect();
+    let marks = crate::group::hung::marks(&ages);
+    let mut members: Vec<(pb::SubscriptionInfo, bool)> = members.into_iter().cloned().zip(marks).collect();
+    members.sort_by(|(a, _), (b, _)| {
+        let age = |s: &pb::SubscriptionInfo| s.oldest_unacked_age.map(duration);
+        age(b)
+            .cmp(&age(a))
+            .then(b.unacked.cmp(&a.unacked))
+            .then_with(|| a.consumer_group.cmp(&b.consumer_group))
+            .then_with(|| a.subscription_id.cmp(&b.subscription_id))
+    });
+    members
 }
 
 /// A column of a list: its header, its width, the fewest columns it
@@ -443,6 +482,8 @@ struct ListWidget {
     title: &'static str,
     columns: Vec<Column>,
     rows: Vec<Vec<String>>,
+    /// Rows drawn in reverse video (a member that looks hung); empty: none.
+    highlight: Vec<bool>,
 }
 
 const COLUMN_SPACING: u16 = 2;
@@ -495,12 +536,18 @@ impl Widget for ListWidget {
                 .map(|&i| cell(&self.columns[i], self.columns[i].name.to_owned())),
         )
         .style(Style::new().add_modifier(Modifier::UNDERLINED));
-        let rows = self.rows.into_iter().take(shown).map(|mut values| {
-            Row::new(
+        let highlight = self.highlight;
+        let rows = self.rows.into_iter().take(shown).enumerate().map(|(n, mut values)| {
+            let row = Row::new(
                 kept.iter()
                     .map(|&i| cell(&self.columns[i], std::mem::take(&mut values[i])))
                     .collect::<Vec<_>>(),
-            )
+            );
+            if highlight.get(n).copied().unwrap_or(false) {
+                row.style(Style::new().add_modifier(Modifier::REVERSED | Modifier::BOLD))
+            } else {
+                row
+            }
         });
         let widths: Vec<Constraint> = kept.iter().map(|&i| self.columns[i].width).collect();
         Table::new(rows, widths)
@@ -549,6 +596,7 @@ fn subscriptions_list(sample: &Sample, replica: bool) -> ListWidget {
         title: "Subscriptions, fullest first",
         columns,
         rows,
+        highlight: Vec::new(),
     }
 }
 
@@ -582,6 +630,51 @@ fn groups_list(sample: &Sample) -> ListWidget {
         title: "Consumer groups, largest backlog first",
         columns,
         rows,
+        highlight: Vec::new(),
+    }
+}
+
+/// What marks a member that looks hung, in its own first column.
+const HUNG_MARK: &str = "HUNG?";
+
+fn members_list(sample: &Sample, replica: bool) -> ListWidget {
+    let mut columns = vec![
+        text("", Constraint::Length(5), 5, 1),
+        text("ID", Constraint::Max(36), 16, 1),
+        text("GROUP", Constraint::Max(16), 8, 4),
+        number("OLDEST UNACKED", 14, 2),
+        number("UNACKED", 8, 3),
+        number("QUEUE", 13, 6),
+        number("DELIVERED", 10, 5),
+    ];
+    if replica {
+        columns.push(text("REPLICA", Constraint::Max(12), 7, 4));
+    }
+    let (rows, highlight): (Vec<Vec<String>>, Vec<bool>) = sample
+        .members
+        .iter()
+        .map(|(s, hung)| {
+            let mut cells = vec![
+                if *hung { HUNG_MARK.to_owned() } else { String::new() },
+                s.subscription_id.clone(),
+                s.consumer_group.clone(),
+                s.oldest_unacked_age
+                    .map_or_else(|| "-".to_owned(), |d| human_duration(duration(d))),
+                s.unacked.to_string(),
+                format!("{}/{}", s.queue_depth, s.capacity),
+                s.delivered.to_string(),
+            ];
+            if replica {
+                cells.push(or_dash(&s.replica_id));
+            }
+            (cells, *hung)
+        })
+        .unzip();
+    ListWidget {
+        title: "Group members, oldest unacked first",
+        columns,
+        rows,
+        highlight,
     }
 }
 
@@ -618,6 +711,7 @@ fn evictions_list(sample: &Sample, replica: bool, now: SystemTime) -> ListWidget
         title: "Latest evictions",
         columns,
         rows,
+        highlight: Vec::new(),
     }
 }
 
@@ -667,6 +761,7 @@ mod tests {
                 backlog: 42,
                 ..Default::default()
             }],
+            members: Vec::new(),
             evictions: Vec::new(),
         }
     }
@@ -739,6 +834,51 @@ mod tests {
         for dropped in ["REDELIVERED", "DEAD", "PATTERNS"] {
             assert!(!text.contains(dropped), "{dropped} in {text}");
         }
+    }
+
+    /// A busy group: every member holds its max_in_flight, and the one
+    /// whose oldest unacked message is far older than the others' is
+    /// listed first among the members, marked.
+    #[test]
+    fn a_hung_member_comes_first_among_the_members_marked() {
+        let member = |id: &str, seconds: Option<i64>| pb::SubscriptionInfo {
+            subscription_id: id.into(),
+            consumer_group: "workers".into(),
+            mode: pb::DeliveryMode::Single as i32,
+            ack_mode: pb::AckMode::Manual as i32,
+            unacked: 16,
+            capacity: 16,
+            oldest_unacked_age: seconds.map(|seconds| prost_types::Duration { seconds, nanos: 0 }),
+            ..Default::default()
+        };
+        let mut view = View::new("http://b:1");
+        let mut s = sample(0);
+        let listed = vec![
+            member("worker-1", Some(2)),
+            member("worker-hung", Some(13)),
+            member("worker-2", Some(1)),
+            pb::SubscriptionInfo {
+                subscription_id: "watcher".into(),
+                ..Default::default()
+            },
+        ];
+        s.members = members_by_oldest_unacked(&listed);
+        s.subscriptions = listed;
+        view.sample = Some(s);
+        let text = view.text(120);
+        let members: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with(" Group members, oldest unacked first (3)"))
+            .skip(2)
+            .take(3)
+            .collect();
+        assert!(members[0].starts_with("HUNG?  worker-hung"), "{text}");
+        assert!(members[0].contains(" 13s "), "{text}");
+        assert!(members[1].trim_start().starts_with("worker-1"), "{text}");
+        assert!(!text.contains("HUNG?  worker-1"), "{text}");
+        // On a narrow screen the mark and the id stay.
+        let narrow = screen(&view, 40, 30).join("\n");
+        assert!(narrow.contains("HUNG?  worker-hung"), "{narrow}");
     }
 
     #[test]

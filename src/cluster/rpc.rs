@@ -508,6 +508,7 @@ mod tests {
             // Not in the previous version's JSON: see the proto round trip.
             unacked: 0,
             oldest_unacked_age: None,
+            stalled: None,
         }
     }
 

@@ -376,6 +376,11 @@ pub struct SubscriptionInfo {
     /// How long ago the oldest message it holds unacked was handed to it.
     #[serde(skip)]
     pub oldest_unacked_age: Option<Duration>,
+    /// How long it has held messages without acking or nacking any: a
+    /// redelivery after its ack deadline does not restart it, as it does
+    /// `oldest_unacked_age` (None while it holds none; the metrics only).
+    #[serde(skip)]
+    pub stalled: Option<Duration>,
 }
 
 /// One consumer group, at one moment.

@@ -166,6 +166,11 @@ struct Member<K> {
     /// Messages this member holds: queued for its stream, plus those on its
     /// stream not done yet (MANUAL, or AUTO per message).
     held: u32,
+    /// MANUAL: since when it has held messages without acking or nacking
+    /// any (the first handed to it after its last ack or nack). Its ack
+    /// deadline passing does not move it, unlike the oldest unacked age:
+    /// a member that never acks stays stalled across redeliveries.
+    stalled_since: Option<Instant>,
 }
 
 impl<K> Member<K> {
@@ -194,6 +199,10 @@ pub(crate) struct MemberUnacked {
     pub(crate) count: u32,
     /// When the oldest of them was handed to it.
     pub(crate) oldest: Instant,
+    /// Since when it has held messages without acking or nacking any
+    /// (`tinybroker_subscription_stalled_seconds`): not restarted by a
+    /// redelivery after its ack deadline, as `oldest` is.
+    pub(crate) stalled_since: Instant,
 }
 
 /// A message handed to a member and not done yet (MANUAL, or AUTO per
@@ -296,7 +305,13 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
                 .or_insert(MemberUnacked {
                     count: 1,
                     oldest: held.handed_out,
+                    stalled_since: held.handed_out,
                 });
+        }
+        for member in &self.members {
+            if let (Some(u), Some(since)) = (by_member.get_mut(&member.key), member.stalled_since) {
+                u.stalled_since = since;
+            }
         }
         by_member
     }
@@ -367,6 +382,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             subscription,
             settings,
             held: 0,
+            stalled_since: None,
         });
         self.dispatch(now);
     }
@@ -465,6 +481,9 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             result.acked += 1;
         }
         self.counters.acked += u64::from(result.acked);
+        if result.acked > 0 {
+            self.progressed(key, now);
+        }
         self.dispatch(now);
         result
     }
@@ -483,6 +502,9 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             self.release(key);
             self.take_back(held, &mut retries);
             result.requeued += 1;
+        }
+        if result.requeued > 0 {
+            self.progressed(key, now);
         }
         self.settle(retries, now);
         result
@@ -540,6 +562,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         all.extend(self.take_backlog());
         for member in &mut self.members {
             member.held = 0;
+            member.stalled_since = None;
         }
         all
     }
@@ -556,6 +579,9 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         let held: Vec<Held<T, K>> = self.held.drain().map(|(_, h)| h).collect();
         for h in &held {
             self.release(&h.member);
+        }
+        for member in &mut self.members {
+            member.stalled_since = None;
         }
         self.dispatch(now);
         held.len()
@@ -598,6 +624,9 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             let refused = match member.subscription.queue.push(delivery) {
                 Push::Queued => {
                     member.held += 1;
+                    if member.settings.ack_mode == AckMode::Manual && member.stalled_since.is_none() {
+                        member.stalled_since = Some(now);
+                    }
                     if let Some(message) = message {
                         let deadline =
                             (member.settings.ack_mode == AckMode::Manual).then(|| now + member.settings.ack_deadline);
@@ -735,6 +764,14 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         }
     }
 
+    /// `key` acked or nacked: its stall, if it still holds messages,
+    /// starts again now.
+    fn progressed(&mut self, key: &K, now: Instant) {
+        if let Some(member) = self.members.iter_mut().find(|m| m.key == *key) {
+            member.stalled_since = (member.held > 0).then_some(now);
+        }
+    }
+
     /// Where each message is, for the property tests: sequences in the
     /// backlog, and held (with their member).
     #[cfg(test)]
@@ -861,6 +898,58 @@ pub(crate) mod tests {
                 assert_eq!((again.message.sequence, again.attempt), (1, 2));
             }
             assert_eq!(g.counters().redeliveries, 1);
+        }
+    }
+
+    /// A member that never acks is stalled since its first message, across
+    /// the redeliveries its ack deadline causes (its oldest unacked age
+    /// restarts at each); one that acks or nacks starts again.
+    #[test]
+    fn a_members_stall_survives_its_deadline_and_ends_with_an_ack_or_nack() {
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        for cluster in [false, true] {
+            let mut g: GroupMachine<u64, u64> = GroupMachine::new(rules(cluster, 10, 0));
+            let (hung, ok) = (member(1, 2), member(2, 2));
+            let manual = MemberSettings {
+                ack_mode: AckMode::Manual,
+                max_in_flight: 2,
+                ack_deadline: Duration::from_secs(10),
+            };
+            g.join(1, hung.clone(), manual, start);
+            g.join(2, ok.clone(), manual, start);
+            let offer = |g: &mut GroupMachine<u64, u64>, seq: u64, now| {
+                g.offer(Arc::new(Published::for_test("t", seq)), seq, 0, now);
+            };
+            // Round-robin: 1 and 3 to hung, 2 and 4 to ok.
+            for seq in 1..=4 {
+                offer(&mut g, seq, start);
+            }
+            while pop(&hung).is_some() {}
+            while pop(&ok).is_some() {}
+            g.ack(&2, &[2], at(3));
+            offer(&mut g, 5, at(3));
+            let u = g.unacked_by_member();
+            assert_eq!((u[&1].oldest, u[&1].stalled_since), (start, start));
+            assert_eq!((u[&2].oldest, u[&2].stalled_since), (start, at(3)), "acked at 3 s");
+            g.nack(&2, &[4], at(9));
+            assert_eq!(g.unacked_by_member()[&2].stalled_since, at(9), "nacked at 9 s");
+            // The hung member's deadline passes with ok full: single node,
+            // its messages come back to it, and its stall goes on while its
+            // oldest unacked age restarts; a cluster hub offers them to the
+            // other replicas instead.
+            g.expire(at(11));
+            if cluster {
+                assert!(!g.unacked_by_member().contains_key(&1));
+                continue;
+            }
+            let u = g.unacked_by_member();
+            assert_eq!(u[&1].count, 2);
+            assert_eq!((u[&1].oldest, u[&1].stalled_since), (at(11), start));
+            // Its first ack ends it.
+            while pop(&hung).is_some() {}
+            assert_eq!(g.ack(&1, &[1], at(13)).acked, 1);
+            assert_eq!(g.unacked_by_member()[&1].stalled_since, at(13));
         }
     }
 

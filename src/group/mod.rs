@@ -14,6 +14,8 @@
 //! - [`backlog`]: a backlog's bounds, and what a full one drops and counts;
 //! - [`idle`]: the idle TTL, and the removal's log line;
 //! - [`stall`]: when a stalled group is reported, and in what words;
+//! - [`hung`]: when a member looks hung beside its group's others (the
+//!   mark of `tinybroker top` and the status page);
 //! - [`dead_letter`]: a dead letter's form, and what becomes of one that
 //!   breaks a message limit.
 //!
@@ -23,6 +25,7 @@
 pub mod admission;
 pub mod backlog;
 pub mod dead_letter;
+pub mod hung;
 pub mod idle;
 pub(crate) mod machine;
 pub mod stall;

@@ -464,6 +464,8 @@ const PATTERNS_LABEL_BYTES: usize = 200;
 struct OperatorTemplates {
     queue_depth_peak: IntGaugeVec,
     subscription_unacked: IntGaugeVec,
+    subscription_oldest_unacked: GaugeVec,
+    subscription_stalled: GaugeVec,
     recent_eviction: GaugeVec,
     group_stalled: GaugeVec,
     group_memberless: GaugeVec,
@@ -488,6 +490,20 @@ impl OperatorTemplates {
                 Opts::new(
                     "tinybroker_subscription_unacked",
                     "Messages delivered to one manual-ack group member and not acked or nacked yet: a hung member among healthy ones holds many (up to its max_in_flight) while its queue depth stays 0.",
+                ),
+                &["subscription_id", "consumer_group"],
+            )?,
+            subscription_oldest_unacked: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_subscription_oldest_unacked_age_seconds",
+                    "Age of the oldest message delivered to one manual-ack group member and not acked or nacked yet (0 when none; restarts when the message is redelivered): a member far older than its group's others is likely hung.",
+                ),
+                &["subscription_id", "consumer_group"],
+            )?,
+            subscription_stalled: GaugeVec::new(
+                Opts::new(
+                    "tinybroker_subscription_stalled_seconds",
+                    "How long one manual-ack group member has held messages without acking or nacking any (0 when it holds none). Redeliveries after its ack deadline do not reset it: a hung member's keeps growing while the rest of its group acks.",
                 ),
                 &["subscription_id", "consumer_group"],
             )?,
@@ -547,6 +563,8 @@ impl OperatorTemplates {
         vec![
             &self.queue_depth_peak,
             &self.subscription_unacked,
+            &self.subscription_oldest_unacked,
+            &self.subscription_stalled,
             &self.recent_eviction,
             &self.group_stalled,
             &self.group_memberless,
@@ -686,7 +704,14 @@ impl BrokerCollector {
                 m.queue_depth.with_label_values(labels).set(sub.queue_depth as i64);
                 o.queue_depth_peak.with_label_values(labels).set(sub.queue_peak as i64);
                 if sub.ack_mode == Some(crate::engine::AckMode::Manual) {
+                    let seconds = |d: Option<Duration>| d.map_or(0.0, |d| d.as_secs_f64());
                     o.subscription_unacked.with_label_values(labels).set(sub.unacked as i64);
+                    o.subscription_oldest_unacked
+                        .with_label_values(labels)
+                        .set(seconds(sub.oldest_unacked_age));
+                    o.subscription_stalled
+                        .with_label_values(labels)
+                        .set(seconds(sub.stalled));
                 }
             }
         }
@@ -1044,6 +1069,17 @@ mod tests {
             ),
             Some(0.0)
         );
+        for (metric, id, seconds) in [
+            ("tinybroker_subscription_oldest_unacked_age_seconds", "hung", 7.0),
+            ("tinybroker_subscription_oldest_unacked_age_seconds", "healthy", 0.0),
+            ("tinybroker_subscription_stalled_seconds", "hung", 7.0),
+            ("tinybroker_subscription_stalled_seconds", "healthy", 0.0),
+        ] {
+            let series = format!(r#"{metric}{{consumer_group="g",subscription_id="{id}"}}"#);
+            assert_eq!(value(&text, &series), Some(seconds), "{series} in\n{text}");
+        }
+        let quiet = Metrics::new(broker.clone(), false).render();
+        assert!(!quiet.contains("subscription_id=\"hung\""), "{quiet}");
     }
 
     #[test]

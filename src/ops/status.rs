@@ -7,10 +7,11 @@
 //! seconds, both fractional; a peer or a time that is not known is `null`.
 
 use crate::engine::{
-    BrokerError, DeliveryMode, Engine, EngineInfo, EvictionRecord, GroupInfo, Peaks, SubscriptionInfo,
+    AckMode, BrokerError, DeliveryMode, Engine, EngineInfo, EvictionRecord, GroupInfo, Peaks, SubscriptionInfo,
 };
 use futures::future::BoxFuture;
 use serde::Serialize;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -50,11 +51,16 @@ pub struct Status {
     /// `tinybroker_messages_published_total` and the sum of
     /// `tinybroker_messages_delivered_total`.
     pub totals: Totals,
-    /// Open subscriptions and groups in all (the lists may be cut).
+    /// Open subscriptions, groups and manual-ack group members in all (the
+    /// lists may be cut).
     pub subscription_count: usize,
     pub group_count: usize,
+    pub member_count: usize,
     /// Fullest queues first (depth over capacity, then depth).
     pub subscriptions: Vec<SubscriptionRow>,
+    /// The manual-ack group members, oldest unacked message first: a hung
+    /// member (`looks_hung`) among acking ones comes first.
+    pub members: Vec<SubscriptionRow>,
     /// Largest backlog first.
     pub groups: Vec<GroupRow>,
     /// Newest first.
@@ -89,6 +95,10 @@ pub struct SubscriptionRow {
     /// A MANUAL member's messages delivered and not acked yet.
     pub unacked: u64,
     pub oldest_unacked_age_seconds: Option<f64>,
+    /// A manual-ack member whose oldest unacked message is far older than
+    /// its group's other members' ([`crate::group::hung`]): the page and
+    /// `tinybroker top` mark it "HUNG?".
+    pub looks_hung: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -150,6 +160,44 @@ fn assemble(
 ) -> Status {
     let limit = if limit == 0 { usize::MAX } else { limit };
     let (subscription_count, group_count) = (subscriptions.len(), groups.len());
+    // Marked among every member of each group, before any list is cut.
+    let mut members: Vec<SubscriptionInfo> = subscriptions.iter().filter(|s| manual_member(s)).cloned().collect();
+    let ages: Vec<(&str, Option<std::time::Duration>)> = members
+        .iter()
+        .map(|s| (s.consumer_group.as_str(), s.oldest_unacked_age))
+        .collect();
+    let hung: HashSet<String> = members
+        .iter()
+        .zip(crate::group::hung::marks(&ages))
+        .filter(|(_, marked)| *marked)
+        .map(|(s, _)| s.subscription_id.clone())
+        .collect();
+    members.sort_by(|a, b| {
+        b.oldest_unacked_age
+            .cmp(&a.oldest_unacked_age)
+            .then(b.unacked.cmp(&a.unacked))
+            .then_with(|| a.consumer_group.cmp(&b.consumer_group))
+            .then_with(|| a.subscription_id.cmp(&b.subscription_id))
+    });
+    let member_count = members.len();
+    let row = |s: SubscriptionInfo| SubscriptionRow {
+        looks_hung: hung.contains(&s.subscription_id),
+        subscription_id: s.subscription_id,
+        mode: match s.mode {
+            DeliveryMode::Multi => "multi",
+            DeliveryMode::Single => "single",
+        },
+        consumer_group: s.consumer_group,
+        topic_patterns: s.topic_patterns,
+        queue_depth: s.queue_depth,
+        capacity: s.capacity,
+        delivered: s.delivered,
+        opened_at: unix_seconds(s.opened_at),
+        peer: s.peer.map(|p| p.to_string()),
+        replica_id: s.replica_id,
+        unacked: s.unacked,
+        oldest_unacked_age_seconds: s.oldest_unacked_age.map(|age| age.as_secs_f64()),
+    };
     // Fill as a cross product, so that no float is compared: a/b > c/d. A
     // group member's fill counts what it holds unacked too (its capacity is
     // max_in_flight), so a hung member comes first, not among the empty.
@@ -179,27 +227,9 @@ fn assemble(
         totals,
         subscription_count,
         group_count,
-        subscriptions: subscriptions
-            .into_iter()
-            .take(limit)
-            .map(|s| SubscriptionRow {
-                subscription_id: s.subscription_id,
-                mode: match s.mode {
-                    DeliveryMode::Multi => "multi",
-                    DeliveryMode::Single => "single",
-                },
-                consumer_group: s.consumer_group,
-                topic_patterns: s.topic_patterns,
-                queue_depth: s.queue_depth,
-                capacity: s.capacity,
-                delivered: s.delivered,
-                opened_at: unix_seconds(s.opened_at),
-                peer: s.peer.map(|p| p.to_string()),
-                replica_id: s.replica_id,
-                unacked: s.unacked,
-                oldest_unacked_age_seconds: s.oldest_unacked_age.map(|age| age.as_secs_f64()),
-            })
-            .collect(),
+        member_count,
+        subscriptions: subscriptions.into_iter().take(limit).map(row).collect(),
+        members: members.into_iter().take(limit).map(row).collect(),
         groups: groups
             .into_iter()
             .take(limit)
@@ -229,6 +259,11 @@ fn assemble(
             })
             .collect(),
     }
+}
+
+/// A member of a group whose messages wait for its acks.
+fn manual_member(s: &SubscriptionInfo) -> bool {
+    s.ack_mode == Some(AckMode::Manual) && !s.consumer_group.is_empty()
 }
 
 /// `?limit=N` of a `/status.json` request: rows of each listing, 0 for all.
@@ -279,6 +314,7 @@ mod tests {
             replica_id: String::new(),
             unacked: 0,
             oldest_unacked_age: None,
+            stalled: None,
         }
     }
 
@@ -331,6 +367,52 @@ mod tests {
         assert_eq!((status.subscription_count, status.group_count), (4, 3));
         assert_eq!(status.subscriptions[0].opened_at, 1.5);
         assert_eq!(status.generated_at, 10.0);
+    }
+
+    /// A busy group: every member holds its max_in_flight; the one whose
+    /// oldest unacked message is far older than the others' comes first
+    /// among the members and is marked.
+    #[test]
+    fn members_come_oldest_unacked_first_and_a_hung_one_is_marked() {
+        let member = |id: &str, group: &str, age: Option<u64>| SubscriptionInfo {
+            mode: DeliveryMode::Single,
+            consumer_group: group.into(),
+            ack_mode: Some(AckMode::Manual),
+            unacked: 16,
+            oldest_unacked_age: age.map(Duration::from_secs),
+            ..subscription(id, 0, 16)
+        };
+        let status = assemble(
+            vec![
+                member("ok-1", "workers", Some(2)),
+                member("hung", "workers", Some(13)),
+                member("ok-2", "workers", Some(1)),
+                member("idle", "other", None),
+                member("alone", "solo", Some(40)),
+                subscription("broadcast", 3, 10),
+            ],
+            Vec::new(),
+            Vec::new(),
+            info(),
+            Totals {
+                published: 0,
+                delivered: 0,
+            },
+            SystemTime::UNIX_EPOCH,
+            4,
+        );
+        let rows: Vec<_> = status
+            .members
+            .iter()
+            .map(|s| (s.subscription_id.as_str(), s.looks_hung))
+            .collect();
+        assert_eq!(
+            rows,
+            [("alone", false), ("hung", true), ("ok-1", false), ("ok-2", false)]
+        );
+        assert_eq!(status.member_count, 5, "the broadcast subscription is no member");
+        let hung = status.subscriptions.iter().find(|s| s.subscription_id == "hung");
+        assert!(hung.is_some_and(|s| s.looks_hung), "marked in both lists");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod hung;
 pub mod nats;
 pub mod process;
 pub mod proxy;

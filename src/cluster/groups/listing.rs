@@ -40,7 +40,7 @@ impl ClusterEngine {
                 .entry(info.consumer_group.clone())
                 .or_insert_with(|| hub.view().unacked);
             if let Some(u) = view.get(info.subscription_id.as_str()) {
-                crate::broker::set_unacked(info, u.count, now.saturating_duration_since(u.oldest));
+                crate::broker::set_unacked(info, u, now);
             }
         }
     }

@@ -233,6 +233,8 @@ pub(super) fn subscription_from_wire(s: pb::Subscription) -> Result<Subscription
         replica_id: s.replica_id,
         unacked: s.unacked,
         oldest_unacked_age: s.oldest_unacked_ms.map(std::time::Duration::from_millis),
+        // The metrics read it, from this replica's own records only.
+        stalled: None,
     })
 }
 
