@@ -234,6 +234,9 @@ struct Ready {
     /// Each replica start's incarnation (a revision); this replica's own
     /// entry also witnesses that NATS kept its state (`recovery.rs`).
     incarnations: kv::Store,
+    /// The groups whose lost backlog a replica counted after NATS lost its
+    /// state (`groups/rebuild.rs`).
+    losses: kv::Store,
 }
 
 impl ClusterEngine {
@@ -420,6 +423,7 @@ impl ClusterEngine {
             groups,
             attempts,
             incarnations,
+            losses,
         } = self.create_buckets(&js).await.map_err(SetUpError::from)?;
         let ready = Ready {
             js,
@@ -428,6 +432,7 @@ impl ClusterEngine {
             groups,
             attempts,
             incarnations,
+            losses,
         };
         // The id first: a second process with it must not answer its calls.
         self.claim_replica_id(&ready).await.map_err(|e| match e {
