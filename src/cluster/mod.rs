@@ -899,7 +899,10 @@ impl Engine for ClusterEngine {
         self.inner.local.drainable()
     }
 
-    fn close_all(&self) -> usize {
+    /// Only what broadcast subscribers here had queued: what members
+    /// here held went back to JetStream (`maintain`, before this), and the
+    /// backlogs stay in JetStream for the other replicas.
+    fn close_all(&self) -> crate::engine::Discarded {
         self.inner.local.close_all()
     }
 
