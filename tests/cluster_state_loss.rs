@@ -1,7 +1,6 @@
 //! Cluster mode: what NATS losing its memory costs each consumer group,
-//! counted once over the replicas. A file of its own: its NATS restart,
-//! run beside tests/cluster_failures.rs's own (a 3-node JetStream cluster
-//! restarted whole), held that cluster's health past its harness's wait.
+//! counted once over the replicas, whether the group had members or none,
+//! over a lone NATS server and over a 3-node cluster restarted whole.
 
 mod common;
 
