@@ -173,14 +173,19 @@ async fn serve<E: Engine>(
     let drained = drain(&engine, config.shutdown_grace).await;
     let _ = stop_maintenance.send(());
     let _ = maintenance.await;
-    let discarded = engine.close_all();
-    match (drained, discarded) {
-        (_, 0) => tracing::info!("all queues drained"),
-        (true, _) => tracing::warn!(
+    let by_kind = engine.close_all();
+    let discarded = by_kind.total();
+    if discarded == 0 {
+        tracing::info!("all queues drained");
+    } else {
+        tracing::warn!(
             discarded,
-            "queues drained; the backlogs of consumer groups without members were discarded"
-        ),
-        (false, _) => tracing::warn!(discarded, "grace period over: messages still queued were discarded"),
+            queued_broadcast = by_kind.queued,
+            group_backlog = by_kind.backlog,
+            in_flight_to_members = by_kind.in_flight,
+            "{}",
+            by_kind.describe(drained)
+        );
     }
     stop_grpc.cancel();
     let close_grpc = async {

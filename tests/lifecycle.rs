@@ -340,3 +340,99 @@ async fn a_memberless_groups_backlog_does_not_hold_shutdown_for_the_grace_period
     })
     .await
 }
+
+/// The shutdown WARN names what it discarded, kind by kind, and its counts
+/// add up to `tinybroker_messages_discarded_on_shutdown_total`: 4 queued
+/// for a broadcast subscriber that reads no further (a session
+/// subscription whose credit of 1 is spent), 3 in the backlog of a group
+/// without members and 1 in the backlog of a group whose only member is
+/// full, and 2 in flight to that MANUAL member, which holds them unacked
+/// (once named "the backlogs of consumer groups without members").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shutdown_warning_names_each_kind_discarded_with_counts_that_add_up_to_the_metric() {
+    use common::process::{exit_status, line_containing, metric_sum};
+    use common::session::TestSession;
+    timeout(async {
+        let mut broker = BrokerProcess::spawn(&[("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "1")]);
+        let url = broker.url();
+        let mut client = pb::broker_client::BrokerClient::connect(url.clone()).await.unwrap();
+        let mut session = TestSession::start(&mut client).await;
+        let reader = session.open_and_wait(1, subscribe_request(&["queued.>"]), 1).await;
+        let (idle, _) = open(&mut client, member_request(&["idle.>"], "idle", false, 0)).await;
+        drop(idle);
+        let (mut holder, holder_id) = open(&mut client, member_request(&["held.>"], "held", true, 2)).await;
+        let mut admin = pb::admin_client::AdminClient::connect(url.clone()).await.unwrap();
+        wait_until("the idle group to have no member", || {
+            let mut admin = admin.clone();
+            async move {
+                groups(&mut admin)
+                    .await
+                    .iter()
+                    .any(|g| g.name == "idle" && g.members == 0)
+            }
+        })
+        .await;
+        for (topic, n) in [("queued.x", 5), ("idle.x", 3), ("held.x", 3)] {
+            for i in 0..n {
+                client.publish(publish_request(topic, &i.to_string())).await.unwrap();
+            }
+        }
+        for _ in 0..2 {
+            tokio::time::timeout(TEST_TIMEOUT, holder.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+        }
+        // As the broker lists it before the SIGTERM.
+        let listed = |admin: &mut pb::admin_client::AdminClient<tonic::transport::Channel>| {
+            let mut admin = admin.clone();
+            let (reader, holder_id, url) = (reader.clone(), holder_id.clone(), url.clone());
+            async move {
+                let groups = groups(&mut admin).await;
+                let group = |name: &str| groups.iter().find(|g| g.name == name).map(|g| (g.backlog, g.in_flight));
+                let subscriptions = subscriptions(&url).await;
+                let depth = |id: &str| {
+                    subscriptions
+                        .iter()
+                        .find(|s| s.subscription_id == id)
+                        .map(|s| s.queue_depth)
+                };
+                group("idle") == Some((3, 0))
+                    && group("held") == Some((1, 2))
+                    && depth(&reader) == Some(4)
+                    && depth(&holder_id) == Some(0)
+            }
+        };
+        wait_until("4 queued, 3 + 1 in backlogs and 2 in flight", || listed(&mut admin)).await;
+
+        broker.guard.signal("TERM");
+        let (warning, _) = line_containing(&broker.log, "discarded", Duration::from_secs(10)).await;
+        // /metrics answers a little longer after a shutdown that discarded.
+        let metric = metric_sum(
+            &scrape(broker.metrics_addr).await,
+            "tinybroker_messages_discarded_on_shutdown_total",
+        );
+        assert!(warning.contains("WARN"), "{warning}");
+        for kind in [
+            "4 queued for broadcast subscribers",
+            "4 in consumer-group backlogs",
+            "2 in flight to group members",
+        ] {
+            assert!(warning.contains(kind), "the warning names {kind:?}: {warning}");
+        }
+        for field in [
+            "queued_broadcast=4",
+            "group_backlog=4",
+            "in_flight_to_members=2",
+            "discarded=10",
+        ] {
+            assert!(warning.contains(field), "the warning has {field}: {warning}");
+        }
+        assert_eq!(metric, 10.0, "the kinds add up to the metric: {warning}");
+        let exit = exit_status(&mut broker.guard, Duration::from_secs(30)).await;
+        assert_eq!(exit.code(), Some(0), "{exit:?}");
+        drop(session);
+    })
+    .await
+}

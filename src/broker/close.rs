@@ -36,10 +36,12 @@ impl Broker {
     }
 
     /// Closes a subscription's queue and removes it from routing. Idempotent.
-    /// A group member's undelivered messages go back to its group; a
+    /// A group member's undelivered messages go back to its group (at
+    /// shutdown, what it holds is discarded and counted instead); a
     /// broadcast subscription's are dropped and counted, with `also_lost`
     /// more (the message that did not fit, for an eviction). Returns how
-    /// many it held, or None when it was closed already.
+    /// many it dropped or discarded (0 for a member handing back), or None
+    /// when it was closed already.
     pub(super) fn close(&self, subscription: &Arc<Subscription>, reason: CloseReason, also_lost: u64) -> Option<usize> {
         let lost = subscription.is_broadcast().then_some(also_lost);
         let left = subscription.queue.close(reason, lost);
@@ -51,6 +53,15 @@ impl Broker {
         }
         if let Some(membership) = subscription.membership() {
             let group = &membership.group;
+            if reason == CloseReason::Shutdown {
+                // The grace period is over: what it holds goes with it.
+                let held = group.discard(subscription.key, left);
+                self.shared
+                    .stats
+                    .discarded_on_shutdown
+                    .fetch_add(held as u64, Ordering::Relaxed);
+                return Some(held);
+            }
             let dead = group.leave(subscription.key, left, tokio::time::Instant::now());
             self.dead_letter(group.name(), dead);
             return Some(0);

@@ -87,7 +87,7 @@ impl Engine for Broker {
         Broker::drainable(self)
     }
 
-    fn close_all(&self) -> usize {
+    fn close_all(&self) -> crate::engine::Discarded {
         Broker::close_all(self)
     }
 

@@ -2,7 +2,7 @@
 //! idle groups).
 
 use super::{Broker, GROUP_REMOVAL_HISTORY, MAINTENANCE_INTERVAL};
-use crate::engine::{BrokerError, CloseReason, GroupRemoval};
+use crate::engine::{BrokerError, CloseReason, Discarded, GroupRemoval};
 use crate::group::{idle, stall};
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
@@ -59,18 +59,32 @@ impl Broker {
         queues + backlogs
     }
 
-    pub fn close_all(&self) -> usize {
-        let queued: usize = self
-            .live_subscriptions()
-            .iter()
-            .filter_map(|s| self.close(s, CloseReason::Shutdown, 0))
-            .sum();
-        let in_groups: usize = self.live_groups().iter().map(|g| g.discard_all()).sum();
-        self.shared
-            .stats
-            .discarded_on_shutdown
-            .fetch_add(in_groups as u64, Ordering::Relaxed);
-        queued + in_groups
+    /// Ends every subscription and empties every group, once the grace
+    /// period is over: what each held is discarded and counted, by kind. A
+    /// member's messages are discarded with it, not handed back to its
+    /// group first (where they would be counted as its backlog).
+    pub fn close_all(&self) -> Discarded {
+        let mut discarded = Discarded::default();
+        for subscription in self.live_subscriptions() {
+            let Some(left) = self.close(&subscription, CloseReason::Shutdown, 0) else {
+                continue;
+            };
+            match subscription.membership() {
+                Some(_) => discarded.in_flight += left,
+                None => discarded.queued += left,
+            }
+        }
+        for group in self.live_groups() {
+            let (backlog, held) = group.discard_all();
+            discarded.backlog += backlog;
+            // Held by a member that was not listed (closing as shutdown began).
+            discarded.in_flight += held;
+            self.shared
+                .stats
+                .discarded_on_shutdown
+                .fetch_add((backlog + held) as u64, Ordering::Relaxed);
+        }
+        discarded
     }
 
     /// Redelivers messages whose ack deadline passed and removes groups idle

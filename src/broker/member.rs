@@ -54,6 +54,11 @@ pub(crate) trait MemberGroup: Send + Sync {
     /// The member left; `unstreamed` is what its queue still held. Returns
     /// the dead letters that made.
     fn leave(&self, member: u64, unstreamed: VecDeque<Delivery>, now: Instant) -> Vec<DeadLetter>;
+
+    /// Shutdown, once the grace period is over: the member leaves and what
+    /// it holds (`unstreamed`, what its queue still held, and what reached
+    /// its stream and is not done) is discarded, not handed back. How many.
+    fn discard(&self, member: u64, unstreamed: VecDeque<Delivery>) -> usize;
 }
 
 /// A message that used up its delivery attempts, to be published to the

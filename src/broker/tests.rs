@@ -196,22 +196,39 @@ fn what_is_left_at_shutdown_is_counted_as_discarded() {
         .unwrap();
     let member_stream = broker.subscribe(member("", "g", "t")).unwrap();
     drop(member_stream);
+    // A MANUAL member with room for 2 of the 3 published to its group.
+    let _holder = broker
+        .subscribe(SubscribeRequest {
+            ack_mode: crate::engine::AckMode::Manual,
+            max_in_flight: 2,
+            ..member("", "h", "u")
+        })
+        .unwrap();
     for _ in 0..3 {
         broker.publish(message("t"), None).unwrap();
+        broker.publish(message("u"), None).unwrap();
     }
     assert_eq!(
         broker.queued_total(),
-        6,
-        "3 queued for the subscriber, 3 in the group backlog"
+        9,
+        "3 queued for the subscriber, 3 + 1 in the group backlogs, 2 queued for the member"
     );
-    assert_eq!(broker.drainable(), 3, "the memberless group's backlog cannot drain");
+    assert_eq!(broker.drainable(), 6, "the memberless group's backlog cannot drain");
     broker.begin_shutdown();
     assert!(matches!(
         broker.publish(message("t"), None),
         Err(BrokerError::Unavailable(_))
     ));
-    assert_eq!(broker.close_all(), 6);
-    assert_eq!(broker.stats().discarded_on_shutdown.load(Ordering::Relaxed), 6);
+    // The member's 2 are discarded as in flight, not as its group's backlog.
+    assert_eq!(
+        broker.close_all(),
+        crate::engine::Discarded {
+            queued: 3,
+            backlog: 4,
+            in_flight: 2
+        }
+    );
+    assert_eq!(broker.stats().discarded_on_shutdown.load(Ordering::Relaxed), 9);
     assert_eq!(broker.subscription_count(), 0);
     drop(broadcast);
 }

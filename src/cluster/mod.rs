@@ -236,6 +236,9 @@ struct Ready {
     /// Each replica start's incarnation (a revision); this replica's own
     /// entry also witnesses that NATS kept its state (`recovery.rs`).
     incarnations: kv::Store,
+    /// The groups whose lost backlog a replica counted after NATS lost its
+    /// state (`groups/rebuild.rs`).
+    losses: kv::Store,
 }
 
 impl ClusterEngine {
@@ -422,6 +425,7 @@ impl ClusterEngine {
             groups,
             attempts,
             incarnations,
+            losses,
         } = self.create_buckets(&js).await.map_err(SetUpError::from)?;
         let ready = Ready {
             js,
@@ -430,6 +434,7 @@ impl ClusterEngine {
             groups,
             attempts,
             incarnations,
+            losses,
         };
         // The id first: a second process with it must not answer its calls.
         self.claim_replica_id(&ready).await.map_err(|e| match e {
@@ -896,7 +901,10 @@ impl Engine for ClusterEngine {
         self.inner.local.drainable()
     }
 
-    fn close_all(&self) -> usize {
+    /// Only what broadcast subscribers here had queued: what members
+    /// here held went back to JetStream (`maintain`, before this), and the
+    /// backlogs stay in JetStream for the other replicas.
+    fn close_all(&self) -> crate::engine::Discarded {
         self.inner.local.close_all()
     }
 

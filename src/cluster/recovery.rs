@@ -16,9 +16,11 @@
 //!   `Nats::heal`);
 //! - counts what the lost group streams held, as
 //!   `tinybroker_messages_dropped_total{reason="nats_state_lost"}`: each
-//!   group's last backlog by the replica that wrote its table entry again
-//!   (one per group, so the sum over replicas is the loss), and the messages
-//!   held by members here (their acks have nothing left to settle);
+//!   group's last backlog (from the last gathering before the loss, for
+//!   every group of the table, with members or without) by the one replica
+//!   that marks it first in `<prefix>_losses`, so the sum over replicas is
+//!   the loss, and the messages held by members here (their acks have
+//!   nothing left to settle): `groups/rebuild.rs`;
 //! - serves again. While any of this fails it stays NOT_SERVING and says
 //!   why, once.
 //!
@@ -39,16 +41,21 @@ pub(super) struct Buckets {
     pub(super) groups: kv::Store,
     pub(super) attempts: kv::Store,
     pub(super) incarnations: kv::Store,
+    pub(super) losses: kv::Store,
 }
 
 /// Each bucket's name after the prefix, and how long its entries live.
-fn bucket_ages() -> [(&'static str, Duration); 5] {
+fn bucket_ages() -> [(&'static str, Duration); 6] {
     [
         ("subscriptions", Duration::ZERO),
         ("replicas", super::REPLICA_TTL),
         ("groups", Duration::ZERO),
         ("attempts", super::attempts::REMEMBERED_FOR),
         ("incarnations", Duration::ZERO),
+        // One entry per group whose backlog a loss of NATS's memory took,
+        // made by the replica that counted it (`groups/rebuild.rs`); the
+        // next loss takes them with it.
+        ("losses", Duration::ZERO),
     ]
 }
 
@@ -112,7 +119,7 @@ impl ClusterEngine {
     /// Creates the buckets (each a no-op when it exists with this config).
     pub(super) async fn create_buckets(&self, js: &jetstream::Context) -> Result<Buckets, Refused> {
         let prefix = &self.inner.config.prefix;
-        let mut made = Vec::with_capacity(5);
+        let mut made = Vec::with_capacity(6);
         for (name, max_age) in bucket_ages() {
             let config = kv::Config {
                 bucket: format!("{prefix}_{name}"),
@@ -129,13 +136,14 @@ impl ClusterEngine {
             made.push(store);
         }
         let mut made = made.into_iter();
-        let mut next = || made.next().expect("five buckets");
+        let mut next = || made.next().expect("six buckets");
         Ok(Buckets {
             subscriptions: next(),
             replicas: next(),
             groups: next(),
             attempts: next(),
             incarnations: next(),
+            losses: next(),
         })
     }
 
@@ -172,6 +180,13 @@ impl ClusterEngine {
         } else {
             format!("JetStream streams {} are gone", missing.join(", "))
         })
+    }
+
+    /// Whether NATS is seen to still keep this engine's state, as it did
+    /// when this replica's witness was `witness` (no rebuild since).
+    pub(super) async fn kept_since(&self, ready: &Ready, witness: u64) -> bool {
+        matches!(self.lost_state(ready).await, StateCheck::Kept)
+            && self.inner.witness.load(Ordering::Relaxed) == witness
     }
 
     /// At each heartbeat, and when the connection comes back: if NATS has
@@ -268,7 +283,8 @@ impl ClusterEngine {
     }
 
     /// One attempt at [`ClusterEngine::recover_if_lost`]'s rebuild; what it
-    /// counted as lost.
+    /// counted as lost (counted as it went: an attempt that fails after
+    /// counting some leaves them counted, and the next one skips them).
     async fn rebuild(&self, ready: &Ready) -> Result<u64, RebuildError> {
         let failed = |what: &str, e: &dyn std::fmt::Display| RebuildError::Failed(format!("{what}: {e}"));
         let buckets = self
@@ -310,12 +326,9 @@ impl ClusterEngine {
                 Err(e) => return Err(failed("the subscription registry", &e)),
             }
         }
-        let lost = self
-            .rebuild_groups(ready)
+        self.rebuild_groups(ready)
             .await
-            .map_err(|e| failed("group streams", &e))?;
-        self.inner.state_lost.fetch_add(lost, Ordering::Relaxed);
-        Ok(lost)
+            .map_err(|e| failed("group streams", &e))
     }
 }
 

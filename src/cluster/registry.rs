@@ -123,13 +123,18 @@ impl ClusterEngine {
             // The metrics' group gauges are cluster-wide: refreshed here,
             // and groups memberless for their idle TTL removed. Only while
             // NATS is seen to keep its state: the backlogs seen last are
-            // what a loss of it is counted as.
+            // what a loss of it is counted as. So a gathering that a loss
+            // (or a rebuild) overtook is not kept: it may have read streams
+            // made again, empty, and the backlogs from before are the loss.
+            let witness = self.inner.witness.load(std::sync::atomic::Ordering::Relaxed);
             if kept
                 && let Ok((mut groups, complete)) = tokio::time::timeout(HEARTBEAT, self.list_groups_all(&ready)).await
             {
                 self.expire_idle_groups(&ready, &mut groups, complete).await;
                 self.inner.stalls.stamp(&mut groups, Instant::now());
-                *self.inner.groups_seen.lock() = groups;
+                if self.kept_since(&ready, witness).await {
+                    *self.inner.groups_seen.lock() = groups;
+                }
             }
         }
     }

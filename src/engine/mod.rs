@@ -132,8 +132,8 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// Messages that can still reach a subscriber (what shutdown waits for).
     fn drainable(&self) -> usize;
 
-    /// Ends every stream; returns how many messages were discarded.
-    fn close_all(&self) -> usize;
+    /// Ends every stream; returns what was discarded, by kind.
+    fn close_all(&self) -> Discarded;
 
     /// The engine's background work (deadlines, idle groups), until `stop`.
     fn maintain(self, stop: impl Future<Output = ()> + Send + 'static) -> impl Future<Output = ()> + Send + 'static;
@@ -450,6 +450,42 @@ pub enum Peaks {
     Take,
     /// A look that leaves the peaks as they are.
     Keep,
+}
+
+/// What a shutdown discarded once its grace period was over, by kind
+/// (`tinybroker_messages_discarded_on_shutdown_total` counts them all; the
+/// shutdown WARN names each).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Discarded {
+    /// Messages queued for broadcast subscribers.
+    pub queued: usize,
+    /// Messages in consumer-group backlogs, waiting for a member (or a
+    /// member with room).
+    pub backlog: usize,
+    /// Messages in flight to group members: queued for a member's stream,
+    /// or delivered to it and not acked.
+    pub in_flight: usize,
+}
+
+impl Discarded {
+    pub fn total(&self) -> usize {
+        self.queued + self.backlog + self.in_flight
+    }
+
+    /// The shutdown WARN: every kind with its count. `drained`: the grace
+    /// period was not spent (what was left could not drain: the backlogs of
+    /// groups without members, and messages members hold unacked).
+    pub fn describe(&self, drained: bool) -> String {
+        let what = if drained {
+            "queues drained; what could not drain was discarded"
+        } else {
+            "grace period over: messages still queued were discarded"
+        };
+        format!(
+            "{what}: {} queued for broadcast subscribers, {} in consumer-group backlogs, {} in flight to group members (queued for a member, or delivered and not acked)",
+            self.queued, self.backlog, self.in_flight
+        )
+    }
 }
 
 /// Lifetime counters of an engine.

@@ -437,6 +437,26 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         self.settle(retries, now);
     }
 
+    /// The member leaves and what it holds is let go, not taken back:
+    /// `unstreamed`, the sequences its queue still held, and what reached
+    /// its stream and is not done (shutdown: everything goes at once, and
+    /// is counted by kind). How many messages it held.
+    pub(crate) fn discard_member(&mut self, key: &K, unstreamed: impl IntoIterator<Item = u64>) -> usize {
+        if let Some(i) = self.members.iter().position(|m| m.key == *key) {
+            self.members.remove(i);
+        }
+        // Queued for its stream: held (MANUAL, AUTO per message) or only
+        // counted (AUTO, AutoDone::Counted).
+        let mut discarded = 0;
+        for seq in unstreamed {
+            self.held.remove(&seq);
+            discarded += 1;
+        }
+        let before = self.held.len();
+        self.held.retain(|_, h| h.member != *key);
+        discarded + (before - self.held.len())
+    }
+
     /// An AUTO member's stream took `count` messages (AutoDone::Counted):
     /// done, and the member has room for as many more.
     pub(crate) fn streamed(&mut self, key: &K, count: u32, now: Instant) {

@@ -286,6 +286,20 @@ impl NatsCluster {
         }
     }
 
+    /// SIGKILLs every server, then starts them all again together on the
+    /// same ports, configs and store directories (as
+    /// [`NatsCluster::restart_all`], without letting any server stop
+    /// cleanly), and waits until they are a whole cluster.
+    pub async fn kill_and_restart_all(&mut self) {
+        self.kill_all();
+        for i in 0..self.len() {
+            self.spawn(i);
+        }
+        if let Err(why) = self.wait_ready(REJOIN_TIMEOUT).await {
+            panic!("the cluster killed and restarted was not whole within {REJOIN_TIMEOUT:?}: {why}");
+        }
+    }
+
     /// Waits until every running server is healthy, routed to every other
     /// running server and agrees on a meta leader whose running peers are
     /// all current; Err says what was still missing at the deadline.

@@ -244,9 +244,14 @@ impl ConsumerGroup {
         }
     }
 
-    /// Shutdown: empties the group; returns how many messages it held.
-    pub(crate) fn discard_all(&self) -> usize {
-        self.state.lock().remove()
+    /// Shutdown: empties the group; returns how many messages it held, in
+    /// its backlog and held by members (none once every member was
+    /// discarded, [`MemberGroup::discard`]).
+    pub(crate) fn discard_all(&self) -> (usize, usize) {
+        let mut state = self.state.lock();
+        let backlog = state.machine.backlog_len();
+        let left = state.remove();
+        (backlog, left - backlog)
     }
 }
 
@@ -275,6 +280,13 @@ impl MemberGroup for ConsumerGroup {
             state.idle_since = Some(now);
         }
         state.dead_letters()
+    }
+
+    fn discard(&self, member: u64, unstreamed: VecDeque<Delivery>) -> usize {
+        self.state
+            .lock()
+            .machine
+            .discard_member(&member, unstreamed.into_iter().map(|d| d.message.sequence))
     }
 
     /// An auto-ack member's stream took `count` messages: they are done, and

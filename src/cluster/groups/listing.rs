@@ -1,6 +1,6 @@
 //! What Admin and the metrics see of the groups: this replica's part of
 //! each ([`LocalGroup`], the answer to another replica's `ListGroups`),
-//! the cluster-wide sum with each backlog from its consumer, and what each
+//! the cluster-wide sum with each backlog from its stream, and what each
 //! MANUAL member here holds unacked.
 
 use super::hub::HubHandle;
@@ -9,7 +9,6 @@ use super::stream::stream_name;
 use crate::cluster::rpc::LocalGroup;
 use crate::cluster::{ClusterEngine, Ready};
 use crate::engine::GroupInfo;
-use async_nats::jetstream::consumer::pull;
 use std::collections::HashMap;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -84,7 +83,7 @@ impl ClusterEngine {
     }
 
     /// Every group of the table, with members and counts summed over the
-    /// replicas' parts, and its backlog from its consumer.
+    /// replicas' parts, and its backlog from its stream.
     pub(in crate::cluster) async fn cluster_groups(&self, ready: &Ready, parts: Vec<LocalGroup>) -> Vec<GroupInfo> {
         let table = self.inner.groups.table.lock().clone();
         let mut groups = Vec::new();
@@ -107,12 +106,16 @@ impl ClusterEngine {
                     info.oldest_unacked_age = Some(info.oldest_unacked_age.map_or(age, |a| a.max(age)));
                 }
             }
+            // What the work-queue stream holds is every message not done
+            // yet: those never delivered, those handed back (a Nack with no
+            // room, a member that left: JetStream redelivers them, so its
+            // consumer counts them as pending acks, not as pending), those
+            // a dead replica's members held, and those members hold now.
+            // All but the last wait for a member: the backlog.
             let prefix = &self.inner.config.prefix;
-            if let Ok(stream) = ready.js.get_stream(stream_name(prefix, &name)).await
-                && let Ok(mut consumer) = stream.get_consumer::<pull::Config>("members").await
-                && let Ok(consumer_info) = consumer.info().await
-            {
-                info.backlog = consumer_info.num_pending as usize;
+            if let Ok(stream) = ready.js.get_stream(stream_name(prefix, &name)).await {
+                let stored = usize::try_from(stream.cached_info().state.messages).unwrap_or(usize::MAX);
+                info.backlog = stored.saturating_sub(info.in_flight);
             }
             groups.push(info);
         }

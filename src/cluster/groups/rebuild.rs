@@ -1,33 +1,36 @@
 //! The groups rebuilt after NATS lost its state (`recovery.rs`): table
-//! entries, streams and consumers made again, and what was lost counted.
+//! entries, streams and consumers made again, and what was lost counted,
+//! once over the replicas.
+//!
+//! Who knows what a lost group held: its members' replicas know what they
+//! held, and every replica knows every group's backlog as of its last
+//! gathering (every heartbeat, while NATS was seen to keep its state: the
+//! table, the members on every replica, each stream's count), whether the
+//! group had members anywhere or none. The table in NATS went with the
+//! rest, so the gathering is what is left of it. Each replica counts what
+//! its own members held; a group's backlog is counted by the one replica
+//! that marks the group first in `<prefix>_losses` (a create, which only
+//! one replica's can win), whichever rebuilds first, so the sum over the
+//! replicas is the loss. The marks live in NATS's memory too: the next
+//! loss takes them, and its backlogs are counted again.
 
+use crate::cluster::registry::key;
 use crate::cluster::{ClusterEngine, Ready};
 use crate::engine::BrokerError;
-use std::collections::HashMap;
+use async_nats::jetstream::kv;
+use std::sync::atomic::Ordering;
 
 impl ClusterEngine {
     /// After NATS lost its state (`recovery.rs`): every group this replica
     /// routes gets its table entry and stream again, and each hub here its
-    /// consumer. Returns what was lost: the groups' last backlogs, counted
-    /// by one replica, the first of the live ones by id (a hub's repair or
-    /// another replica may write a table entry again first, so its writer
-    /// cannot be the one), and the messages members here held (nothing is
-    /// left to settle their acks, or to redeliver them).
+    /// consumer. Counts what was lost as it goes (a rebuild that fails half
+    /// way and is tried again counts nothing twice): each group's last
+    /// backlog that this replica is the first to mark, and the messages
+    /// members here held (nothing is left to settle their acks, or to
+    /// redeliver them). Returns how many messages it counted.
     pub(in crate::cluster) async fn rebuild_groups(&self, ready: &Ready) -> Result<u64, BrokerError> {
+        let mut counted = self.count_lost_backlogs(ready).await?;
         let table = self.inner.groups.table.lock().clone();
-        let me = &self.inner.config.replica_id;
-        let counts_backlogs = self.inner.live.lock().iter().min().is_none_or(|first| first == me);
-        // Taken, not read: a second rebuild before the next gathering (a
-        // replica's witness purged by another's rebuild) counts them once.
-        let mut lost: u64 = 0;
-        let mut by_group: HashMap<String, u64> = HashMap::new();
-        for group in self.inner.groups_seen.lock().iter_mut() {
-            if counts_backlogs && group.backlog > 0 {
-                lost += group.backlog as u64;
-                *by_group.entry(group.name.clone()).or_default() += group.backlog as u64;
-            }
-            group.backlog = 0;
-        }
         let hubs = self.inner.groups.hubs.lock().clone();
         for (name, patterns) in table {
             let hub = hubs.get(&name);
@@ -38,20 +41,58 @@ impl ClusterEngine {
                     let consumer = self.group_consumer(ready, &name, hub.backend().ack_wait).await?;
                     hub.backend().set_consumer(consumer);
                     let held = hub.forget_held().await as u64;
-                    lost += held;
-                    if held > 0 {
-                        *by_group.entry(name.clone()).or_default() += held;
-                    }
+                    self.count_lost(&name, held);
+                    counted += held;
                 }
                 None => {
                     self.group_stream(ready, &name).await?;
                 }
             }
         }
-        let mut dropped = self.inner.groups.dropped.lock();
-        for (name, n) in by_group {
-            *dropped.entry(name).or_default() += n;
+        Ok(counted)
+    }
+
+    /// Each group's backlog as this replica last gathered it, counted here
+    /// if this replica marks the group first (module docs). Taken, counted
+    /// or not: a later loss before the next gathering is not this one.
+    async fn count_lost_backlogs(&self, ready: &Ready) -> Result<u64, BrokerError> {
+        let seen: Vec<(String, u64)> = self
+            .inner
+            .groups_seen
+            .lock()
+            .iter()
+            .filter(|g| g.backlog > 0)
+            .map(|g| (g.name.clone(), g.backlog as u64))
+            .collect();
+        let me = bytes::Bytes::from(self.inner.config.replica_id.clone());
+        let mut counted = 0;
+        for (name, backlog) in seen {
+            match ready.losses.create(key(&name), me.clone()).await {
+                Ok(_) => {
+                    self.count_lost(&name, backlog);
+                    counted += backlog;
+                }
+                // Another replica counted it.
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(BrokerError::Unavailable(format!(
+                        "the record of lost backlogs (NATS) did not answer: {e}"
+                    )));
+                }
+            }
+            if let Some(group) = self.inner.groups_seen.lock().iter_mut().find(|g| g.name == name) {
+                group.backlog = 0;
+            }
         }
-        Ok(lost)
+        Ok(counted)
+    }
+
+    /// `lost` messages of `group` lost with NATS's memory, counted here.
+    fn count_lost(&self, group: &str, lost: u64) {
+        if lost == 0 {
+            return;
+        }
+        self.inner.state_lost.fetch_add(lost, Ordering::Relaxed);
+        *self.inner.groups.dropped.lock().entry(group.to_owned()).or_default() += lost;
     }
 }
