@@ -303,14 +303,7 @@ impl Beyond {
             let client = client.clone();
             let subject = subject.clone();
             async move {
-                // Retried: a subscription is refused only while the
-                // connection is being made.
-                let mut pings = loop {
-                    match client.subscribe(subject.clone()).await {
-                        Ok(pings) => break pings,
-                        Err(_) => tokio::time::sleep(PROBE_EVERY).await,
-                    }
-                };
+                let mut pings = subscribe(&client, subject).await;
                 while let Some(ping) = futures::StreamExt::next(&mut pings).await {
                     if let Some(reply) = ping.reply {
                         let server = client.server_info().server_id;
@@ -324,12 +317,7 @@ impl Beyond {
             let inbox = inbox.clone();
             let heard_ms = heard_ms.clone();
             async move {
-                let mut answers = loop {
-                    match client.subscribe(inbox.clone()).await {
-                        Ok(answers) => break answers,
-                        Err(_) => tokio::time::sleep(PROBE_EVERY).await,
-                    }
-                };
+                let mut answers = subscribe(&client, inbox.to_string()).await;
                 while let Some(answer) = futures::StreamExt::next(&mut answers).await {
                     // Not a status (a "no responders" when the ping went
                     // out before every replica's subscription was up).
@@ -370,6 +358,17 @@ impl Beyond {
         self.since
             .elapsed()
             .saturating_sub(Duration::from_millis(self.heard_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// A subscription to `subject`, retried until the client takes it (it
+/// refuses one only while the connection is being made).
+async fn subscribe(client: &async_nats::Client, subject: String) -> async_nats::Subscriber {
+    loop {
+        match client.subscribe(subject.clone()).await {
+            Ok(subscriber) => return subscriber,
+            Err(_) => tokio::time::sleep(PROBE_EVERY).await,
+        }
     }
 }
 

@@ -48,11 +48,13 @@ impl Proxy {
                     continue;
                 };
                 let _ = client.set_nodelay(true);
-                tokio::spawn(
-                    stop_all
-                        .clone()
-                        .run_until_cancelled_owned(serve(client, upstream, accepting.clone())),
-                );
+                tokio::spawn(stop_all.clone().run_until_cancelled_owned(serve(
+                    client,
+                    upstream,
+                    accepting.clone(),
+                    |m: &Mode| *m,
+                    None,
+                )));
             }
         }));
         Proxy { addr, mode, stop }
@@ -87,28 +89,26 @@ pub fn addr_of(url: &str) -> SocketAddr {
     url.trim_start_matches("nats://").parse().expect("a nats://ip:port URL")
 }
 
-/// Waits until the proxy forwards: true, or false when it resets.
-async fn forwarding(mode: &mut watch::Receiver<Mode>) -> bool {
-    loop {
-        match *mode.borrow_and_update() {
-            Mode::Forward => return true,
-            Mode::Reset => return false,
-            Mode::Blackhole => {}
-        }
-        if mode.changed().await.is_err() {
-            return false;
-        }
-    }
-}
-
 /// Resets `stream`: closed with linger 0, so the peer gets an RST.
 fn reset(stream: TcpStream) {
     let _ = stream.set_zero_linger();
     drop(stream);
 }
 
-async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receiver<Mode>) {
-    if !forwarding(&mut mode).await {
+/// A connection through a proxy: forwarded while `mode` (of the proxy's
+/// state) says so, held while it blackholes, reset when it resets (and a
+/// new one reset as it comes). `solicitor` is filled from the client's
+/// first line when given (a route's CONNECT names its server), before
+/// that line is forwarded, so that `mode` can use it at once.
+async fn serve<S>(
+    client: TcpStream,
+    upstream: SocketAddr,
+    state: watch::Receiver<S>,
+    mode: impl Fn(&S) -> Mode,
+    solicitor: Option<&std::sync::OnceLock<String>>,
+) {
+    let mut waiting = state.clone();
+    if !forwarding(&mut waiting, &mode).await {
         return reset(client);
     }
     let Ok(server) = TcpStream::connect(upstream).await else {
@@ -119,11 +119,20 @@ async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receive
     let was_reset = {
         let (client_read, client_write) = client.split();
         let (server_read, server_write) = server.split();
-        let mut resets = mode.clone();
+        let mut resets = state.clone();
         tokio::select! {
-            _ = pump(client_read, server_write, mode.clone()) => false,
-            _ = pump(server_read, client_write, mode.clone()) => false,
-            _ = resets.wait_for(|m| *m == Mode::Reset) => true,
+            _ = pump(client_read, server_write, state.clone(), &mode, solicitor) => false,
+            _ = pump(server_read, client_write, state.clone(), &mode, None) => false,
+            _ = async {
+                loop {
+                    if mode(&resets.borrow_and_update()) == Mode::Reset {
+                        return;
+                    }
+                    if resets.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            } => true,
         }
     };
     if was_reset {
@@ -136,23 +145,53 @@ async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receive
     }
 }
 
-/// Copies `from` to `to` while the proxy forwards; holds what it read
-/// while it is blackholed; ends at the end of `from`, an error, or a reset.
-async fn pump<R, W>(mut from: R, mut to: W, mut mode: watch::Receiver<Mode>)
-where
+/// Waits until the connection forwards: true, or false when it resets.
+async fn forwarding<S>(state: &mut watch::Receiver<S>, mode: &impl Fn(&S) -> Mode) -> bool {
+    loop {
+        match mode(&state.borrow_and_update()) {
+            Mode::Forward => return true,
+            Mode::Reset => return false,
+            Mode::Blackhole => {}
+        }
+        if state.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// Copies `from` to `to` while the connection forwards; holds what it read
+/// while it is blackholed; ends at the end of `from`, an error, or a
+/// reset. With `solicitor`, the first line read names it (module docs).
+async fn pump<S, R, W>(
+    mut from: R,
+    mut to: W,
+    mut state: watch::Receiver<S>,
+    mode: &impl Fn(&S) -> Mode,
+    solicitor: Option<&std::sync::OnceLock<String>>,
+) where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
     let mut buf = vec![0u8; 16 * 1024];
+    let mut first_line = Vec::new();
     loop {
-        if !forwarding(&mut mode).await {
+        if !forwarding(&mut state, mode).await {
             return;
         }
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if !forwarding(&mut mode).await {
+        if let Some(solicitor) = solicitor.filter(|s| s.get().is_none() && first_line.len() < 64 * 1024) {
+            first_line.extend_from_slice(&buf[..n]);
+            if let Some(end) = first_line.windows(2).position(|w| w == b"\r\n") {
+                if let Some(id) = solicitor_of(&first_line[..end]) {
+                    let _ = solicitor.set(id);
+                }
+                first_line = Vec::new();
+            }
+        }
+        if !forwarding(&mut state, mode).await {
             return;
         }
         if to.write_all(&buf[..n]).await.is_err() {
@@ -256,102 +295,10 @@ fn solicitor_of(line: &[u8]) -> Option<String> {
     value["name"].as_str().map(str::to_owned)
 }
 
-/// One route connection: as [`serve`], with the mode worked out for this
-/// connection from the cluster's [`Isolation`], its accepting server and
-/// its soliciting one (read from its CONNECT line).
+/// One route connection: its mode worked out from the cluster's
+/// [`Isolation`], its accepting server and its soliciting one.
 async fn serve_route(client: TcpStream, upstream: SocketAddr, owner: usize, state: watch::Receiver<Isolation>) {
-    let solicitor = std::sync::Arc::new(std::sync::OnceLock::<String>::new());
-    let mode = {
-        let solicitor = solicitor.clone();
-        move |state: &Isolation| state.mode(owner, solicitor.get().map(String::as_str))
-    };
-    let mut waiting = state.clone();
-    if !route_forwarding(&mut waiting, &mode).await {
-        return reset(client);
-    }
-    let Ok(server) = TcpStream::connect(upstream).await else {
-        return reset(client);
-    };
-    let _ = server.set_nodelay(true);
-    let (mut client, mut server) = (client, server);
-    let was_reset = {
-        let (client_read, client_write) = client.split();
-        let (server_read, server_write) = server.split();
-        let mut resets = state.clone();
-        tokio::select! {
-            _ = route_pump(client_read, server_write, state.clone(), &mode, Some(&solicitor)) => false,
-            _ = route_pump(server_read, client_write, state.clone(), &mode, None) => false,
-            _ = async {
-                loop {
-                    if mode(&resets.borrow_and_update()) == Mode::Reset {
-                        return;
-                    }
-                    if resets.changed().await.is_err() {
-                        std::future::pending::<()>().await;
-                    }
-                }
-            } => true,
-        }
-    };
-    if was_reset {
-        reset(client);
-        reset(server);
-    } else {
-        let _ = client.shutdown().await;
-        let _ = server.shutdown().await;
-    }
-}
-
-/// [`forwarding`] for one route connection.
-async fn route_forwarding(state: &mut watch::Receiver<Isolation>, mode: &impl Fn(&Isolation) -> Mode) -> bool {
-    loop {
-        match mode(&state.borrow_and_update()) {
-            Mode::Forward => return true,
-            Mode::Reset => return false,
-            Mode::Blackhole => {}
-        }
-        if state.changed().await.is_err() {
-            return false;
-        }
-    }
-}
-
-/// [`pump`] for one route connection; on the soliciting side, the first
-/// line read (its CONNECT) names the solicitor before it is forwarded.
-async fn route_pump<R, W>(
-    mut from: R,
-    mut to: W,
-    mut state: watch::Receiver<Isolation>,
-    mode: &impl Fn(&Isolation) -> Mode,
-    solicitor: Option<&std::sync::OnceLock<String>>,
-) where
-    R: tokio::io::AsyncRead + Unpin,
-    W: tokio::io::AsyncWrite + Unpin,
-{
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut first_line = Vec::new();
-    loop {
-        if !route_forwarding(&mut state, mode).await {
-            return;
-        }
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if let Some(solicitor) = solicitor.filter(|s| s.get().is_none() && first_line.len() < 64 * 1024) {
-            first_line.extend_from_slice(&buf[..n]);
-            if let Some(end) = first_line.windows(2).position(|w| w == b"\r\n") {
-                if let Some(id) = solicitor_of(&first_line[..end]) {
-                    let _ = solicitor.set(id);
-                }
-                first_line = Vec::new();
-            }
-        }
-        if !route_forwarding(&mut state, mode).await {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
+    let solicitor = std::sync::OnceLock::<String>::new();
+    let mode = |state: &Isolation| state.mode(owner, solicitor.get().map(String::as_str));
+    serve(client, upstream, state, mode, Some(&solicitor)).await;
 }
