@@ -58,6 +58,9 @@ async fn fetch_now(consumer: &PullConsumer, n: usize) -> Vec<jetstream::Message>
     messages
 }
 
+/// How long a pull that expects its messages waits for them.
+const PULL_BOUND: Duration = Duration::from_secs(5);
+
 /// Up to `n` messages, waiting up to `expires` for them.
 async fn pull_wait(consumer: &PullConsumer, n: usize, expires: Duration) -> Vec<jetstream::Message> {
     let mut batch = consumer
@@ -426,8 +429,10 @@ async fn work_queue_group_members_on_two_servers_share_the_messages() {
             .unwrap();
 
         // Sharing, and max_ack_pending (10).
-        let first = fetch_now(&m1, 5).await;
-        let second = fetch_now(&m2, 5).await;
+        // Waiting (a no-wait fetch right after the publishes can find the
+        // consumer's other members not caught up yet on a loaded machine).
+        let first = pull_wait(&m1, 5, PULL_BOUND).await;
+        let second = pull_wait(&m2, 5, PULL_BOUND).await;
         assert_eq!((first.len(), second.len()), (5, 5));
         // At max_ack_pending a pull gets nothing until it expires; a no-wait
         // pull is not answered at all (no 409 from 2.10.27), so it is given
@@ -444,7 +449,7 @@ async fn work_queue_group_members_on_two_servers_share_the_messages() {
         for m in &first {
             m.double_ack().await.expect("ack");
         }
-        let third = fetch_now(&m2, 5).await;
+        let third = pull_wait(&m2, 2, PULL_BOUND).await;
         assert_eq!(third.len(), 2, "the 2 left");
         let mut seen = BTreeSet::new();
         for m in first.iter().chain(&second).chain(&third) {
@@ -473,7 +478,7 @@ async fn work_queue_group_members_on_two_servers_share_the_messages() {
             .unwrap()
             .await
             .unwrap();
-        let [m] = <[_; 1]>::try_from(fetch_now(&m1, 1).await).unwrap();
+        let [m] = <[_; 1]>::try_from(pull_wait(&m1, 1, PULL_BOUND).await).unwrap();
         let reply = m.reply.clone().expect("ack subject");
         eprintln!("js: the ack subject of a delivered message is {reply}");
         client0
@@ -496,7 +501,7 @@ async fn work_queue_group_members_on_two_servers_share_the_messages() {
             .unwrap()
             .await
             .unwrap();
-        let [m] = <[_; 1]>::try_from(fetch_now(&m1, 1).await).unwrap();
+        let [m] = <[_; 1]>::try_from(pull_wait(&m1, 1, PULL_BOUND).await).unwrap();
         let (seq, delivered) = seq_delivered(&m);
         assert_eq!(delivered, 1);
         let started = Instant::now();
@@ -515,7 +520,7 @@ async fn work_queue_group_members_on_two_servers_share_the_messages() {
             .unwrap()
             .await
             .unwrap();
-        let [m] = <[_; 1]>::try_from(fetch_now(&m1, 1).await).unwrap();
+        let [m] = <[_; 1]>::try_from(pull_wait(&m1, 1, PULL_BOUND).await).unwrap();
         let started = Instant::now();
         m.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await.unwrap();
         assert!(fetch_now(&m2, 1).await.is_empty(), "not redelivered during the delay");

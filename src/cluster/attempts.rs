@@ -1,19 +1,26 @@
-//! Delivery attempts JetStream does not count. A Nack or an expired
-//! deadline hands a message to another member without a round through
-//! JetStream (`groups/state.rs` `HubCore::redirect`, `handover.rs`), so its
-//! `delivery_attempt` runs ahead of JetStream's delivery count. When such a
-//! message then goes back through JetStream (no member anywhere had room,
-//! its member left, its replica shut down), how far ahead it was is written
-//! to the `<prefix>_attempts` bucket first, keyed by the message's place in
-//! its group's stream; a replica that gets it redelivered reads it back and
-//! adds it to JetStream's count. So `delivery_attempt` keeps counting up
-//! and `TINYBROKER_MAX_DELIVERY_ATTEMPTS` holds across replicas.
+//! Delivery attempts JetStream does not count, and the hand-backs it did
+//! not decide. A Nack or an expired deadline hands a message to another
+//! member without a round through JetStream (`groups/state.rs`
+//! `HubCore::redirect`, `handover.rs`), so its `delivery_attempt` runs
+//! ahead of JetStream's delivery count; a message handed back before any
+//! member got it (its member left, its replica shut down) runs behind it.
+//! So every message a replica sends back through JetStream (a Nak) has
+//! the difference written to the `<prefix>_attempts` bucket first, keyed
+//! by the message's place in its group's stream (possibly 0, or negative);
+//! a replica that gets it redelivered reads it back and adds it to
+//! JetStream's count. So `delivery_attempt` keeps counting up,
+//! `TINYBROKER_MAX_DELIVERY_ATTEMPTS` holds across replicas, and a
+//! redelivery that has no entry is one that no replica handed back: JetStream
+//! redelivered it after its ack wait because the replica that had it was
+//! cut off or gone, or its ack did not reach JetStream. That one is counted
+//! as a redelivery where it is pulled (`groups/state.rs`), since no
+//! replica counted the attempt that failed.
 //!
-//! Entries are rare (only messages handed over *and* given back), removed
-//! when the message is acked or dead-lettered, and expire after
-//! [`REMEMBERED_FOR`] otherwise. Not covered: a replica killed (SIGKILL)
-//! while it held a handed-over message writes nothing; its redelivery
-//! shows JetStream's count.
+//! Entries are few (only messages given back), removed when the message is
+//! acked or dead-lettered, and expire after [`REMEMBERED_FOR`] otherwise.
+//! Not covered: a replica killed (SIGKILL) while it held a message writes
+//! nothing; its redelivery shows JetStream's count and is counted as a
+//! redelivery, delivered to a member before or not.
 
 use super::ClusterEngine;
 use async_nats::jetstream;
@@ -56,7 +63,7 @@ impl ClusterEngine {
         };
         let writes = messages.filter_map(|(message, attempt)| {
             // The next delivery is one more than both counts.
-            let ahead = attempt.checked_sub(delivered(message)).filter(|&a| a > 0)?;
+            let ahead = i64::from(attempt) - i64::from(delivered(message));
             let key = key(message)?;
             let store = &ready.attempts;
             Some(async move {
@@ -73,28 +80,32 @@ impl ClusterEngine {
     }
 
     /// How many attempts a redelivered `message` had beyond JetStream's
-    /// count (0 when none were written, or the bucket does not answer).
-    pub(super) async fn recall_attempts(&self, message: &jetstream::Message) -> u32 {
+    /// count (negative: behind it), as the replica that handed it back
+    /// wrote; None when no replica wrote any (JetStream redelivered it on
+    /// its own), or the bucket does not answer.
+    pub(super) async fn recall_attempts(&self, message: &jetstream::Message) -> Option<i64> {
         let (Some(ready), Some(key)) = (self.inner.ready.lock().clone(), key(message)) else {
-            return 0;
+            return None;
         };
         match tokio::time::timeout(STORE_TIMEOUT, ready.attempts.get(&key)).await {
-            Ok(Ok(Some(value))) => std::str::from_utf8(&value)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-            Ok(Ok(None)) => 0,
+            Ok(Ok(Some(value))) => Some(
+                std::str::from_utf8(&value)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+            ),
+            Ok(Ok(None)) => None,
             Ok(Err(error)) => {
                 tracing::debug!(%key, %error, "delivery attempts not read: JetStream's count is shown");
-                0
+                None
             }
-            Err(_) => 0,
+            Err(_) => None,
         }
     }
 
     /// `message` is done (acked or dead-lettered): its entry goes. Awaited
-    /// by the hub's sender, in its order (rare: only messages handed over
-    /// and given back have an entry).
+    /// by the hub's sender, in its order (rare: only messages given back
+    /// have an entry).
     pub(super) async fn forget_attempts(&self, message: &jetstream::Message) {
         let (Some(ready), Some(key)) = (self.inner.ready.lock().clone(), key(message)) else {
             return;

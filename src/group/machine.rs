@@ -255,6 +255,13 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         self.counters
     }
 
+    /// A message offered again after an attempt that ended elsewhere and
+    /// that no machine took back (cluster: JetStream redelivered it after
+    /// its ack wait, its member's replica cut off or gone): a redelivery.
+    pub(crate) fn count_redelivery(&mut self) {
+        self.counters.redeliveries += 1;
+    }
+
     pub(crate) fn members(&self) -> usize {
         self.members.len()
     }

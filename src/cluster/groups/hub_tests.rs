@@ -68,11 +68,13 @@ impl Fake {
         self.arrived.notify_one();
     }
 
-    fn next(&self) -> Option<Msg> {
+    /// The next message, and whether it was handed back (nacked: the real
+    /// backend wrote its attempts down, so it comes back remembered).
+    fn next(&self) -> Option<(Msg, bool)> {
         if let Some(m) = self.redeliver.lock().pop_front() {
-            return Some(m);
+            return Some((m, true));
         }
-        self.fresh.lock().pop_front()
+        self.fresh.lock().pop_front().map(|m| (m, false))
     }
 
     /// What was seen, pulls left out.
@@ -112,14 +114,14 @@ impl Pull<Msg> for FakePull {
     async fn next(&mut self) -> Option<Result<Pulling<Msg>, String>> {
         while self.left > 0 {
             let arrived = self.fake.arrived.notified();
-            if let Some(m) = self.fake.next() {
+            if let Some((m, handed_back)) = self.fake.next() {
                 self.left -= 1;
                 let published = Arc::new(Published::for_test("t", m.seq));
                 return Some(Ok(Pulling::Message(Pulled {
                     attempt: m.attempt,
                     message: m,
                     published,
-                    remembered: false,
+                    remembered: handed_back,
                 })));
             }
             tokio::select! {
@@ -582,6 +584,23 @@ async fn shutdown_hands_back_what_is_held_after_the_acks_before_it() {
     assert_eq!(fake.sent(), [Seen::Ack(2), Seen::Nak(1, 1), Seen::Nak(3, 1)]);
     assert_eq!(hub.view().held, 0);
     assert_eq!(hub.ack("a", &[1]).await.unknown, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_redelivery_no_replica_handed_back_is_counted() {
+    // JetStream redelivered it after its ack wait (its replica was cut off,
+    // its ack lost): no machine counted the failed attempt.
+    let fake = Arc::new(Fake::default());
+    let (hub, _closing) = start(&fake, 0, Duration::from_secs(30));
+    let m = join(&hub, "a", 4, AckMode::Manual, Duration::from_secs(30)).await;
+    fake.fresh.lock().push_back(Msg { seq: 5, attempt: 2 });
+    fake.arrived.notify_one();
+    assert_eq!(at(&m.next(&hub).await), (5, 2));
+    assert_eq!(hub.view().counters.redeliveries, 1);
+    // A first delivery is not.
+    fake.publish(6);
+    assert_eq!(at(&m.next(&hub).await), (6, 1));
+    assert_eq!(hub.view().counters.redeliveries, 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -302,8 +302,10 @@ impl NatsPull {
 }
 
 impl Pull<jetstream::Message> for NatsPull {
-    /// A redelivery's attempts beyond JetStream's count are read first, in
-    /// the pull's order (a round trip, only for redeliveries).
+    /// A redelivery's attempts beyond (or behind) JetStream's count are
+    /// read first, in the pull's order (a round trip, only for
+    /// redeliveries); none written: JetStream redelivered it on its own
+    /// (`attempts.rs`).
     async fn next(&mut self) -> Option<Result<Pulling<jetstream::Message>, String>> {
         let message = match self.next_message().await? {
             Ok(message) => message,
@@ -314,16 +316,16 @@ impl Pull<jetstream::Message> for NatsPull {
             tracing::warn!(group = %self.name, "undecodable group message dropped");
             return Some(Ok(Pulling::Undecodable(message)));
         };
-        let ahead = if delivered > 1 {
-            self.engine.recall_attempts(&message).await
-        } else {
-            0
+        let recalled = match delivered {
+            1 => None,
+            _ => self.engine.recall_attempts(&message).await,
         };
+        let attempt = i64::from(delivered) + recalled.unwrap_or(0);
         Some(Ok(Pulling::Message(Pulled {
             message,
             published,
-            attempt: delivered.saturating_add(ahead),
-            remembered: ahead > 0,
+            attempt: u32::try_from(attempt.max(1)).unwrap_or(u32::MAX),
+            remembered: recalled.is_some(),
         })))
     }
 

@@ -87,8 +87,10 @@ pub(crate) struct Pulled<M> {
     /// Its delivery attempt: JetStream's count plus what the attempts
     /// bucket remembered.
     pub(crate) attempt: u32,
-    /// Its attempts beyond JetStream's count were read from the
-    /// `<prefix>_attempts` bucket (removed there once it is done).
+    /// A replica handed it back through JetStream and wrote its attempts
+    /// down in the `<prefix>_attempts` bucket (removed there once it is
+    /// done); false for a first delivery, and for one JetStream redelivered
+    /// on its own.
     pub(crate) remembered: bool,
 }
 
@@ -203,6 +205,16 @@ impl<M: Clone> HubCore<M> {
         if closing {
             self.out.push(Outbound::Nak(vec![(pulled.message, attempts)]));
             return;
+        }
+        // Delivered before, and no replica handed it back (one that does
+        // writes its attempts down first, `attempts.rs`): JetStream
+        // redelivered it after its ack wait, the attempt ending with a
+        // replica cut off or gone, or an ack that did not reach JetStream.
+        // No machine counted that attempt as failed: counted here, so that
+        // a message delivered again after a partition heals is a
+        // redelivery in the group's record.
+        if pulled.attempt > 1 && !pulled.remembered {
+            self.machine.count_redelivery();
         }
         let (published, token) = token(pulled);
         self.machine.offer(published, token, attempts, now);
