@@ -262,3 +262,66 @@ async fn partitioned(cut: Mode) {
     };
     tokio::time::timeout(WHOLE_TEST, body).await.expect("test timed out");
 }
+
+/// The other side of noticing: a NATS server that dies is no partition for
+/// a replica on another server, although no other replica answers its
+/// pings (it is alone) and the streams the dead server led elect new
+/// leaders for seconds. The server killed leads the replicas bucket's
+/// stream, or else most of the buckets' streams (NATS's choice; printed). The replica stays
+/// SERVING throughout and keeps publishing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_that_dies_is_no_partition_for_a_replica_on_another() {
+    let mut nats = NatsCluster::start(3).await;
+    let body = async {
+        let prefix = format!("natsdies{}", unique());
+        let replica = start_with(replica_config(config(), vec![nats.url(1)], "alone", &prefix, 3)).await;
+        wait_serving_at(&replica.url()).await;
+        let mut client = replica.client().await;
+
+        // Which server leads each of the buckets' streams.
+        let jsz = nats.monitor(1, "/jsz?accounts=true&streams=true").await.expect("/jsz");
+        let mut led = [0usize; 3];
+        let mut leaders = Vec::new();
+        for account in jsz["account_details"].as_array().into_iter().flatten() {
+            for stream in account["stream_detail"].as_array().into_iter().flatten() {
+                let name = stream["name"].as_str().unwrap_or_default();
+                if name.starts_with(&format!("KV_{prefix}_")) {
+                    let leader = stream["cluster"]["leader"].as_str().unwrap_or_default().to_owned();
+                    if let Some(i) = nats.index_of(&leader) {
+                        led[i] += 1;
+                    }
+                    leaders.push((name.to_owned(), leader));
+                }
+            }
+        }
+        // The leader of the replicas bucket's stream (written to by every
+        // heartbeat) if it is another server, else the one leading most.
+        let replicas_stream = format!("KV_{prefix}_replicas");
+        let victim = leaders
+            .iter()
+            .find(|(name, _)| *name == replicas_stream)
+            .and_then(|(_, leader)| nats.index_of(leader))
+            .filter(|&i| i != 1)
+            .unwrap_or(if led[0] >= led[2] { 0 } else { 2 });
+        eprintln!("the buckets' stream leaders: {leaders:?}; killing server {victim}");
+
+        nats.kill(victim);
+        let killed_at = Instant::now();
+        let mut n = 0;
+        while killed_at.elapsed() < Duration::from_secs(12) {
+            assert_eq!(
+                serving_status_at(&replica.url()).await,
+                Some(ServingStatus::Serving),
+                "the replica on a live server serves {:?} after another server died",
+                killed_at.elapsed()
+            );
+            n += 1;
+            client
+                .publish(publish_request(&format!("alive.{n}"), "x"))
+                .await
+                .unwrap_or_else(|s| panic!("a publish {:?} after another server died: {s:?}", killed_at.elapsed()));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(WHOLE_TEST, body).await.expect("test timed out");
+}

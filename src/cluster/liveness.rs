@@ -17,9 +17,10 @@
 //!   queued behind a burst of messages is no false alarm.
 //! - **Beyond the own server** ([`Beyond`], [`probe_quorum`]): the same
 //!   tick pings the other replicas (`<prefix>.alive.peers`, each answers
-//!   with the id of its NATS server) and asks the replicas bucket's stream
-//!   leader for its info. An answer from a replica on another server, or a
-//!   leader that has heard from a majority of its peers lately, is a sign
+//!   with the id of its NATS server) and asks the buckets' stream leaders
+//!   for their info. An answer from a replica on another server, from a
+//!   leader on another server, or from a leader here that has heard from a
+//!   majority of its peers lately, is a sign
 //!   that this server still reaches its cluster: a server cut off from the
 //!   rest of the NATS cluster (its routes blackholed or reset) still
 //!   answers the round trip above, so without this its replica served on
@@ -148,7 +149,7 @@ impl ClusterEngine {
             key(&self.inner.config.replica_id)
         );
         let beyond = Beyond::start(client, &self.inner.config.prefix).await;
-        let stream = format!("KV_{}_replicas", self.inner.config.prefix);
+        let streams = super::recovery::bucket_streams(&self.inner.config.prefix);
         let mut last_heard = Instant::now();
         let mut read = client.statistics().in_bytes.load(Ordering::Relaxed);
         let mut tick = tokio::time::interval(PROBE_EVERY);
@@ -174,7 +175,7 @@ impl ClusterEngine {
             }
             read = now_read;
             beyond.ping(client).await;
-            let (own, quorum) = tokio::join!(probe(client, &subject), probe_quorum(client, &stream));
+            let (own, quorum) = tokio::join!(probe(client, &subject), probe_quorum(client, &streams));
             if own {
                 last_heard = Instant::now();
             }
@@ -376,38 +377,55 @@ async fn subscribe(client: &async_nats::Client, subject: String) -> async_nats::
 /// peer to count towards its quorum (its heartbeats go out every second).
 const PEER_ACTIVE_WITHIN: Duration = Duration::from_secs(2);
 
-/// Whether a JetStream quorum answers: the leader of `stream` (the
-/// replicas bucket, written to every [`super::HEARTBEAT`]) answers its
-/// info request within [`PROBE_TIMEOUT`] and has heard from a majority of
-/// its peers within [`PEER_ACTIVE_WITHIN`] (and has a route to them). A leader cut off with this
-/// replica's server answers, and its peers fall silent; a leader beyond
-/// it does not answer; a server with no leader says "cluster not
-/// available" (10008). Any other JetStream answer (the stream not found,
-/// after NATS lost its state) comes from the meta leader: a quorum.
-async fn probe_quorum(client: &async_nats::Client, stream: &str) -> bool {
-    let request = async_nats::Request::new()
-        .timeout(Some(PROBE_TIMEOUT))
-        .payload(bytes::Bytes::new());
-    let subject = format!("$JS.API.STREAM.INFO.{stream}");
-    let answer = match tokio::time::timeout(PROBE_TIMEOUT, client.send_request(subject, request)).await {
-        Ok(Ok(answer)) => answer,
-        _ => return false,
-    };
-    let Ok(info) = serde_json::from_slice::<serde_json::Value>(&answer.payload) else {
-        return false;
-    };
-    quorum_answered(&info)
+/// Whether JetStream answers from beyond this replica's server: the
+/// leader of one of `streams` (the buckets', whose leaders JetStream
+/// spreads over the servers) answers its info request within
+/// [`PROBE_TIMEOUT`] and is another server (the answer crossed a route),
+/// or is this replica's own server and has heard from a majority of its
+/// peers within [`PEER_ACTIVE_WITHIN`] (and has a route to them). A leader
+/// cut off with this replica's server answers, and its peers fall silent; a
+/// leader beyond it does not answer; a server with no leader says "cluster
+/// not available" (10008). Any other JetStream answer (the stream not
+/// found, after NATS lost its state) comes from the meta leader: a quorum.
+/// Several streams, not one: the server that led one of them can die, and
+/// while that stream elects a new leader (2 to 9 s) the others answer.
+async fn probe_quorum(client: &async_nats::Client, streams: &[String]) -> bool {
+    let own = client.server_info().server_name;
+    let asks = streams.iter().map(|stream| {
+        let request = async_nats::Request::new()
+            .timeout(Some(PROBE_TIMEOUT))
+            .payload(bytes::Bytes::new());
+        let subject = format!("$JS.API.STREAM.INFO.{stream}");
+        let own = own.as_str();
+        Box::pin(async move {
+            let answer = match tokio::time::timeout(PROBE_TIMEOUT, client.send_request(subject, request)).await {
+                Ok(Ok(answer)) => answer,
+                _ => return Err(()),
+            };
+            match serde_json::from_slice::<serde_json::Value>(&answer.payload) {
+                Ok(info) if quorum_answered(&info, own) => Ok(()),
+                _ => Err(()),
+            }
+        })
+    });
+    futures::future::select_ok(asks).await.is_ok()
 }
 
-/// [`probe_quorum`]'s reading of a stream info answer.
-fn quorum_answered(info: &serde_json::Value) -> bool {
+/// [`probe_quorum`]'s reading of a stream info answer; `own`: the name of
+/// this replica's NATS server.
+fn quorum_answered(info: &serde_json::Value, own: &str) -> bool {
     if let Some(error) = info.get("error") {
         return error["err_code"].as_u64() != Some(10008);
     }
     let cluster = &info["cluster"];
-    if cluster["leader"].as_str().is_none_or(str::is_empty) {
+    let leader = cluster["leader"].as_str().unwrap_or_default();
+    if leader.is_empty() {
         // A single server's stream has no cluster leader: it is the quorum.
         return cluster.is_null() || cluster["replicas"].is_null();
+    }
+    if leader != own {
+        // Only the leader answers: this answer crossed a route.
+        return true;
     }
     let peers = cluster["replicas"].as_array().map_or(&[][..], Vec::as_slice);
     let active = peers
@@ -429,7 +447,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_quorum_is_a_leader_that_hears_a_majority() {
+    fn a_quorum_is_another_servers_leader_or_a_leader_here_that_hears_a_majority() {
         let info = |leader: &str, active_ms: &[u64]| {
             let replicas: Vec<_> = active_ms
                 .iter()
@@ -437,32 +455,38 @@ mod tests {
                 .collect();
             serde_json::json!({"config": {}, "cluster": {"name": "c", "leader": leader, "replicas": replicas}})
         };
-        assert!(quorum_answered(&info("n1", &[300, 400])));
+        // This replica's server, n1, leads.
+        assert!(quorum_answered(&info("n1", &[300, 400]), "n1"));
         assert!(
-            quorum_answered(&info("n1", &[300, 9_000])),
+            quorum_answered(&info("n1", &[300, 9_000]), "n1"),
             "one peer of two is a majority"
         );
         assert!(
-            !quorum_answered(&info("n1", &[2_500, 9_000])),
+            !quorum_answered(&info("n1", &[2_500, 9_000]), "n1"),
             "a leader cut off from its peers is no quorum"
         );
-        assert!(!quorum_answered(&info("", &[300, 400])), "no leader");
+        assert!(
+            quorum_answered(&info("n2", &[2_500, 9_000]), "n1"),
+            "another server's answer crossed a route"
+        );
+        assert!(!quorum_answered(&info("", &[300, 400]), "n1"), "no leader");
         let mut routes_lost = info("n1", &[0, 0]);
         for peer in routes_lost["cluster"]["replicas"].as_array_mut().unwrap() {
             peer["offline"] = true.into();
         }
-        assert!(!quorum_answered(&routes_lost), "peers without a route to them");
-        assert!(quorum_answered(&info("n1", &[])), "a stream of one server");
-        assert!(quorum_answered(
-            &serde_json::json!({"config": {}, "cluster": {"name": "c"}})
-        ));
-        assert!(quorum_answered(&serde_json::json!({"config": {}})));
-        assert!(!quorum_answered(&serde_json::json!({
+        assert!(!quorum_answered(&routes_lost, "n1"), "peers without a route to them");
+        assert!(quorum_answered(&info("n1", &[]), "n1"), "a stream of one server");
+        let single = serde_json::json!({"config": {}, "cluster": {"name": "c"}});
+        assert!(quorum_answered(&single, "n1"));
+        assert!(quorum_answered(&serde_json::json!({"config": {}}), "n1"));
+        let leaderless = serde_json::json!({
             "error": {"code": 503, "err_code": 10008, "description": "JetStream system temporarily unavailable"}
-        })));
-        assert!(quorum_answered(&serde_json::json!({
+        });
+        assert!(!quorum_answered(&leaderless, "n1"));
+        let not_found = serde_json::json!({
             "error": {"code": 404, "err_code": 10059, "description": "stream not found"}
-        })));
+        });
+        assert!(quorum_answered(&not_found, "n1"));
     }
 
     #[test]

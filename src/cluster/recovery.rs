@@ -44,6 +44,15 @@ pub(super) struct Buckets {
     pub(super) losses: kv::Store,
 }
 
+/// The streams of the buckets (`KV_<prefix>_<name>`), which the liveness
+/// probe asks for their leaders (`liveness.rs`).
+pub(super) fn bucket_streams(prefix: &str) -> Vec<String> {
+    bucket_ages()
+        .iter()
+        .map(|(name, _)| format!("KV_{prefix}_{name}"))
+        .collect()
+}
+
 /// Each bucket's name after the prefix, and how long its entries live.
 fn bucket_ages() -> [(&'static str, Duration); 6] {
     [
