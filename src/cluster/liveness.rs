@@ -163,7 +163,7 @@ impl ClusterEngine {
                 // Lost outright: the event watcher has said so, and a
                 // reconnection starts a fresh count.
                 last_heard = Instant::now();
-                beyond.heard();
+                beyond.heard(Duration::ZERO);
                 continue;
             }
             // Bytes read since the last look: heard by now (looked at before
@@ -179,8 +179,8 @@ impl ClusterEngine {
             if own {
                 last_heard = Instant::now();
             }
-            if quorum {
-                beyond.heard();
+            if let Some(age) = quorum {
+                beyond.heard(age);
             }
             let silent = last_heard.elapsed();
             let silent_beyond = beyond.silent();
@@ -324,7 +324,7 @@ impl Beyond {
                     // out before every replica's subscription was up).
                     let named = answer.status.is_none() && !answer.payload.is_empty();
                     if named && answer.payload != client.server_info().server_id.as_bytes() {
-                        heard_ms.store(since.elapsed().as_millis() as u64, Ordering::Relaxed);
+                        heard_ms.fetch_max(since.elapsed().as_millis() as u64, Ordering::Relaxed);
                     }
                 }
             }
@@ -348,10 +348,11 @@ impl Beyond {
         let _ = tokio::time::timeout(PROBE_TIMEOUT, ping).await;
     }
 
-    /// Something beyond answered now.
-    fn heard(&self) {
-        self.heard_ms
-            .store(self.since.elapsed().as_millis() as u64, Ordering::Relaxed);
+    /// Something beyond was heard from `age` ago (a stream leader's last
+    /// contact with its majority), or now.
+    fn heard(&self, age: Duration) {
+        let at = self.since.elapsed().saturating_sub(age).as_millis() as u64;
+        self.heard_ms.fetch_max(at, Ordering::Relaxed);
     }
 
     /// How long since something beyond answered.
@@ -373,73 +374,78 @@ async fn subscribe(client: &async_nats::Client, subject: String) -> async_nats::
     }
 }
 
-/// How long ago a stream's leader may have last heard from a peer for the
-/// peer to count towards its quorum (its heartbeats go out every second).
-const PEER_ACTIVE_WITHIN: Duration = Duration::from_secs(2);
+/// How long a stream info request of [`probe_quorum`] waits: a probe
+/// period, so that the probe's ticks stay about that far apart while the
+/// leaders beyond do not answer (a missed answer is no alarm: it takes
+/// [`SILENT_FOR`] without any).
+const QUORUM_TIMEOUT: Duration = PROBE_EVERY;
 
-/// Whether JetStream answers from beyond this replica's server: the
-/// leader of one of `streams` (the buckets', whose leaders JetStream
-/// spreads over the servers) answers its info request within
-/// [`PROBE_TIMEOUT`] and is another server (the answer crossed a route),
-/// or is this replica's own server and has heard from a majority of its
-/// peers within [`PEER_ACTIVE_WITHIN`] (and has a route to them). A leader
-/// cut off with this replica's server answers, and its peers fall silent; a
-/// leader beyond it does not answer; a server with no leader says "cluster
-/// not available" (10008). Any other JetStream answer (the stream not
-/// found, after NATS lost its state) comes from the meta leader: a quorum.
-/// Several streams, not one: the server that led one of them can die, and
-/// while that stream elects a new leader (2 to 9 s) the others answer.
-async fn probe_quorum(client: &async_nats::Client, streams: &[String]) -> bool {
+/// How long ago JetStream was last heard from beyond this replica's server
+/// (None: not in this probe): the leader of one of `streams` (the
+/// buckets', whose leaders JetStream spreads over the servers) answers its
+/// info request within [`QUORUM_TIMEOUT`], and is another server (the
+/// answer crossed a route: now), or is this replica's own server, which
+/// last heard from a majority of its peers as long ago as its
+/// `cluster.replicas[].active` says. A leader cut off with this replica's
+/// server answers, and its peers fall silent from the cut on; a leader
+/// beyond it does not answer; a server with no leader says "cluster not
+/// available" (10008). Any other JetStream answer (the stream not found,
+/// after NATS lost its state) comes from the meta leader: now. Several
+/// streams, not one: the server that led one of them can die, and while
+/// that stream elects a new leader (2 to 9 s) the others answer.
+async fn probe_quorum(client: &async_nats::Client, streams: &[String]) -> Option<Duration> {
     let own = client.server_info().server_name;
     let asks = streams.iter().map(|stream| {
         let request = async_nats::Request::new()
-            .timeout(Some(PROBE_TIMEOUT))
+            .timeout(Some(QUORUM_TIMEOUT))
             .payload(bytes::Bytes::new());
         let subject = format!("$JS.API.STREAM.INFO.{stream}");
         let own = own.as_str();
-        Box::pin(async move {
-            let answer = match tokio::time::timeout(PROBE_TIMEOUT, client.send_request(subject, request)).await {
-                Ok(Ok(answer)) => answer,
-                _ => return Err(()),
-            };
-            match serde_json::from_slice::<serde_json::Value>(&answer.payload) {
-                Ok(info) if quorum_answered(&info, own) => Ok(()),
-                _ => Err(()),
-            }
-        })
+        async move {
+            let answer = tokio::time::timeout(QUORUM_TIMEOUT, client.send_request(subject, request))
+                .await
+                .ok()?
+                .ok()?;
+            let info = serde_json::from_slice::<serde_json::Value>(&answer.payload).ok()?;
+            quorum_heard(&info, own)
+        }
     });
-    futures::future::select_ok(asks).await.is_ok()
+    futures::future::join_all(asks).await.into_iter().flatten().min()
 }
 
-/// [`probe_quorum`]'s reading of a stream info answer; `own`: the name of
+/// [`probe_quorum`]'s reading of a stream info answer: how long ago it
+/// shows a majority heard from (None: it does not); `own`: the name of
 /// this replica's NATS server.
-fn quorum_answered(info: &serde_json::Value, own: &str) -> bool {
+fn quorum_heard(info: &serde_json::Value, own: &str) -> Option<Duration> {
     if let Some(error) = info.get("error") {
-        return error["err_code"].as_u64() != Some(10008);
+        return (error["err_code"].as_u64() != Some(10008)).then_some(Duration::ZERO);
     }
     let cluster = &info["cluster"];
     let leader = cluster["leader"].as_str().unwrap_or_default();
     if leader.is_empty() {
         // A single server's stream has no cluster leader: it is the quorum.
-        return cluster.is_null() || cluster["replicas"].is_null();
+        return (cluster.is_null() || cluster["replicas"].is_null()).then_some(Duration::ZERO);
     }
     if leader != own {
         // Only the leader answers: this answer crossed a route.
-        return true;
+        return Some(Duration::ZERO);
     }
     let peers = cluster["replicas"].as_array().map_or(&[][..], Vec::as_slice);
-    let active = peers
+    // When the leader last heard from each peer it has a route to
+    // (`offline`: none, and `active` may then read 0), most recent first.
+    let mut heard: Vec<Duration> = peers
         .iter()
-        .filter(|p| {
-            // `offline`: no route to its server (`active` may then read 0).
-            p["offline"] != true
-                && p["active"]
-                    .as_u64()
-                    .is_some_and(|ns| Duration::from_nanos(ns) <= PEER_ACTIVE_WITHIN)
-        })
-        .count();
-    // The leader and its active peers, a majority of all of them.
-    2 * (1 + active) > 1 + peers.len()
+        .filter(|p| p["offline"] != true)
+        .filter_map(|p| p["active"].as_u64().map(Duration::from_nanos))
+        .collect();
+    heard.sort_unstable();
+    // The leader and the `needed` peers heard from most recently are a
+    // majority of all of them; the last of those sets the age.
+    let needed = peers.len().div_ceil(2);
+    match needed {
+        0 => Some(Duration::ZERO),
+        n => heard.get(n - 1).copied(),
+    }
 }
 
 #[cfg(test)]
@@ -447,7 +453,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_quorum_is_another_servers_leader_or_a_leader_here_that_hears_a_majority() {
+    fn a_quorum_is_another_servers_leader_or_a_leader_here_and_its_majority() {
         let info = |leader: &str, active_ms: &[u64]| {
             let replicas: Vec<_> = active_ms
                 .iter()
@@ -455,38 +461,54 @@ mod tests {
                 .collect();
             serde_json::json!({"config": {}, "cluster": {"name": "c", "leader": leader, "replicas": replicas}})
         };
-        // This replica's server, n1, leads.
-        assert!(quorum_answered(&info("n1", &[300, 400]), "n1"));
-        assert!(
-            quorum_answered(&info("n1", &[300, 9_000]), "n1"),
+        let ms = Duration::from_millis;
+        // This replica's server, n1, leads: as old as its majority's contact.
+        assert_eq!(quorum_heard(&info("n1", &[300, 400]), "n1"), Some(ms(300)));
+        assert_eq!(
+            quorum_heard(&info("n1", &[9_000, 300]), "n1"),
+            Some(ms(300)),
             "one peer of two is a majority"
         );
-        assert!(
-            !quorum_answered(&info("n1", &[2_500, 9_000]), "n1"),
-            "a leader cut off from its peers is no quorum"
+        assert_eq!(
+            quorum_heard(&info("n1", &[2_500, 9_000]), "n1"),
+            Some(ms(2_500)),
+            "a leader cut off 2.5 s ago"
         );
-        assert!(
-            quorum_answered(&info("n2", &[2_500, 9_000]), "n1"),
+        assert_eq!(
+            quorum_heard(&info("n1", &[100, 200, 3_000, 4_000]), "n1"),
+            Some(ms(200)),
+            "two peers of four and the leader: three of five"
+        );
+        assert_eq!(
+            quorum_heard(&info("n2", &[2_500, 9_000]), "n1"),
+            Some(Duration::ZERO),
             "another server's answer crossed a route"
         );
-        assert!(!quorum_answered(&info("", &[300, 400]), "n1"), "no leader");
+        assert_eq!(quorum_heard(&info("", &[300, 400]), "n1"), None, "no leader");
         let mut routes_lost = info("n1", &[0, 0]);
         for peer in routes_lost["cluster"]["replicas"].as_array_mut().unwrap() {
             peer["offline"] = true.into();
         }
-        assert!(!quorum_answered(&routes_lost, "n1"), "peers without a route to them");
-        assert!(quorum_answered(&info("n1", &[]), "n1"), "a stream of one server");
+        assert_eq!(quorum_heard(&routes_lost, "n1"), None, "peers without a route to them");
+        assert_eq!(
+            quorum_heard(&info("n1", &[]), "n1"),
+            Some(Duration::ZERO),
+            "a stream of one server"
+        );
         let single = serde_json::json!({"config": {}, "cluster": {"name": "c"}});
-        assert!(quorum_answered(&single, "n1"));
-        assert!(quorum_answered(&serde_json::json!({"config": {}}), "n1"));
+        assert_eq!(quorum_heard(&single, "n1"), Some(Duration::ZERO));
+        assert_eq!(
+            quorum_heard(&serde_json::json!({"config": {}}), "n1"),
+            Some(Duration::ZERO)
+        );
         let leaderless = serde_json::json!({
             "error": {"code": 503, "err_code": 10008, "description": "JetStream system temporarily unavailable"}
         });
-        assert!(!quorum_answered(&leaderless, "n1"));
+        assert_eq!(quorum_heard(&leaderless, "n1"), None);
         let not_found = serde_json::json!({
             "error": {"code": 404, "err_code": 10059, "description": "stream not found"}
         });
-        assert!(quorum_answered(&not_found, "n1"));
+        assert_eq!(quorum_heard(&not_found, "n1"), Some(Duration::ZERO));
     }
 
     #[test]
