@@ -19,8 +19,8 @@
 //!   tick pings the other replicas (`<prefix>.alive.peers`, each answers
 //!   with the id of its NATS server) and asks the buckets' stream leaders
 //!   for their info. An answer from a replica on another server, from a
-//!   leader on another server, or from a leader here that has heard from a
-//!   majority of its peers lately, is a sign
+//!   leader on another server, or from a leader here as of when it last
+//!   heard from a majority of its peers, is a sign
 //!   that this server still reaches its cluster: a server cut off from the
 //!   rest of the NATS cluster (its routes blackholed or reset) still
 //!   answers the round trip above, so without this its replica served on
