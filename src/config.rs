@@ -104,6 +104,8 @@ pub struct Limits {
     pub max_subscriptions: usize,
     /// Subscriptions one Session stream may hold at once.
     pub max_subscriptions_per_session: usize,
+    /// Messages one `SessionPublish` may carry.
+    pub max_batch_messages: usize,
     /// Bytes one broadcast subscription's queue may hold before it is evicted.
     pub consumer_max_bytes: usize,
     /// Bytes one group's backlog may hold before its oldest message is dropped.
@@ -125,6 +127,7 @@ impl Default for Limits {
             max_message_bytes: 1_048_576,
             max_subscriptions: 10_000,
             max_subscriptions_per_session: 65_536,
+            max_batch_messages: 1024,
             consumer_max_bytes: 64 << 20,
             group_max_bytes: 128 << 20,
             max_memory_bytes: None,
@@ -277,6 +280,7 @@ struct RawEnv {
     max_message_bytes: Option<String>,
     max_subscriptions: Option<String>,
     max_subscriptions_per_session: Option<String>,
+    max_batch_messages: Option<String>,
     shutdown_grace_seconds: Option<String>,
     auth_token: Option<String>,
     tls_cert: Option<String>,
@@ -315,6 +319,7 @@ pub const VARIABLES: &[&str] = &[
     "MAX_MESSAGE_BYTES",
     "MAX_SUBSCRIPTIONS",
     "MAX_SUBSCRIPTIONS_PER_SESSION",
+    "MAX_BATCH_MESSAGES",
     "SHUTDOWN_GRACE_SECONDS",
     "AUTH_TOKEN",
     "TLS_CERT",
@@ -397,6 +402,7 @@ impl Config {
                 "MAX_SUBSCRIPTIONS_PER_SESSION",
                 d.max_subscriptions_per_session,
             )?,
+            max_batch_messages: positive(&raw.max_batch_messages, "MAX_BATCH_MESSAGES", d.max_batch_messages)?,
             consumer_max_bytes: positive(&raw.consumer_max_bytes, "CONSUMER_MAX_BYTES", d.consumer_max_bytes)?,
             group_max_bytes: positive(&raw.group_max_bytes, "GROUP_MAX_BYTES", d.group_max_bytes)?,
             max_memory_bytes: match raw.max_memory_bytes {
@@ -835,6 +841,7 @@ mod tests {
             ("TINYBROKER_MAX_CONNECTIONS", "18"),
             ("TINYBROKER_HANDSHAKE_TIMEOUT_SECONDS", "19"),
             ("TINYBROKER_MAX_SUBSCRIPTIONS_PER_SESSION", "20"),
+            ("TINYBROKER_MAX_BATCH_MESSAGES", "21"),
         ]))
         .unwrap();
         assert_eq!(c.grpc_addr.port(), 1);
@@ -849,6 +856,7 @@ mod tests {
         assert_eq!(l.group_idle_ttl, Duration::from_secs(8));
         assert_eq!((l.max_message_bytes, l.max_subscriptions), (9, 10));
         assert_eq!(l.max_subscriptions_per_session, 20);
+        assert_eq!(l.max_batch_messages, 21);
         assert_eq!(c.shutdown_grace, Duration::from_secs(11));
         assert_eq!(c.auth_token.as_deref(), Some("s3cret"));
         assert_eq!(c.tls.as_ref().unwrap().key, PathBuf::from("/k.pem"));
@@ -885,6 +893,7 @@ mod tests {
             ("TINYBROKER_MAX_MESSAGE_BYTES", "99999999999", "at most"),
             ("TINYBROKER_MAX_SUBSCRIPTIONS", "", "greater than 0"),
             ("TINYBROKER_MAX_SUBSCRIPTIONS_PER_SESSION", "0", "greater than 0"),
+            ("TINYBROKER_MAX_BATCH_MESSAGES", "-1", "greater than 0"),
             ("TINYBROKER_GRPC_ADDR", "localhost", "IP:port"),
             ("TINYBROKER_METRICS_ADDR", "1.2.3.4", "IP:port"),
             ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "ten", "seconds"),

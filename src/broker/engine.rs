@@ -5,8 +5,9 @@ use super::subscription::SubscriptionStream;
 use super::{Broker, RouteCache};
 use crate::config::Limits;
 use crate::engine::{
-    Acked, BrokerError, CloseReason, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord, GroupInfo,
-    Nacked, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
+    Acked, BatchOutcome, BrokerError, CloseReason, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord,
+    GroupInfo, Nacked, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest,
+    SubscriptionInfo,
 };
 use std::future::{Future, ready};
 
@@ -25,6 +26,15 @@ impl Engine for Broker {
         at: PublishTime,
     ) -> impl Future<Output = Result<PublishOutcome, BrokerError>> + Send {
         ready(self.publish_at(message, Some(publisher), at))
+    }
+
+    fn publish_batch(
+        &self,
+        messages: Vec<NewMessage>,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> impl Future<Output = BatchOutcome> + Send {
+        ready(Broker::publish_batch(self, messages, publisher, at))
     }
 
     fn subscribe(
@@ -131,6 +141,10 @@ impl DeliveryStream for SubscriptionStream {
         if let Some(m) = subscription.membership() {
             m.group.credit_added(tokio::time::Instant::now());
         }
+    }
+
+    fn settle(&mut self, sequences: &[u64], nack: bool) -> Option<u32> {
+        Some(SubscriptionStream::settle(self, sequences, nack))
     }
 
     fn close(&mut self) -> StreamEnd {

@@ -7,7 +7,7 @@ use super::member::DeadLetter;
 use super::queue::Push;
 use super::{Broker, Delivery, Published, Subscription};
 use crate::engine::validate::{self, truncate};
-use crate::engine::{BrokerError, NewMessage, PublishOutcome, PublishTime};
+use crate::engine::{BatchOutcome, BrokerError, NewMessage, PublishOutcome, PublishTime};
 use crate::group::{backlog, dead_letter};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,6 +30,18 @@ pub(super) enum Route {
 pub struct RouteCache {
     generation: u64,
     routes: HashMap<String, Arc<[Route]>, foldhash::fast::RandomState>,
+    /// Sequences set aside for the batch being published
+    /// ([`Broker::set_aside_sequences`]): its messages take them in order
+    /// instead of the broker-wide counter's next.
+    batch_sequences: std::ops::Range<u64>,
+}
+
+impl RouteCache {
+    /// Forgets the sequences a batch set aside and did not use (its
+    /// messages refused after validation leave them unused).
+    pub fn end_batch(&mut self) {
+        self.batch_sequences = 0..0;
+    }
 }
 
 impl RouteCache {
@@ -65,6 +77,66 @@ impl Broker {
         let size = validate::message(&message, self.shared.limits.max_message_bytes)?;
         self.reserve(size, &message.topic)?;
         Ok(self.route(message, size, cache, at))
+    }
+
+    /// Publishes a batch (a session's `publish`) in one pass: every message
+    /// validated, the memory budget charged once for all that are valid
+    /// (message by message, evicting readers far behind as
+    /// [`Broker::publish`] does, only when the whole does not fit), one
+    /// block of consecutive sequences taken for those accepted, and each
+    /// routed through `cache` (one trie look-up per distinct topic). The
+    /// subscribers it reaches are woken once, at the end.
+    pub fn publish_batch(&self, messages: Vec<NewMessage>, cache: &mut RouteCache, at: PublishTime) -> BatchOutcome {
+        if let Err(error) = self.check_open() {
+            return BatchOutcome::all_rejected(messages.len(), &error);
+        }
+        let _burst = super::WakeBatch::begin();
+        let max = self.shared.limits.max_message_bytes;
+        let mut rejected = Vec::new();
+        let mut valid = Vec::with_capacity(messages.len());
+        let mut total = 0usize;
+        for (index, message) in messages.into_iter().enumerate() {
+            match validate::message(&message, max) {
+                Ok(size) => {
+                    total = total.saturating_add(size);
+                    valid.push((index as u32, message, size));
+                }
+                Err(error) => rejected.push((index as u32, error)),
+            }
+        }
+        if !self.shared.memory.try_charge(total) {
+            let mut refused = false;
+            valid.retain(|(index, message, size)| match self.reserve(*size, &message.topic) {
+                Ok(()) => true,
+                Err(error) => {
+                    rejected.push((*index, error));
+                    refused = true;
+                    false
+                }
+            });
+            if refused {
+                rejected.sort_unstable_by_key(|(index, _)| *index);
+            }
+        }
+        let accepted = valid.len() as u64;
+        let first = self.shared.sequence.fetch_add(accepted, Ordering::Relaxed) + 1;
+        for ((_, message, size), sequence) in valid.into_iter().zip(first..) {
+            self.route_as(message, size, Some(&mut *cache), at, sequence);
+        }
+        BatchOutcome {
+            first_sequence: if accepted > 0 { first } else { 0 },
+            accepted: accepted as u32,
+            rejected,
+        }
+    }
+
+    /// Sets aside `count` consecutive sequences for the next messages
+    /// published through `cache` (a cluster batch, whose messages are
+    /// routed one by one: other publishers' messages cannot take sequences
+    /// between them). [`RouteCache::end_batch`] forgets what is left.
+    pub fn set_aside_sequences(&self, count: usize, cache: &mut RouteCache) {
+        let first = self.shared.sequence.fetch_add(count as u64, Ordering::Relaxed) + 1;
+        cache.batch_sequences = first..first + count as u64;
     }
 
     /// Charges a new message of `size` bytes to the memory budget. When the
@@ -119,14 +191,27 @@ impl Broker {
         &self,
         message: NewMessage,
         size: usize,
+        mut cache: Option<&mut RouteCache>,
+        at: PublishTime,
+    ) -> PublishOutcome {
+        let set_aside = cache.as_mut().and_then(|cache| cache.batch_sequences.next());
+        let sequence = set_aside.unwrap_or_else(|| self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1);
+        self.route_as(message, size, cache, at, sequence)
+    }
+
+    /// [`Broker::route`] with the message's sequence already taken.
+    fn route_as(
+        &self,
+        message: NewMessage,
+        size: usize,
         cache: Option<&mut RouteCache>,
         at: PublishTime,
+        sequence: u64,
     ) -> PublishOutcome {
         let routes = match cache {
             Some(cache) => self.routes_cached(&message.topic, cache),
             None => self.shared.routes.read().matches(&message.topic),
         };
-        let sequence = self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1;
         let published = Arc::new(Published {
             topic: message.topic,
             payload: message.payload,

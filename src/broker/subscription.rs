@@ -273,6 +273,15 @@ impl SubscriptionStream {
         self.flush_delivered();
         self.broker.close_on_drop(&self.subscription);
     }
+
+    /// A session's in-band ack or nack, through this subscription: how many
+    /// of `sequences` it did not hold.
+    pub(super) fn settle(&self, sequences: &[u64], nack: bool) -> u32 {
+        match nack {
+            false => self.broker.ack_held(&self.subscription, sequences).unknown,
+            true => self.broker.nack_held(&self.subscription, sequences).unknown,
+        }
+    }
 }
 
 impl Stream for SubscriptionStream {

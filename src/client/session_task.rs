@@ -365,6 +365,13 @@ impl SessionTask {
                     let _ = entry.events.send(HandleEvent::Ended(ended));
                 }
             }
+            Event::Deliveries(batch) => {
+                for delivery in batch.deliveries {
+                    self.forward(Event::Delivery(delivery));
+                }
+            }
+            // This task sends no publishes, so it is answered none.
+            Event::Published(_) => {}
         }
     }
 

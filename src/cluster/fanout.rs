@@ -17,7 +17,7 @@ use super::wire;
 use super::{ClusterEngine, REMOTE_BURST, Ready};
 use crate::broker::{RouteCache, WakeBatch};
 use crate::engine::validate::truncate;
-use crate::engine::{BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
+use crate::engine::{BatchOutcome, BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
 use async_nats::jetstream;
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
@@ -125,6 +125,58 @@ impl ClusterEngine {
             outcome.matched_groups += confirmation.await?;
         }
         Ok(outcome)
+    }
+
+    /// A batch (a session's `publish`): validated first, so the valid
+    /// messages take consecutive sequences set aside for them, then each
+    /// routed in order as [`ClusterEngine::publish_cluster_routed`] routes
+    /// one (their group stores overlap), and the stores awaited in order. A
+    /// message refused after validation (the memory budget, NATS cut off,
+    /// a group's store not confirmed) leaves its sequence unused.
+    pub(super) async fn publish_cluster_batch(
+        &self,
+        messages: Vec<NewMessage>,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> BatchOutcome {
+        if let Err(error) = self.serving() {
+            return BatchOutcome::all_rejected(messages.len(), &error);
+        }
+        let max = crate::engine::Engine::max_message_bytes(self);
+        let mut rejected = Vec::new();
+        let mut valid = Vec::with_capacity(messages.len());
+        for (index, message) in messages.into_iter().enumerate() {
+            match crate::engine::validate::message(&message, max) {
+                Ok(_) => valid.push((index as u32, message)),
+                Err(error) => rejected.push((index as u32, error)),
+            }
+        }
+        self.inner.local.set_aside_sequences(valid.len(), publisher);
+        let mut routed = Vec::with_capacity(valid.len());
+        for (index, message) in valid {
+            let outcome = WakeBatch::across_waits(self.publish_cluster_routed(message, publisher, at)).await;
+            match outcome {
+                Ok((outcome, confirmation)) => routed.push((index, outcome.sequence, confirmation)),
+                Err(error) => rejected.push((index, error)),
+            }
+        }
+        publisher.end_batch();
+        let mut outcome = BatchOutcome::default();
+        for (index, sequence, confirmation) in routed {
+            if let Some(confirmation) = confirmation
+                && let Err(error) = WakeBatch::across_waits(confirmation).await
+            {
+                rejected.push((index, error));
+                continue;
+            }
+            if outcome.accepted == 0 {
+                outcome.first_sequence = sequence;
+            }
+            outcome.accepted += 1;
+        }
+        rejected.sort_by_key(|(index, _)| *index);
+        outcome.rejected = rejected;
+        outcome
     }
 
     /// [`ClusterEngine::publish_cluster`] up to its group stores, which are

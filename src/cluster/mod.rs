@@ -119,9 +119,9 @@ use crate::broker::{Broker, RouteCache, SubscriptionStream};
 use crate::config::{ClusterConfig, Limits};
 use crate::engine::validate::truncate;
 use crate::engine::{
-    Acked, BrokerError, ClusterInfo, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine, EngineHealth,
-    EngineInfo, EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime,
-    Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
+    Acked, BatchOutcome, BrokerError, ClusterInfo, Confirmation, Delivery, DeliveryMode, DeliveryStream, Engine,
+    EngineHealth, EngineInfo, EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome,
+    PublishTime, Snapshot, StreamEnd, SubscribeRequest, SubscriptionInfo,
 };
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -767,6 +767,15 @@ impl Engine for ClusterEngine {
         at: PublishTime,
     ) -> impl Future<Output = Result<(PublishOutcome, Option<Confirmation>), BrokerError>> + Send {
         self.publish_cluster_routed(message, publisher, at)
+    }
+
+    fn publish_batch(
+        &self,
+        messages: Vec<NewMessage>,
+        publisher: &mut RouteCache,
+        at: PublishTime,
+    ) -> impl Future<Output = BatchOutcome> + Send {
+        self.publish_cluster_batch(messages, publisher, at)
     }
 
     fn subscribe(&self, request: SubscribeRequest) -> impl Future<Output = Result<ClusterStream, BrokerError>> + Send {

@@ -48,7 +48,7 @@ pub type Confirmation = futures::future::BoxFuture<'static, Result<u32, BrokerEr
 pub trait Engine: Clone + Send + Sync + 'static {
     /// A publish stream's own state, kept across its messages (the
     /// in-memory engine: its route cache).
-    type Publisher: Default + Send;
+    type Publisher: Default + Send + 'static;
     /// The deliveries of one open subscription.
     type Stream: DeliveryStream;
 
@@ -85,6 +85,19 @@ pub trait Engine: Clone + Send + Sync + 'static {
         use futures::FutureExt;
         self.publish(message, publisher, at).map(|r| r.map(|o| (o, None)))
     }
+
+    /// Publishes a batch (a session's `publish`): each message validated,
+    /// given its sequence and routed as [`Engine::publish`] would, in order;
+    /// the accepted ones get consecutive sequences, and each bad one is
+    /// rejected by its index while the rest are published. The memory
+    /// budget is charged once for the batch when it fits, and the
+    /// subscribers it reaches are woken once, at its end.
+    fn publish_batch(
+        &self,
+        messages: Vec<NewMessage>,
+        publisher: &mut Self::Publisher,
+        at: PublishTime,
+    ) -> impl Future<Output = BatchOutcome> + Send;
 
     /// Opens a subscription: once this resolves, every matching message
     /// published afterwards reaches the stream.
@@ -171,6 +184,35 @@ pub trait DeliveryStream: Stream<Item = Delivery> + Send + Unpin + 'static {
     /// A session added credit for it (opened with `SubscribeRequest::credit`):
     /// a consumer-group member may be handed that many more.
     fn add_credit(&mut self, _messages: u64) {}
+    /// A session's in-band ack (or nack, `nack`) of `sequences`, applied
+    /// through the subscription the stream holds, with no lookup by id:
+    /// how many of them it did not hold. None: this stream cannot settle
+    /// them itself (the engine's [`Engine::ack`] by id does).
+    fn settle(&mut self, _sequences: &[u64], _nack: bool) -> Option<u32> {
+        None
+    }
+}
+
+/// What a batch of publishes did ([`Engine::publish_batch`]).
+#[derive(Debug, Default)]
+pub struct BatchOutcome {
+    /// The sequence of the first accepted message (0: none was).
+    pub first_sequence: u64,
+    pub accepted: u32,
+    /// Each message not published, by its index in the batch, in index
+    /// order.
+    pub rejected: Vec<(u32, BrokerError)>,
+}
+
+impl BatchOutcome {
+    /// Every message of a batch of `len` rejected for `error`.
+    pub fn all_rejected(len: usize, error: &BrokerError) -> Self {
+        Self {
+            first_sequence: 0,
+            accepted: 0,
+            rejected: (0..len as u32).map(|i| (i, error.clone())).collect(),
+        }
+    }
 }
 
 /// What a publisher sends.

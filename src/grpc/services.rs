@@ -25,6 +25,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Most messages of one PublishStream routed before the task yields.
 const PUBLISH_BATCH: usize = 128;
+/// The request metadata a session asks for batched deliveries with.
+pub const BATCH_METADATA: &str = "tinybroker-batch";
 /// The message a `PublishStream` carries, as its decoding errors name it.
 const PUBLISH_REQUEST: &str = "tinybroker.v1.PublishRequest";
 
@@ -315,7 +317,23 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         request: Request<Streaming<pb::SessionRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let peer = request.remote_addr();
-        let body = SessionBody::new(self.engine.clone(), request.into_inner(), peer, self.metrics.clone());
+        let batched = match request.metadata().get(BATCH_METADATA) {
+            None => false,
+            Some(value) if value.as_bytes() == b"1" => true,
+            Some(value) => {
+                return Err(Status::invalid_argument(format!(
+                    "{BATCH_METADATA}: {:?} is not a value of that header: 1 asks for batched deliveries (SessionDeliveries events); leave it out for one delivery per event",
+                    String::from_utf8_lossy(value.as_bytes())
+                )));
+            }
+        };
+        let body = SessionBody::new(
+            self.engine.clone(),
+            request.into_inner(),
+            peer,
+            self.metrics.clone(),
+            batched,
+        );
         let mut response = Response::new(NotInstalled::new());
         response
             .extensions_mut()

@@ -64,7 +64,11 @@
 use super::convert;
 use super::framing::{EncodedMessage, FRAME_THRESHOLD, GRPC_HEADER, SubscriberFields, deliver_span, reserve_frame};
 use crate::broker::Published;
-use crate::engine::{Acked, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, StreamEnd};
+use crate::broker::WakeBatch;
+use crate::engine::{
+    Acked, BatchOutcome, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, NewMessage, PublishTime,
+    StreamEnd, TracingHeaders,
+};
 use crate::ops::metrics::{IgnoredRequest, LocalObserver, Metrics, SessionGauge};
 use crate::ops::telemetry;
 use crate::pb;
@@ -76,7 +80,7 @@ use futures::{Stream, StreamExt};
 use parking_lot::Mutex;
 use prost::encoding::{encode_varint, encoded_len_varint};
 use slab::Slab;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -93,8 +97,21 @@ const ROUNDS_PER_POLL: usize = 256;
 
 /// `SessionEvent` field keys (field number and wire type 2, one byte each).
 const DELIVERY_KEY: u8 = (2 << 3) | 2;
+const DELIVERIES_KEY: u8 = (5 << 3) | 2;
 const HANDLES_KEY: u8 = (1 << 3) | 2;
 const MESSAGE_KEY: u8 = (2 << 3) | 2;
+/// `SessionDeliveries.deliveries`.
+const BATCHED_KEY: u8 = (1 << 3) | 2;
+/// Room left ahead of a `deliveries` event for its frame header, its key
+/// and its length (a varint of at most 5 bytes: a frame is below 4 GiB).
+const DELIVERIES_HEAD_MAX: usize = GRPC_HEADER + 1 + 5;
+/// The most bytes of deliveries one `deliveries` event holds (one delivery
+/// larger than this alone is an event of its own).
+pub const DELIVERIES_BOUND: usize = 64 * 1024;
+/// Publishes read and not yet answered, at most: beyond them the session
+/// reads no more requests until the oldest is answered (a cluster batch
+/// waits for its group stores), so a client cannot queue unbounded work.
+const PUBLISHES_WAITING: usize = 4;
 
 /// The response body of one `Session` stream (see the module docs).
 pub struct SessionBody<E: Engine, R> {
@@ -113,6 +130,19 @@ pub struct SessionBody<E: Engine, R> {
     opening: FuturesUnordered<Opening<E::Stream>>,
     /// In-band acks and nacks the engine has not answered yet.
     acking: FuturesUnordered<Acking>,
+    /// Acks and nacks read in this poll, applied together per handle
+    /// (before any other request, so the order of what they touch holds).
+    settling: Vec<Settle>,
+    /// The session's publishing state (its route cache); out while a batch
+    /// is being published.
+    publisher: Option<E::Publisher>,
+    /// Publishes read and not yet begun, oldest first.
+    publishes: VecDeque<pb::SessionPublish>,
+    /// The batch being published (a cluster batch may wait for NATS).
+    publishing: Option<Publishing<E::Publisher>>,
+    max_batch: usize,
+    publish_duration: LocalObserver,
+    publish_batch_size: prometheus::Histogram,
     ready: Arc<Ready>,
     /// Subscriptions that gave a delivery in the last round.
     again: Vec<usize>,
@@ -135,6 +165,16 @@ type Opening<S> = BoxFuture<'static, (u32, Result<S, BrokerError>)>;
 /// An in-band ack or nack the engine is answering: how many sequences it
 /// named, and how many of them the subscription did not hold.
 type Acking = BoxFuture<'static, (u32, Result<u32, BrokerError>)>;
+/// A batch being published: its id, when it was read, how many messages,
+/// what became of them, and the publisher back.
+type Publishing<P> = BoxFuture<'static, (u64, PublishTime, usize, BatchOutcome, P)>;
+
+/// Acks (or nacks) of one handle read together.
+struct Settle {
+    handle: u32,
+    nack: bool,
+    sequences: Vec<u64>,
+}
 
 /// What a handle names.
 enum Handle {
@@ -201,6 +241,12 @@ struct Out {
     index: HashMap<usize, usize, foldhash::fast::RandomState>,
     /// Handle lists of earlier rounds, kept for their allocations.
     spare: Vec<Vec<u32>>,
+    /// Deliveries go out as `deliveries` events (the client asked).
+    batched: bool,
+    /// The `deliveries` event being written: where it starts in `buf`, and
+    /// how many deliveries it holds.
+    open_batch: Option<(usize, u64)>,
+    delivery_batch_size: prometheus::Histogram,
 }
 
 /// One delivery of a round.
@@ -219,8 +265,10 @@ where
     E: Engine,
     R: Stream<Item = Result<pb::SessionRequest, Status>> + Send + Unpin + 'static,
 {
-    pub fn new(engine: E, requests: R, peer: Option<SocketAddr>, metrics: Metrics) -> Self {
+    /// `batched`: the client asked for `deliveries` events.
+    pub fn new(engine: E, requests: R, peer: Option<SocketAddr>, metrics: Metrics, batched: bool) -> Self {
         let max_subscriptions = engine.limits().max_subscriptions_per_session;
+        let max_batch = engine.limits().max_batch_messages;
         let draining: BoxFuture<'static, ()> = Box::pin(engine.draining());
         Self {
             _gauge: metrics.session_opened(),
@@ -232,7 +280,17 @@ where
                 batch: Vec::new(),
                 index: HashMap::default(),
                 spare: Vec::new(),
+                batched,
+                open_batch: None,
+                delivery_batch_size: metrics.delivery_batch_size(),
             },
+            publisher: Some(E::Publisher::default()),
+            publishes: VecDeque::new(),
+            publishing: None,
+            max_batch,
+            publish_duration: metrics.publish_duration(),
+            publish_batch_size: metrics.publish_batch_size(),
+            settling: Vec::new(),
             engine,
             requests: Some(requests),
             peer,
@@ -259,7 +317,12 @@ where
             let Some(requests) = &mut self.requests else { return };
             if self.out.buf.len() >= FRAME_THRESHOLD {
                 // Hand what is encoded to h2 first; the body is polled again.
-                return;
+                return self.settle(cx);
+            }
+            if self.publishes.len() >= PUBLISHES_WAITING {
+                // Read on once the batch being published is answered (its
+                // future wakes the body).
+                return self.settle(cx);
             }
             match requests.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(request))) => self.request(request, cx),
@@ -270,15 +333,18 @@ where
                 }
                 Poll::Ready(None) => {
                     // Half-closed: every subscription ends "closed", then
-                    // the session ends with OK.
+                    // the session ends with OK (once its publishes are
+                    // answered).
+                    self.settle(cx);
                     self.requests = None;
                     self.ending = true;
                     self.close_all();
                     return;
                 }
-                Poll::Pending => return,
+                Poll::Pending => return self.settle(cx),
             }
         }
+        self.settle(cx);
         // More may be buffered: come back to them after the deliveries.
         cx.waker().wake_by_ref();
     }
@@ -286,13 +352,126 @@ where
     fn request(&mut self, request: pb::SessionRequest, cx: &mut Context<'_>) {
         use pb::session_request::Request;
         match request.request {
+            Some(Request::Ack(ack)) => return self.to_settle(ack.handle, ack.sequences, false),
+            Some(Request::Nack(nack)) => return self.to_settle(nack.handle, nack.sequences, true),
+            _ => {}
+        }
+        // Acks read before this request are applied before it.
+        self.settle(cx);
+        match request.request {
             None => self.ignored(IgnoredRequest::NoRequest, 1),
             Some(Request::Open(open)) => self.open(open, cx),
             Some(Request::Close(close)) => self.close(close.handle),
             Some(Request::Credit(credit)) => self.credit(credit.handle, credit.messages),
-            Some(Request::Ack(ack)) => self.ack(ack.handle, ack.sequences, false, cx),
-            Some(Request::Nack(nack)) => self.ack(nack.handle, nack.sequences, true, cx),
+            Some(Request::Publish(publish)) => {
+                self.publishes.push_back(publish);
+                self.publish_next(cx);
+            }
+            Some(Request::Ack(_) | Request::Nack(_)) => {}
         }
+    }
+
+    /// Keeps an ack or nack with the others of its handle read in this
+    /// poll: one application per handle (and kind, in order), not one per
+    /// request.
+    fn to_settle(&mut self, handle: u32, sequences: Vec<u64>, nack: bool) {
+        if let Some(last) = self.settling.iter_mut().rev().find(|s| s.handle == handle)
+            && last.nack == nack
+        {
+            last.sequences.extend_from_slice(&sequences);
+            if sequences.is_empty() {
+                // Still counted as a request without sequences.
+                self.ignored(IgnoredRequest::NoSequences, 1);
+            }
+            return;
+        }
+        self.settling.push(Settle {
+            handle,
+            nack,
+            sequences,
+        });
+    }
+
+    /// Applies the acks and nacks read so far, per handle.
+    fn settle(&mut self, cx: &mut Context<'_>) {
+        if self.settling.is_empty() {
+            return;
+        }
+        let mut settling = std::mem::take(&mut self.settling);
+        for s in settling.drain(..) {
+            self.ack(s.handle, s.sequences, s.nack, cx);
+        }
+        // Kept for its allocation, unless one read brought very many.
+        if settling.capacity() <= REQUESTS_PER_POLL {
+            self.settling = settling;
+        }
+    }
+
+    /// Begins the oldest waiting publish when none is being published:
+    /// the embedded engine answers at once, the cluster engine may wait.
+    fn publish_next(&mut self, cx: &mut Context<'_>) {
+        while self.publishing.is_none() {
+            let Some(publish) = self.publishes.pop_front() else {
+                return;
+            };
+            let Some(mut publisher) = self.publisher.take() else {
+                return;
+            };
+            let at = PublishTime::now();
+            let len = publish.messages.len();
+            self.publish_batch_size.observe(len as f64);
+            if len > self.max_batch {
+                self.publisher = Some(publisher);
+                let answer = over_limit(len, self.max_batch);
+                self.published(publish.id, at, len, answer);
+                continue;
+            }
+            let messages: Vec<NewMessage> = publish.messages.into_iter().map(new_message).collect();
+            let engine = self.engine.clone();
+            let id = publish.id;
+            let mut publishing: Publishing<E::Publisher> = Box::pin(async move {
+                let outcome = engine.publish_batch(messages, &mut publisher, at).await;
+                (id, at, len, outcome, publisher)
+            });
+            let _burst = WakeBatch::begin();
+            match publishing.as_mut().poll(cx) {
+                Poll::Ready((id, at, len, outcome, publisher)) => {
+                    self.publisher = Some(publisher);
+                    self.published(id, at, len, outcome);
+                }
+                Poll::Pending => self.publishing = Some(publishing),
+            }
+        }
+    }
+
+    /// Answers a publish.
+    fn published(&mut self, id: u64, at: PublishTime, len: usize, outcome: BatchOutcome) {
+        if outcome.accepted > 0 {
+            let accepted = outcome.accepted as usize;
+            self.publish_duration
+                .observe_many(at.monotonic.elapsed().as_secs_f64() / accepted as f64, accepted);
+            self.publish_duration.flush();
+        }
+        debug_assert_eq!(outcome.accepted as usize + outcome.rejected.len(), len);
+        let rejected = outcome
+            .rejected
+            .into_iter()
+            .map(|(index, error)| {
+                let status = convert::status(error);
+                pb::PublishRejection {
+                    index,
+                    code: status.code() as u32,
+                    message: status.message().to_owned(),
+                }
+            })
+            .collect();
+        self.out
+            .put_event(pb::session_event::Event::Published(pb::SessionPublished {
+                id,
+                first_sequence: outcome.first_sequence,
+                accepted: outcome.accepted,
+                rejected,
+            }));
     }
 
     fn ignored(&self, reason: IgnoredRequest, count: u64) {
@@ -362,13 +541,10 @@ where
                 return self.reject(handle, status.code(), status.message().to_owned());
             }
         };
-        put_event(
-            &mut self.out.buf,
-            pb::session_event::Event::Opened(pb::SessionOpened {
-                handle,
-                subscription_id: stream.id().to_owned(),
-            }),
-        );
+        self.out.put_event(pb::session_event::Event::Opened(pb::SessionOpened {
+            handle,
+            subscription_id: stream.id().to_owned(),
+        }));
         if close || self.requests.is_none() {
             let end = stream.close();
             return self.put_ended(handle, end);
@@ -400,16 +576,13 @@ where
     }
 
     fn reject(&mut self, handle: u32, code: Code, message: String) {
-        put_event(
-            &mut self.out.buf,
-            pb::session_event::Event::Ended(pb::SessionEnded {
-                handle,
-                reason: "rejected".into(),
-                code: code as u32,
-                message,
-                ..Default::default()
-            }),
-        );
+        self.out.put_event(pb::session_event::Event::Ended(pb::SessionEnded {
+            handle,
+            reason: "rejected".into(),
+            code: code as u32,
+            message,
+            ..Default::default()
+        }));
     }
 
     fn close(&mut self, handle: u32) {
@@ -476,6 +649,9 @@ where
         if sequences.is_empty() {
             return self.ignored(IgnoredRequest::NoSequences, 1);
         }
+        if let Some(unknown) = self.subs[key].stream.settle(&sequences, nack) {
+            return self.ignored(IgnoredRequest::UnknownSequence, u64::from(unknown));
+        }
         let engine = self.engine.clone();
         let id = self.subs[key].stream.id().to_owned();
         let count = sequences.len() as u32;
@@ -513,6 +689,15 @@ where
         }
         while let Poll::Ready(Some((count, result))) = self.acking.poll_next_unpin(cx) {
             self.acked(result, count);
+        }
+        if let Some(publishing) = &mut self.publishing {
+            let _burst = WakeBatch::begin();
+            if let Poll::Ready((id, at, len, outcome, publisher)) = publishing.as_mut().poll(cx) {
+                self.publishing = None;
+                self.publisher = Some(publisher);
+                self.published(id, at, len, outcome);
+                self.publish_next(cx);
+            }
         }
         if let Some(draining) = &mut self.draining
             && draining.as_mut().poll(cx).is_ready()
@@ -590,17 +775,14 @@ where
             CloseReason::Cancelled => "closed",
             other => other.label(),
         };
-        put_event(
-            &mut self.out.buf,
-            pb::session_event::Event::Ended(pb::SessionEnded {
-                handle,
-                reason: reason.into(),
-                dropped: end.dropped,
-                last_sequence: end.last_sequence,
-                code: 0,
-                message: String::new(),
-            }),
-        );
+        self.out.put_event(pb::session_event::Event::Ended(pb::SessionEnded {
+            handle,
+            reason: reason.into(),
+            dropped: end.dropped,
+            last_sequence: end.last_sequence,
+            code: 0,
+            message: String::new(),
+        }));
     }
 
     /// Ends the session with `status`: its subscriptions end as a cancelled
@@ -609,6 +791,9 @@ where
         self.handles.clear();
         self.subs.clear();
         self.opening = FuturesUnordered::new();
+        self.publishes.clear();
+        self.publishing = None;
+        self.settling.clear();
         self.finish = Some(status);
     }
 
@@ -621,6 +806,64 @@ where
 }
 
 impl Out {
+    /// Appends an `opened`, `ended` or `published` event, after the
+    /// `deliveries` event being written (ended first).
+    fn put_event(&mut self, event: pb::session_event::Event) {
+        self.close_batch();
+        put_event(&mut self.buf, event);
+    }
+
+    /// Appends a delivery to the `deliveries` event being written, or
+    /// begins one (when there is none, or this one would take it past
+    /// [`DELIVERIES_BOUND`]).
+    fn put_batched(&mut self, handles: &[u32], message: &EncodedMessage) {
+        let (delivery_len, handles_len, message_len) = delivery_lens(handles, message);
+        let element = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
+        if let Some((start, _)) = self.open_batch
+            && self.buf.len() - start - DELIVERIES_HEAD_MAX + element > DELIVERIES_BOUND
+        {
+            self.close_batch();
+        }
+        match &mut self.open_batch {
+            Some((_, count)) => {
+                *count += 1;
+                reserve_frame(&mut self.buf, element);
+            }
+            None => {
+                reserve_frame(&mut self.buf, DELIVERIES_HEAD_MAX + element);
+                self.open_batch = Some((self.buf.len(), 1));
+                self.buf.put_bytes(0, DELIVERIES_HEAD_MAX);
+            }
+        }
+        self.buf.put_u8(BATCHED_KEY);
+        encode_varint(delivery_len as u64, &mut self.buf);
+        put_delivery_fields(&mut self.buf, handles, handles_len, message, message_len);
+    }
+
+    /// Ends the `deliveries` event being written, if any: its head written
+    /// in front of it, where room was left, and the deliveries moved up to
+    /// it by the bytes the head did not need.
+    fn close_batch(&mut self) {
+        let Some((start, count)) = self.open_batch.take() else {
+            return;
+        };
+        let body = start + DELIVERIES_HEAD_MAX;
+        let body_len = self.buf.len() - body;
+        let event_len = 1 + encoded_len_varint(body_len as u64) + body_len;
+        let mut head = BytesMut::with_capacity(DELIVERIES_HEAD_MAX);
+        head.put_u8(0);
+        head.put_u32(event_len as u32);
+        head.put_u8(DELIVERIES_KEY);
+        encode_varint(body_len as u64, &mut head);
+        self.buf[start..start + head.len()].copy_from_slice(&head);
+        let gap = DELIVERIES_HEAD_MAX - head.len();
+        if gap > 0 {
+            self.buf.copy_within(body.., start + head.len());
+            self.buf.truncate(self.buf.len() - gap);
+        }
+        self.delivery_batch_size.observe(count as f64);
+    }
+
     /// Takes one delivery of the round: a broadcast message already taken
     /// in this round gets this handle too.
     fn take(&mut self, key: usize, handle: u32, group: bool, delivery: Delivery) {
@@ -670,7 +913,10 @@ impl Out {
                 deliver_span(&b.message, group, sub.stream.id(), b.attempt);
             }
             let message = EncodedMessage::new(b.message, fields, b.attempt);
-            put_delivery(&mut self.buf, &b.handles, &message);
+            match self.batched {
+                false => put_delivery(&mut self.buf, &b.handles, &message),
+                true => self.put_batched(&b.handles, &message),
+            }
             b.handles.clear();
             self.spare.push(b.handles);
         }
@@ -684,6 +930,19 @@ impl Out {
 /// Appends one gRPC frame holding a `SessionEvent { delivery: SessionDelivery
 /// { handles, message } }`, encoded by hand (see the module docs).
 fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
+    let (delivery_len, handles_len, message_len) = delivery_lens(handles, message);
+    let event_len = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
+    reserve_frame(buf, GRPC_HEADER + event_len);
+    buf.put_u8(0);
+    // max_message_bytes is far below 4 GiB (config), so this holds.
+    buf.put_u32(event_len as u32);
+    buf.put_u8(DELIVERY_KEY);
+    encode_varint(delivery_len as u64, buf);
+    put_delivery_fields(buf, handles, handles_len, message, message_len);
+}
+
+/// A `SessionDelivery`'s encoded length, and its handles' and message's.
+fn delivery_lens(handles: &[u32], message: &EncodedMessage) -> (usize, usize, usize) {
     let message_len = prost::Message::encoded_len(message);
     let handles_len: usize = handles.iter().map(|&h| encoded_len_varint(u64::from(h))).sum();
     let delivery_len = 1
@@ -692,13 +951,17 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
         + 1
         + encoded_len_varint(message_len as u64)
         + message_len;
-    let event_len = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
-    reserve_frame(buf, GRPC_HEADER + event_len);
-    buf.put_u8(0);
-    // max_message_bytes is far below 4 GiB (config), so this holds.
-    buf.put_u32(event_len as u32);
-    buf.put_u8(DELIVERY_KEY);
-    encode_varint(delivery_len as u64, buf);
+    (delivery_len, handles_len, message_len)
+}
+
+/// A `SessionDelivery`'s fields: the packed handles, then the message.
+fn put_delivery_fields(
+    buf: &mut BytesMut,
+    handles: &[u32],
+    handles_len: usize,
+    message: &EncodedMessage,
+    message_len: usize,
+) {
     buf.put_u8(HANDLES_KEY);
     encode_varint(handles_len as u64, buf);
     for &handle in handles {
@@ -707,6 +970,43 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
     buf.put_u8(MESSAGE_KEY);
     encode_varint(message_len as u64, buf);
     prost::Message::encode_raw(message, buf);
+}
+
+/// The answer to a batch of `len` messages, over the limit of `max`: every
+/// index rejected, RESOURCE_EXHAUSTED naming the limit. In a batch of more
+/// than 4 times the limit only the first rejection carries the text (the
+/// others the code), so that the answer to a huge count of tiny messages
+/// stays small.
+fn over_limit(len: usize, max: usize) -> BatchOutcome {
+    let message = format!(
+        "a batch of {len} messages is over max_batch_messages {max} (TINYBROKER_MAX_BATCH_MESSAGES): nothing in it was published; split it"
+    );
+    let texts = if len > max.saturating_mul(4) { 1 } else { len };
+    BatchOutcome {
+        first_sequence: 0,
+        accepted: 0,
+        rejected: (0..len as u32)
+            .map(|i| {
+                let text = if (i as usize) < texts {
+                    message.clone()
+                } else {
+                    String::new()
+                };
+                (i, BrokerError::ResourceExhausted(text))
+            })
+            .collect(),
+    }
+}
+
+/// A batch's message as the engine takes it (untraced: a batch's
+/// messages carry the publisher's own `traceparent`, if any).
+fn new_message(request: pb::PublishRequest) -> NewMessage {
+    NewMessage {
+        topic: request.topic,
+        payload: request.payload,
+        headers: request.headers,
+        tracing: TracingHeaders::default(),
+    }
 }
 
 /// Appends one gRPC frame holding an `opened` or `ended` event.
@@ -739,10 +1039,11 @@ where
         if this.finish.is_none() {
             this.poll_pending(cx);
             this.deliver(cx);
-            if this.ending && this.handles.is_empty() {
+            if this.ending && this.handles.is_empty() && this.publishing.is_none() && this.publishes.is_empty() {
                 this.finish = Some(Status::ok(""));
             }
         }
+        this.out.close_batch();
         if !this.out.buf.is_empty() {
             return Poll::Ready(Some(Ok(http_body::Frame::data(this.out.buf.split().freeze()))));
         }
@@ -791,10 +1092,14 @@ mod tests {
     }
 
     fn session_with(limits: Limits) -> Session {
+        session_batched(limits, false)
+    }
+
+    fn session_batched(limits: Limits, batched: bool) -> Session {
         let broker = Broker::new(limits);
         let metrics = Metrics::new(broker.clone(), false);
         let (requests, received) = mpsc::unbounded();
-        let body = SessionBody::new(broker.clone(), received, None, metrics.clone());
+        let body = SessionBody::new(broker.clone(), received, None, metrics.clone(), batched);
         Session {
             broker,
             metrics,
@@ -876,15 +1181,30 @@ mod tests {
             panic!("the body never stopped giving frames");
         }
 
-        /// The deliveries among `events()`, as (handles, sequence).
+        /// The deliveries among `events()`, as (handles, sequence); those
+        /// of a `deliveries` event as if each came alone.
         fn deliveries(&mut self) -> Vec<(Vec<u32>, u64)> {
             self.events()
                 .into_iter()
-                .filter_map(|e| match e {
-                    Event::Delivery(d) => Some((d.handles, d.message.unwrap().sequence)),
-                    _ => None,
+                .flat_map(|e| match e {
+                    Event::Delivery(d) => vec![d],
+                    Event::Deliveries(b) => b.deliveries,
+                    _ => vec![],
                 })
+                .map(|d| (d.handles, d.message.unwrap().sequence))
                 .collect()
+        }
+
+        fn publish_batch(&self, id: u64, topics: &[&str]) {
+            let messages = topics
+                .iter()
+                .map(|t| pb::PublishRequest {
+                    topic: (*t).into(),
+                    payload: Bytes::from_static(b"p"),
+                    ..Default::default()
+                })
+                .collect();
+            self.send(Request::Publish(pb::SessionPublish { id, messages }));
         }
 
         /// The sequences delivered to `handle` alone, in order.
@@ -918,6 +1238,28 @@ mod tests {
             assert_eq!(subscriptions.len(), 1, "one subscription");
             subscriptions[0].queue_depth
         }
+    }
+
+    /// The `published` answers among `events`.
+    fn published(events: &[Event]) -> Vec<pb::SessionPublished> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Published(p) => Some(p.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The sequences of the (bare) deliveries among `events`.
+    fn delivered(events: &[Event]) -> Vec<u64> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Delivery(d) => Some(d.message.as_ref().unwrap().sequence),
+                _ => None,
+            })
+            .collect()
     }
 
     fn opened(event: &Event) -> u32 {
@@ -1214,6 +1556,180 @@ mod tests {
         let third = ended(&events[2]);
         assert_eq!((third.handle, third.code), (3, Code::ResourceExhausted as u32));
         assert!(third.message.contains("max_subscriptions_per_session 2"), "{third:?}");
+    }
+
+    /// A batch's valid messages are published with consecutive sequences,
+    /// in order, and each bad one is rejected by its index with the status
+    /// Publish gives (a wildcard topic: INVALID_ARGUMENT naming it); the
+    /// answer echoes the id. (Without the block of sequences, another
+    /// publisher's message between two of the batch's would break the
+    /// consecutive run; without rejection by index a bad message would
+    /// fail the batch.)
+    #[test]
+    fn a_batch_publishes_its_valid_messages_with_consecutive_sequences_and_rejects_the_rest_by_index() {
+        let mut s = session();
+        s.open(1, subscription(&["t.>"]), 0);
+        s.events();
+        let before = s.publish("t.before", "x");
+        s.events();
+        s.publish_batch(7, &["t.a", "t.*", "t.b", "", "t.c"]);
+        let events = s.events();
+        let answers = published(&events);
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        let a = &answers[0];
+        assert_eq!((a.id, a.accepted, a.first_sequence), (7, 3, before + 1), "{a:?}");
+        let rejected: Vec<(u32, u32)> = a.rejected.iter().map(|r| (r.index, r.code)).collect();
+        assert_eq!(
+            rejected,
+            [(1, Code::InvalidArgument as u32), (3, Code::InvalidArgument as u32)]
+        );
+        assert!(a.rejected[0].message.contains("t.*"), "{:?}", a.rejected[0]);
+        // The subscriber got the three, in order, with those sequences.
+        assert_eq!(delivered(&events), [before + 1, before + 2, before + 3]);
+        assert_eq!(
+            s.broker.stats().published.load(Ordering::Relaxed),
+            4,
+            "messages counted, not batches (the one before and three)"
+        );
+    }
+
+    /// An empty batch is answered `accepted: 0`; a batch over
+    /// max_batch_messages is rejected whole (every index,
+    /// RESOURCE_EXHAUSTED naming the variable) and publishes nothing, and
+    /// the session goes on; answers come in request order.
+    #[test]
+    fn an_empty_batch_and_one_over_the_limit_publish_nothing_and_the_session_goes_on() {
+        let mut s = session_with(Limits {
+            max_batch_messages: 2,
+            ..Limits::default()
+        });
+        s.open(1, subscription(&["t"]), 0);
+        s.events();
+        s.publish_batch(1, &[]);
+        s.publish_batch(2, &["t", "t", "t"]);
+        s.publish_batch(3, &["t", "t"]);
+        let events = s.events();
+        let answers = published(&events);
+        assert_eq!(answers.iter().map(|a| a.id).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!((answers[0].accepted, answers[0].rejected.len()), (0, 0));
+        let over = &answers[1];
+        assert_eq!(over.accepted, 0);
+        assert_eq!(over.rejected.iter().map(|r| r.index).collect::<Vec<_>>(), [0, 1, 2]);
+        for r in &over.rejected {
+            assert_eq!(r.code, Code::ResourceExhausted as u32);
+            assert!(r.message.contains("TINYBROKER_MAX_BATCH_MESSAGES"), "{r:?}");
+            assert!(r.message.contains("max_batch_messages 2"), "{r:?}");
+        }
+        assert_eq!(answers[2].accepted, 2);
+        assert_eq!(delivered(&events).len(), 2, "only the last batch's two");
+        assert!(s.trailers.is_none(), "the session goes on");
+    }
+
+    /// With batched deliveries, everything ready when the body writes goes
+    /// out as `deliveries` events and never as bare `delivery` events, each
+    /// event at most DELIVERIES_BOUND bytes of deliveries (or one), every
+    /// handle's messages in order; a message for several handles is still
+    /// one delivery naming them.
+    #[test]
+    fn batched_deliveries_come_in_events_within_the_byte_bound_in_order() {
+        let mut s = session_batched(Limits::default(), true);
+        s.open(1, subscription(&["a.*"]), 0);
+        s.open(2, subscription(&["a.x"]), 0);
+        s.events();
+        let payload = "p".repeat(1000);
+        let sent: Vec<u64> = (0..200)
+            .map(|i| s.publish(if i % 2 == 0 { "a.x" } else { "a.y" }, &payload))
+            .collect();
+        let events = s.events();
+        let mut to = HashMap::<u32, Vec<u64>>::new();
+        let mut batches = 0;
+        for event in &events {
+            let Event::Deliveries(b) = event else {
+                panic!("only deliveries events: {event:?}")
+            };
+            batches += 1;
+            let bytes: usize = b.deliveries.iter().map(prost::Message::encoded_len).sum();
+            assert!(
+                bytes <= DELIVERIES_BOUND || b.deliveries.len() == 1,
+                "{bytes} bytes in one event"
+            );
+            for d in &b.deliveries {
+                for &h in &d.handles {
+                    to.entry(h).or_default().push(d.message.as_ref().unwrap().sequence);
+                }
+            }
+        }
+        assert_eq!(to[&1], sent, "handle 1 got all, in order");
+        let evens: Vec<u64> = sent.iter().step_by(2).copied().collect();
+        assert_eq!(to[&2], evens, "handle 2 the a.x ones, in order");
+        assert!(batches >= 3, "200 KB of deliveries in 64 KiB events: {batches}");
+        assert!(batches < 20, "not one event per delivery: {batches}");
+        // Low rate: a batch of one, at once.
+        let one = s.publish("a.y", "alone");
+        let events = s.events();
+        assert!(
+            matches!(&events[..], [Event::Deliveries(b)] if b.deliveries.len() == 1 && b.deliveries[0].message.as_ref().unwrap().sequence == one),
+            "{events:?}"
+        );
+    }
+
+    /// An event other than a delivery (here `ended`, for a subscription an
+    /// admin closed) ends the `deliveries` event being written: it comes
+    /// after the deliveries before it, and both decode. (Written inside the
+    /// open event, it would corrupt it.)
+    #[test]
+    fn an_ended_event_follows_the_deliveries_before_it() {
+        let mut s = session_batched(Limits::default(), true);
+        s.open(1, subscription(&["t"]), 0);
+        s.open(2, subscription(&["t"]), 0);
+        let two = match &s.events()[1] {
+            Event::Opened(o) => o.subscription_id.clone(),
+            other => panic!("{other:?}"),
+        };
+        let first = s.publish("t", "a");
+        s.broker.close_subscription(&two).unwrap();
+        let events = s.events();
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert!(
+            matches!(&events[0], Event::Deliveries(b) if b.deliveries.len() == 1 && b.deliveries[0].handles == [1] && b.deliveries[0].message.as_ref().unwrap().sequence == first),
+            "{events:?}"
+        );
+        assert_eq!(
+            (ended(&events[1]).handle, ended(&events[1]).reason.as_str()),
+            (2, "closed_by_admin")
+        );
+    }
+
+    /// Acks of one handle read together are applied together, through the
+    /// subscription the session holds: held sequences are acked (the
+    /// member gets more room), others counted as unknown.
+    #[test]
+    fn in_band_acks_read_together_settle_through_the_held_subscription() {
+        let mut s = session();
+        s.open(
+            1,
+            pb::OpenSubscriptionRequest {
+                ack_mode: pb::AckMode::Manual as i32,
+                max_in_flight: 2,
+                ..member("g", "jobs")
+            },
+            0,
+        );
+        s.events();
+        let sent: Vec<u64> = (0..4).map(|i| s.publish("jobs", &format!("j{i}"))).collect();
+        assert_eq!(s.sequences_for(1), sent[..2], "two in flight");
+        for &sequence in &sent[..2] {
+            s.send(Request::Ack(pb::SessionAck {
+                handle: 1,
+                sequences: vec![sequence],
+            }));
+        }
+        s.send(Request::Ack(pb::SessionAck {
+            handle: 1,
+            sequences: vec![999],
+        }));
+        assert_eq!(s.sequences_for(1), sent[2..], "room for the next two");
+        assert_eq!(s.ignored(IgnoredRequest::UnknownSequence), 1);
     }
 
     /// A client that half-closes ends every handle "closed", counting what

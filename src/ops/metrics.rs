@@ -40,6 +40,8 @@ pub struct Metrics {
     publish_duration: Histogram,
     delivery_lag_multi: Histogram,
     delivery_lag_single: Histogram,
+    publish_batch_size: Histogram,
+    delivery_batch_size: Histogram,
     sessions: IntGauge,
     session_ignored: IntCounterVec,
 }
@@ -116,6 +118,26 @@ impl Metrics {
             &["mode"],
         )
         .expect("valid histogram");
+        // 1 to TINYBROKER_MAX_BATCH_MESSAGES's default and beyond.
+        let batch_buckets = vec![
+            1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0,
+        ];
+        let publish_batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "tinybroker_publish_batch_size",
+                "Messages in one SessionPublish (one observation per publish request on a session).",
+            )
+            .buckets(batch_buckets.clone()),
+        )
+        .expect("valid histogram");
+        let delivery_batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "tinybroker_delivery_batch_size",
+                "Deliveries in one SessionDeliveries event (sessions opened with tinybroker-batch: 1).",
+            )
+            .buckets(batch_buckets),
+        )
+        .expect("valid histogram");
         let build_info = IntGaugeVec::new(
             Opts::new(
                 "tinybroker_build_info",
@@ -140,6 +162,8 @@ impl Metrics {
         let collectors: Vec<Box<dyn Collector>> = vec![
             Box::new(publish_duration.clone()),
             Box::new(delivery_lag.clone()),
+            Box::new(publish_batch_size.clone()),
+            Box::new(delivery_batch_size.clone()),
             Box::new(build_info),
             Box::new(sessions.clone()),
             Box::new(session_ignored.clone()),
@@ -155,6 +179,8 @@ impl Metrics {
             publish_duration,
             delivery_lag_multi: delivery_lag.with_label_values(&[MODE_MULTI]),
             delivery_lag_single: delivery_lag.with_label_values(&[MODE_SINGLE]),
+            publish_batch_size,
+            delivery_batch_size,
             sessions,
             session_ignored,
         }
@@ -193,6 +219,17 @@ impl Metrics {
     /// publishing stream (see [`LocalObserver`]).
     pub fn publish_duration(&self) -> LocalObserver {
         LocalObserver::new(&self.publish_duration)
+    }
+
+    /// `tinybroker_publish_batch_size` (observed once per batch: no
+    /// private view needed).
+    pub fn publish_batch_size(&self) -> Histogram {
+        self.publish_batch_size.clone()
+    }
+
+    /// `tinybroker_delivery_batch_size` (observed once per event).
+    pub fn delivery_batch_size(&self) -> Histogram {
+        self.delivery_batch_size.clone()
     }
 
     /// The same for one subscription's `tinybroker_delivery_lag_seconds`.

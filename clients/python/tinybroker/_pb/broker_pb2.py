@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atinybroker/v1/broker.proto\x12\rtinybroker.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9d\x01\n\x0ePublishRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12;\n\x07headers\x18\x03 \x03(\x0b\x32*.tinybroker.v1.PublishRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Z\n\x0fPublishResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x1d\n\x15matched_subscriptions\x18\x02 \x01(\r\x12\x16\n\x0ematched_groups\x18\x03 \x01(\r\"X\n\x15PublishStreamResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_sequence\x18\x02 \x01(\x04\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\"\xe7\x01\n\x17OpenSubscriptionRequest\x12\x16\n\x0etopic_patterns\x18\x01 \x03(\t\x12)\n\x04mode\x18\x02 \x01(\x0e\x32\x1b.tinybroker.v1.DeliveryMode\x12\x17\n\x0fsubscription_id\x18\x03 \x01(\t\x12\x16\n\x0e\x63onsumer_group\x18\x04 \x01(\t\x12(\n\x08\x61\x63k_mode\x18\x05 \x01(\x0e\x32\x16.tinybroker.v1.AckMode\x12\x15\n\rmax_in_flight\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63k_deadline_ms\x18\x07 \x01(\r\"\x9e\x02\n\x07Message\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x34\n\x07headers\x18\x03 \x03(\x0b\x32#.tinybroker.v1.Message.HeadersEntry\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x30\n\x0cpublish_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fsubscription_id\x18\x06 \x01(\t\x12\x16\n\x0e\x63onsumer_group\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65livery_attempt\x18\x08 \x01(\r\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"8\n\nAckRequest\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x03(\x04\"-\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\x12\x0f\n\x07unknown\x18\x02 \x01(\r\"9\n\x0bNackRequest\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x03(\x04\"1\n\x0cNackResponse\x12\x10\n\x08requeued\x18\x01 \x01(\r\x12\x0f\n\x07unknown\x18\x02 \x01(\r\"\xfb\x01\n\x0eSessionRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.tinybroker.v1.SessionOpenH\x00\x12,\n\x05\x63lose\x18\x02 \x01(\x0b\x32\x1b.tinybroker.v1.SessionCloseH\x00\x12.\n\x06\x63redit\x18\x03 \x01(\x0b\x32\x1c.tinybroker.v1.SessionCreditH\x00\x12(\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x19.tinybroker.v1.SessionAckH\x00\x12*\n\x04nack\x18\x05 \x01(\x0b\x32\x1a.tinybroker.v1.SessionNackH\x00\x42\t\n\x07request\"k\n\x0bSessionOpen\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12<\n\x0csubscription\x18\x02 \x01(\x0b\x32&.tinybroker.v1.OpenSubscriptionRequest\x12\x0e\n\x06\x63redit\x18\x03 \x01(\r\"\x1e\n\x0cSessionClose\x12\x0e\n\x06handle\x18\x01 \x01(\r\"1\n\rSessionCredit\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x10\n\x08messages\x18\x02 \x01(\r\"/\n\nSessionAck\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x11\n\tsequences\x18\x02 \x03(\x04\"0\n\x0bSessionNack\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x11\n\tsequences\x18\x02 \x03(\x04\"\xa9\x01\n\x0cSessionEvent\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.tinybroker.v1.SessionOpenedH\x00\x12\x32\n\x08\x64\x65livery\x18\x02 \x01(\x0b\x32\x1e.tinybroker.v1.SessionDeliveryH\x00\x12,\n\x05\x65nded\x18\x03 \x01(\x0b\x32\x1b.tinybroker.v1.SessionEndedH\x00\x42\x07\n\x05\x65vent\"8\n\rSessionOpened\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x17\n\x0fsubscription_id\x18\x02 \x01(\t\"K\n\x0fSessionDelivery\x12\x0f\n\x07handles\x18\x01 \x03(\r\x12\'\n\x07message\x18\x02 \x01(\x0b\x32\x16.tinybroker.v1.Message\"u\n\x0cSessionEnded\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\x04\x12\x15\n\rlast_sequence\x18\x04 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x05 \x01(\r\x12\x0f\n\x07message\x18\x06 \x01(\t*`\n\x0c\x44\x65liveryMode\x12\x1d\n\x19\x44\x45LIVERY_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44\x45LIVERY_MODE_MULTI\x10\x01\x12\x18\n\x14\x44\x45LIVERY_MODE_SINGLE\x10\x02*K\n\x07\x41\x63kMode\x12\x18\n\x14\x41\x43K_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rACK_MODE_AUTO\x10\x01\x12\x13\n\x0f\x41\x43K_MODE_MANUAL\x10\x02\x32\xca\x03\n\x06\x42roker\x12H\n\x07Publish\x12\x1d.tinybroker.v1.PublishRequest\x1a\x1e.tinybroker.v1.PublishResponse\x12V\n\rPublishStream\x12\x1d.tinybroker.v1.PublishRequest\x1a$.tinybroker.v1.PublishStreamResponse(\x01\x12T\n\x10OpenSubscription\x12&.tinybroker.v1.OpenSubscriptionRequest\x1a\x16.tinybroker.v1.Message0\x01\x12<\n\x03\x41\x63k\x12\x19.tinybroker.v1.AckRequest\x1a\x1a.tinybroker.v1.AckResponse\x12?\n\x04Nack\x12\x1a.tinybroker.v1.NackRequest\x1a\x1b.tinybroker.v1.NackResponse\x12I\n\x07Session\x12\x1d.tinybroker.v1.SessionRequest\x1a\x1b.tinybroker.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atinybroker/v1/broker.proto\x12\rtinybroker.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9d\x01\n\x0ePublishRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12;\n\x07headers\x18\x03 \x03(\x0b\x32*.tinybroker.v1.PublishRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Z\n\x0fPublishResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x1d\n\x15matched_subscriptions\x18\x02 \x01(\r\x12\x16\n\x0ematched_groups\x18\x03 \x01(\r\"X\n\x15PublishStreamResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_sequence\x18\x02 \x01(\x04\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\"\xe7\x01\n\x17OpenSubscriptionRequest\x12\x16\n\x0etopic_patterns\x18\x01 \x03(\t\x12)\n\x04mode\x18\x02 \x01(\x0e\x32\x1b.tinybroker.v1.DeliveryMode\x12\x17\n\x0fsubscription_id\x18\x03 \x01(\t\x12\x16\n\x0e\x63onsumer_group\x18\x04 \x01(\t\x12(\n\x08\x61\x63k_mode\x18\x05 \x01(\x0e\x32\x16.tinybroker.v1.AckMode\x12\x15\n\rmax_in_flight\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63k_deadline_ms\x18\x07 \x01(\r\"\x9e\x02\n\x07Message\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x34\n\x07headers\x18\x03 \x03(\x0b\x32#.tinybroker.v1.Message.HeadersEntry\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x30\n\x0cpublish_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fsubscription_id\x18\x06 \x01(\t\x12\x16\n\x0e\x63onsumer_group\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65livery_attempt\x18\x08 \x01(\r\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"8\n\nAckRequest\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x03(\x04\"-\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\x12\x0f\n\x07unknown\x18\x02 \x01(\r\"9\n\x0bNackRequest\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x03(\x04\"1\n\x0cNackResponse\x12\x10\n\x08requeued\x18\x01 \x01(\r\x12\x0f\n\x07unknown\x18\x02 \x01(\r\"\xad\x02\n\x0eSessionRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.tinybroker.v1.SessionOpenH\x00\x12,\n\x05\x63lose\x18\x02 \x01(\x0b\x32\x1b.tinybroker.v1.SessionCloseH\x00\x12.\n\x06\x63redit\x18\x03 \x01(\x0b\x32\x1c.tinybroker.v1.SessionCreditH\x00\x12(\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x19.tinybroker.v1.SessionAckH\x00\x12*\n\x04nack\x18\x05 \x01(\x0b\x32\x1a.tinybroker.v1.SessionNackH\x00\x12\x30\n\x07publish\x18\x06 \x01(\x0b\x32\x1d.tinybroker.v1.SessionPublishH\x00\x42\t\n\x07request\"k\n\x0bSessionOpen\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12<\n\x0csubscription\x18\x02 \x01(\x0b\x32&.tinybroker.v1.OpenSubscriptionRequest\x12\x0e\n\x06\x63redit\x18\x03 \x01(\r\"\x1e\n\x0cSessionClose\x12\x0e\n\x06handle\x18\x01 \x01(\r\"1\n\rSessionCredit\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x10\n\x08messages\x18\x02 \x01(\r\"/\n\nSessionAck\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x11\n\tsequences\x18\x02 \x03(\x04\"0\n\x0bSessionNack\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x11\n\tsequences\x18\x02 \x03(\x04\"M\n\x0eSessionPublish\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.tinybroker.v1.PublishRequest\"\x97\x02\n\x0cSessionEvent\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.tinybroker.v1.SessionOpenedH\x00\x12\x32\n\x08\x64\x65livery\x18\x02 \x01(\x0b\x32\x1e.tinybroker.v1.SessionDeliveryH\x00\x12,\n\x05\x65nded\x18\x03 \x01(\x0b\x32\x1b.tinybroker.v1.SessionEndedH\x00\x12\x34\n\tpublished\x18\x04 \x01(\x0b\x32\x1f.tinybroker.v1.SessionPublishedH\x00\x12\x36\n\ndeliveries\x18\x05 \x01(\x0b\x32 .tinybroker.v1.SessionDeliveriesH\x00\x42\x07\n\x05\x65vent\"{\n\x10SessionPublished\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_sequence\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x31\n\x08rejected\x18\x04 \x03(\x0b\x32\x1f.tinybroker.v1.PublishRejection\"@\n\x10PublishRejection\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"G\n\x11SessionDeliveries\x12\x32\n\ndeliveries\x18\x01 \x03(\x0b\x32\x1e.tinybroker.v1.SessionDelivery\"8\n\rSessionOpened\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x17\n\x0fsubscription_id\x18\x02 \x01(\t\"K\n\x0fSessionDelivery\x12\x0f\n\x07handles\x18\x01 \x03(\r\x12\'\n\x07message\x18\x02 \x01(\x0b\x32\x16.tinybroker.v1.Message\"u\n\x0cSessionEnded\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\x04\x12\x15\n\rlast_sequence\x18\x04 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x05 \x01(\r\x12\x0f\n\x07message\x18\x06 \x01(\t*`\n\x0c\x44\x65liveryMode\x12\x1d\n\x19\x44\x45LIVERY_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44\x45LIVERY_MODE_MULTI\x10\x01\x12\x18\n\x14\x44\x45LIVERY_MODE_SINGLE\x10\x02*K\n\x07\x41\x63kMode\x12\x18\n\x14\x41\x43K_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rACK_MODE_AUTO\x10\x01\x12\x13\n\x0f\x41\x43K_MODE_MANUAL\x10\x02\x32\xca\x03\n\x06\x42roker\x12H\n\x07Publish\x12\x1d.tinybroker.v1.PublishRequest\x1a\x1e.tinybroker.v1.PublishResponse\x12V\n\rPublishStream\x12\x1d.tinybroker.v1.PublishRequest\x1a$.tinybroker.v1.PublishStreamResponse(\x01\x12T\n\x10OpenSubscription\x12&.tinybroker.v1.OpenSubscriptionRequest\x1a\x16.tinybroker.v1.Message0\x01\x12<\n\x03\x41\x63k\x12\x19.tinybroker.v1.AckRequest\x1a\x1a.tinybroker.v1.AckResponse\x12?\n\x04Nack\x12\x1a.tinybroker.v1.NackRequest\x1a\x1b.tinybroker.v1.NackResponse\x12I\n\x07Session\x12\x1d.tinybroker.v1.SessionRequest\x1a\x1b.tinybroker.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHREQUEST_HEADERSENTRY']._serialized_options = b'8\001'
   _globals['_MESSAGE_HEADERSENTRY']._loaded_options = None
   _globals['_MESSAGE_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_DELIVERYMODE']._serialized_start=2129
-  _globals['_DELIVERYMODE']._serialized_end=2225
-  _globals['_ACKMODE']._serialized_start=2227
-  _globals['_ACKMODE']._serialized_end=2302
+  _globals['_DELIVERYMODE']._serialized_start=2632
+  _globals['_DELIVERYMODE']._serialized_end=2728
+  _globals['_ACKMODE']._serialized_start=2730
+  _globals['_ACKMODE']._serialized_end=2805
   _globals['_PUBLISHREQUEST']._serialized_start=79
   _globals['_PUBLISHREQUEST']._serialized_end=236
   _globals['_PUBLISHREQUEST_HEADERSENTRY']._serialized_start=190
@@ -63,25 +63,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NACKRESPONSE']._serialized_start=1107
   _globals['_NACKRESPONSE']._serialized_end=1156
   _globals['_SESSIONREQUEST']._serialized_start=1159
-  _globals['_SESSIONREQUEST']._serialized_end=1410
-  _globals['_SESSIONOPEN']._serialized_start=1412
-  _globals['_SESSIONOPEN']._serialized_end=1519
-  _globals['_SESSIONCLOSE']._serialized_start=1521
-  _globals['_SESSIONCLOSE']._serialized_end=1551
-  _globals['_SESSIONCREDIT']._serialized_start=1553
-  _globals['_SESSIONCREDIT']._serialized_end=1602
-  _globals['_SESSIONACK']._serialized_start=1604
-  _globals['_SESSIONACK']._serialized_end=1651
-  _globals['_SESSIONNACK']._serialized_start=1653
-  _globals['_SESSIONNACK']._serialized_end=1701
-  _globals['_SESSIONEVENT']._serialized_start=1704
-  _globals['_SESSIONEVENT']._serialized_end=1873
-  _globals['_SESSIONOPENED']._serialized_start=1875
-  _globals['_SESSIONOPENED']._serialized_end=1931
-  _globals['_SESSIONDELIVERY']._serialized_start=1933
-  _globals['_SESSIONDELIVERY']._serialized_end=2008
-  _globals['_SESSIONENDED']._serialized_start=2010
-  _globals['_SESSIONENDED']._serialized_end=2127
-  _globals['_BROKER']._serialized_start=2305
-  _globals['_BROKER']._serialized_end=2763
+  _globals['_SESSIONREQUEST']._serialized_end=1460
+  _globals['_SESSIONOPEN']._serialized_start=1462
+  _globals['_SESSIONOPEN']._serialized_end=1569
+  _globals['_SESSIONCLOSE']._serialized_start=1571
+  _globals['_SESSIONCLOSE']._serialized_end=1601
+  _globals['_SESSIONCREDIT']._serialized_start=1603
+  _globals['_SESSIONCREDIT']._serialized_end=1652
+  _globals['_SESSIONACK']._serialized_start=1654
+  _globals['_SESSIONACK']._serialized_end=1701
+  _globals['_SESSIONNACK']._serialized_start=1703
+  _globals['_SESSIONNACK']._serialized_end=1751
+  _globals['_SESSIONPUBLISH']._serialized_start=1753
+  _globals['_SESSIONPUBLISH']._serialized_end=1830
+  _globals['_SESSIONEVENT']._serialized_start=1833
+  _globals['_SESSIONEVENT']._serialized_end=2112
+  _globals['_SESSIONPUBLISHED']._serialized_start=2114
+  _globals['_SESSIONPUBLISHED']._serialized_end=2237
+  _globals['_PUBLISHREJECTION']._serialized_start=2239
+  _globals['_PUBLISHREJECTION']._serialized_end=2303
+  _globals['_SESSIONDELIVERIES']._serialized_start=2305
+  _globals['_SESSIONDELIVERIES']._serialized_end=2376
+  _globals['_SESSIONOPENED']._serialized_start=2378
+  _globals['_SESSIONOPENED']._serialized_end=2434
+  _globals['_SESSIONDELIVERY']._serialized_start=2436
+  _globals['_SESSIONDELIVERY']._serialized_end=2511
+  _globals['_SESSIONENDED']._serialized_start=2513
+  _globals['_SESSIONENDED']._serialized_end=2630
+  _globals['_BROKER']._serialized_start=2808
+  _globals['_BROKER']._serialized_end=3266
 # @@protoc_insertion_point(module_scope)

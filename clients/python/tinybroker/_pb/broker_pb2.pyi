@@ -143,18 +143,20 @@ class NackResponse(_message.Message):
     def __init__(self, requeued: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "close", "credit", "ack", "nack")
+    __slots__ = ("open", "close", "credit", "ack", "nack", "publish")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     NACK_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     close: SessionClose
     credit: SessionCredit
     ack: SessionAck
     nack: SessionNack
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., credit: _Optional[_Union[SessionCredit, _Mapping]] = ..., ack: _Optional[_Union[SessionAck, _Mapping]] = ..., nack: _Optional[_Union[SessionNack, _Mapping]] = ...) -> None: ...
+    publish: SessionPublish
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., credit: _Optional[_Union[SessionCredit, _Mapping]] = ..., ack: _Optional[_Union[SessionAck, _Mapping]] = ..., nack: _Optional[_Union[SessionNack, _Mapping]] = ..., publish: _Optional[_Union[SessionPublish, _Mapping]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("handle", "subscription", "credit")
@@ -196,15 +198,55 @@ class SessionNack(_message.Message):
     sequences: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, handle: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class SessionPublish(_message.Message):
+    __slots__ = ("id", "messages")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    messages: _containers.RepeatedCompositeFieldContainer[PublishRequest]
+    def __init__(self, id: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
+
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "delivery", "ended")
+    __slots__ = ("opened", "delivery", "ended", "published", "deliveries")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     delivery: SessionDelivery
     ended: SessionEnded
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., delivery: _Optional[_Union[SessionDelivery, _Mapping]] = ..., ended: _Optional[_Union[SessionEnded, _Mapping]] = ...) -> None: ...
+    published: SessionPublished
+    deliveries: SessionDeliveries
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., delivery: _Optional[_Union[SessionDelivery, _Mapping]] = ..., ended: _Optional[_Union[SessionEnded, _Mapping]] = ..., published: _Optional[_Union[SessionPublished, _Mapping]] = ..., deliveries: _Optional[_Union[SessionDeliveries, _Mapping]] = ...) -> None: ...
+
+class SessionPublished(_message.Message):
+    __slots__ = ("id", "first_sequence", "accepted", "rejected")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    first_sequence: int
+    accepted: int
+    rejected: _containers.RepeatedCompositeFieldContainer[PublishRejection]
+    def __init__(self, id: _Optional[int] = ..., first_sequence: _Optional[int] = ..., accepted: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[PublishRejection, _Mapping]]] = ...) -> None: ...
+
+class PublishRejection(_message.Message):
+    __slots__ = ("index", "code", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: int
+    message: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionDeliveries(_message.Message):
+    __slots__ = ("deliveries",)
+    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    deliveries: _containers.RepeatedCompositeFieldContainer[SessionDelivery]
+    def __init__(self, deliveries: _Optional[_Iterable[_Union[SessionDelivery, _Mapping]]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("handle", "subscription_id")

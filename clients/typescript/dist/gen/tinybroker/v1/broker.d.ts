@@ -122,6 +122,9 @@ export interface SessionRequest {
     } | {
         $case: "nack";
         value: SessionNack;
+    } | {
+        $case: "publish";
+        value: SessionPublish;
     } | undefined;
 }
 /**
@@ -160,6 +163,17 @@ export interface SessionNack {
     handle: number;
     sequences: number[];
 }
+/**
+ * Publishes `messages` in order, each validated, given its sequence and
+ * routed exactly as Publish would; answered by one `published` event with
+ * the same `id` (answers come in the order of the requests). At most
+ * TINYBROKER_MAX_BATCH_MESSAGES messages; a larger batch is rejected whole.
+ */
+export interface SessionPublish {
+    /** The client's own, echoed in the answer. */
+    id: number;
+    messages: PublishRequest[];
+}
 /** What the broker sends on a session. */
 export interface SessionEvent {
     event: {
@@ -171,7 +185,46 @@ export interface SessionEvent {
     } | {
         $case: "ended";
         value: SessionEnded;
+    } | {
+        $case: "published";
+        value: SessionPublished;
+    } | //
+    /**
+     * Only on a session opened with the request metadata
+     * `tinybroker-batch: 1`, which then gets no bare `delivery` events.
+     */
+    {
+        $case: "deliveries";
+        value: SessionDeliveries;
     } | undefined;
+}
+/** The answer to the `publish` with this `id`. */
+export interface SessionPublished {
+    id: number;
+    /**
+     * The sequence of the first accepted message; the others follow it,
+     * consecutively, in request order (0 when none was accepted).
+     */
+    firstSequence: number;
+    accepted: number;
+    /** Each message not published, by its index in the batch, in index order. */
+    rejected: PublishRejection[];
+}
+/** A message of a batch that was not published. */
+export interface PublishRejection {
+    /** Its index in `SessionPublish.messages`. */
+    index: number;
+    /** The gRPC status code Publish would have returned for it. */
+    code: number;
+    /** That status's message. */
+    message: string;
+}
+/**
+ * Every delivery that was ready for the session when the broker wrote, up to
+ * a byte bound, each exactly a `delivery` event's; per handle in order.
+ */
+export interface SessionDeliveries {
+    deliveries: SessionDelivery[];
 }
 /**
  * The subscription of `handle` is registered: every matching message
@@ -230,7 +283,11 @@ export declare const SessionClose: MessageFns<SessionClose>;
 export declare const SessionCredit: MessageFns<SessionCredit>;
 export declare const SessionAck: MessageFns<SessionAck>;
 export declare const SessionNack: MessageFns<SessionNack>;
+export declare const SessionPublish: MessageFns<SessionPublish>;
 export declare const SessionEvent: MessageFns<SessionEvent>;
+export declare const SessionPublished: MessageFns<SessionPublished>;
+export declare const PublishRejection: MessageFns<PublishRejection>;
+export declare const SessionDeliveries: MessageFns<SessionDeliveries>;
 export declare const SessionOpened: MessageFns<SessionOpened>;
 export declare const SessionDelivery: MessageFns<SessionDelivery>;
 export declare const SessionEnded: MessageFns<SessionEnded>;

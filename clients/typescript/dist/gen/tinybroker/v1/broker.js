@@ -824,6 +824,9 @@ export const SessionRequest = {
             case "nack":
                 SessionNack.encode(message.request.value, writer.uint32(42).fork()).join();
                 break;
+            case "publish":
+                SessionPublish.encode(message.request.value, writer.uint32(50).fork()).join();
+                break;
         }
         return writer;
     },
@@ -873,6 +876,13 @@ export const SessionRequest = {
                             break;
                         }
                         message.request = { $case: "nack", value: SessionNack.decode(reader, reader.uint32()) };
+                        continue;
+                    }
+                    case 6: {
+                        if (tag !== 50) {
+                            break;
+                        }
+                        message.request = { $case: "publish", value: SessionPublish.decode(reader, reader.uint32()) };
                         continue;
                     }
                 }
@@ -1175,6 +1185,59 @@ export const SessionNack = {
         }
     },
 };
+function createBaseSessionPublish() {
+    return { id: 0, messages: [] };
+}
+export const SessionPublish = {
+    encode(message, writer = new BinaryWriter()) {
+        if (message.id !== 0) {
+            writer.uint32(8).uint64(message.id);
+        }
+        for (const v of message.messages) {
+            PublishRequest.encode(v, writer.uint32(18).fork()).join();
+        }
+        return writer;
+    },
+    decode(input, length) {
+        const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+        const previousRecursionDepth = reader.__tsProtoDecodeDepth ?? 0;
+        if (previousRecursionDepth >= 100) {
+            throw new globalThis.Error("protobuf decode recursion limit exceeded");
+        }
+        reader.__tsProtoDecodeDepth = previousRecursionDepth + 1;
+        try {
+            const end = length === undefined ? reader.len : reader.pos + length;
+            const message = createBaseSessionPublish();
+            while (reader.pos < end) {
+                const tag = reader.uint32();
+                switch (tag >>> 3) {
+                    case 1: {
+                        if (tag !== 8) {
+                            break;
+                        }
+                        message.id = longToNumber(reader.uint64());
+                        continue;
+                    }
+                    case 2: {
+                        if (tag !== 18) {
+                            break;
+                        }
+                        message.messages.push(PublishRequest.decode(reader, reader.uint32()));
+                        continue;
+                    }
+                }
+                if ((tag & 7) === 4 || tag === 0) {
+                    break;
+                }
+                reader.skip(tag & 7);
+            }
+            return message;
+        }
+        finally {
+            reader.__tsProtoDecodeDepth = previousRecursionDepth;
+        }
+    },
+};
 function createBaseSessionEvent() {
     return { event: undefined };
 }
@@ -1189,6 +1252,12 @@ export const SessionEvent = {
                 break;
             case "ended":
                 SessionEnded.encode(message.event.value, writer.uint32(26).fork()).join();
+                break;
+            case "published":
+                SessionPublished.encode(message.event.value, writer.uint32(34).fork()).join();
+                break;
+            case "deliveries":
+                SessionDeliveries.encode(message.event.value, writer.uint32(42).fork()).join();
                 break;
         }
         return writer;
@@ -1225,6 +1294,199 @@ export const SessionEvent = {
                             break;
                         }
                         message.event = { $case: "ended", value: SessionEnded.decode(reader, reader.uint32()) };
+                        continue;
+                    }
+                    case 4: {
+                        if (tag !== 34) {
+                            break;
+                        }
+                        message.event = { $case: "published", value: SessionPublished.decode(reader, reader.uint32()) };
+                        continue;
+                    }
+                    case 5: {
+                        if (tag !== 42) {
+                            break;
+                        }
+                        message.event = { $case: "deliveries", value: SessionDeliveries.decode(reader, reader.uint32()) };
+                        continue;
+                    }
+                }
+                if ((tag & 7) === 4 || tag === 0) {
+                    break;
+                }
+                reader.skip(tag & 7);
+            }
+            return message;
+        }
+        finally {
+            reader.__tsProtoDecodeDepth = previousRecursionDepth;
+        }
+    },
+};
+function createBaseSessionPublished() {
+    return { id: 0, firstSequence: 0, accepted: 0, rejected: [] };
+}
+export const SessionPublished = {
+    encode(message, writer = new BinaryWriter()) {
+        if (message.id !== 0) {
+            writer.uint32(8).uint64(message.id);
+        }
+        if (message.firstSequence !== 0) {
+            writer.uint32(16).uint64(message.firstSequence);
+        }
+        if (message.accepted !== 0) {
+            writer.uint32(24).uint32(message.accepted);
+        }
+        for (const v of message.rejected) {
+            PublishRejection.encode(v, writer.uint32(34).fork()).join();
+        }
+        return writer;
+    },
+    decode(input, length) {
+        const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+        const previousRecursionDepth = reader.__tsProtoDecodeDepth ?? 0;
+        if (previousRecursionDepth >= 100) {
+            throw new globalThis.Error("protobuf decode recursion limit exceeded");
+        }
+        reader.__tsProtoDecodeDepth = previousRecursionDepth + 1;
+        try {
+            const end = length === undefined ? reader.len : reader.pos + length;
+            const message = createBaseSessionPublished();
+            while (reader.pos < end) {
+                const tag = reader.uint32();
+                switch (tag >>> 3) {
+                    case 1: {
+                        if (tag !== 8) {
+                            break;
+                        }
+                        message.id = longToNumber(reader.uint64());
+                        continue;
+                    }
+                    case 2: {
+                        if (tag !== 16) {
+                            break;
+                        }
+                        message.firstSequence = longToNumber(reader.uint64());
+                        continue;
+                    }
+                    case 3: {
+                        if (tag !== 24) {
+                            break;
+                        }
+                        message.accepted = reader.uint32();
+                        continue;
+                    }
+                    case 4: {
+                        if (tag !== 34) {
+                            break;
+                        }
+                        message.rejected.push(PublishRejection.decode(reader, reader.uint32()));
+                        continue;
+                    }
+                }
+                if ((tag & 7) === 4 || tag === 0) {
+                    break;
+                }
+                reader.skip(tag & 7);
+            }
+            return message;
+        }
+        finally {
+            reader.__tsProtoDecodeDepth = previousRecursionDepth;
+        }
+    },
+};
+function createBasePublishRejection() {
+    return { index: 0, code: 0, message: "" };
+}
+export const PublishRejection = {
+    encode(message, writer = new BinaryWriter()) {
+        if (message.index !== 0) {
+            writer.uint32(8).uint32(message.index);
+        }
+        if (message.code !== 0) {
+            writer.uint32(16).uint32(message.code);
+        }
+        if (message.message !== "") {
+            writer.uint32(26).string(message.message);
+        }
+        return writer;
+    },
+    decode(input, length) {
+        const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+        const previousRecursionDepth = reader.__tsProtoDecodeDepth ?? 0;
+        if (previousRecursionDepth >= 100) {
+            throw new globalThis.Error("protobuf decode recursion limit exceeded");
+        }
+        reader.__tsProtoDecodeDepth = previousRecursionDepth + 1;
+        try {
+            const end = length === undefined ? reader.len : reader.pos + length;
+            const message = createBasePublishRejection();
+            while (reader.pos < end) {
+                const tag = reader.uint32();
+                switch (tag >>> 3) {
+                    case 1: {
+                        if (tag !== 8) {
+                            break;
+                        }
+                        message.index = reader.uint32();
+                        continue;
+                    }
+                    case 2: {
+                        if (tag !== 16) {
+                            break;
+                        }
+                        message.code = reader.uint32();
+                        continue;
+                    }
+                    case 3: {
+                        if (tag !== 26) {
+                            break;
+                        }
+                        message.message = reader.string();
+                        continue;
+                    }
+                }
+                if ((tag & 7) === 4 || tag === 0) {
+                    break;
+                }
+                reader.skip(tag & 7);
+            }
+            return message;
+        }
+        finally {
+            reader.__tsProtoDecodeDepth = previousRecursionDepth;
+        }
+    },
+};
+function createBaseSessionDeliveries() {
+    return { deliveries: [] };
+}
+export const SessionDeliveries = {
+    encode(message, writer = new BinaryWriter()) {
+        for (const v of message.deliveries) {
+            SessionDelivery.encode(v, writer.uint32(10).fork()).join();
+        }
+        return writer;
+    },
+    decode(input, length) {
+        const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+        const previousRecursionDepth = reader.__tsProtoDecodeDepth ?? 0;
+        if (previousRecursionDepth >= 100) {
+            throw new globalThis.Error("protobuf decode recursion limit exceeded");
+        }
+        reader.__tsProtoDecodeDepth = previousRecursionDepth + 1;
+        try {
+            const end = length === undefined ? reader.len : reader.pos + length;
+            const message = createBaseSessionDeliveries();
+            while (reader.pos < end) {
+                const tag = reader.uint32();
+                switch (tag >>> 3) {
+                    case 1: {
+                        if (tag !== 10) {
+                            break;
+                        }
+                        message.deliveries.push(SessionDelivery.decode(reader, reader.uint32()));
                         continue;
                     }
                 }

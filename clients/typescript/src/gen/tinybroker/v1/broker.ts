@@ -150,6 +150,7 @@ export interface SessionRequest {
     | { $case: "credit"; value: SessionCredit }
     | { $case: "ack"; value: SessionAck }
     | { $case: "nack"; value: SessionNack }
+    | { $case: "publish"; value: SessionPublish }
     | undefined;
 }
 
@@ -196,12 +197,63 @@ export interface SessionNack {
   sequences: number[];
 }
 
+/**
+ * Publishes `messages` in order, each validated, given its sequence and
+ * routed exactly as Publish would; answered by one `published` event with
+ * the same `id` (answers come in the order of the requests). At most
+ * TINYBROKER_MAX_BATCH_MESSAGES messages; a larger batch is rejected whole.
+ */
+export interface SessionPublish {
+  /** The client's own, echoed in the answer. */
+  id: number;
+  messages: PublishRequest[];
+}
+
 /** What the broker sends on a session. */
 export interface SessionEvent {
-  event: { $case: "opened"; value: SessionOpened } | { $case: "delivery"; value: SessionDelivery } | {
-    $case: "ended";
-    value: SessionEnded;
-  } | undefined;
+  event:
+    | { $case: "opened"; value: SessionOpened }
+    | { $case: "delivery"; value: SessionDelivery }
+    | { $case: "ended"; value: SessionEnded }
+    | { $case: "published"; value: SessionPublished }
+    | //
+    /**
+     * Only on a session opened with the request metadata
+     * `tinybroker-batch: 1`, which then gets no bare `delivery` events.
+     */
+    { $case: "deliveries"; value: SessionDeliveries }
+    | undefined;
+}
+
+/** The answer to the `publish` with this `id`. */
+export interface SessionPublished {
+  id: number;
+  /**
+   * The sequence of the first accepted message; the others follow it,
+   * consecutively, in request order (0 when none was accepted).
+   */
+  firstSequence: number;
+  accepted: number;
+  /** Each message not published, by its index in the batch, in index order. */
+  rejected: PublishRejection[];
+}
+
+/** A message of a batch that was not published. */
+export interface PublishRejection {
+  /** Its index in `SessionPublish.messages`. */
+  index: number;
+  /** The gRPC status code Publish would have returned for it. */
+  code: number;
+  /** That status's message. */
+  message: string;
+}
+
+/**
+ * Every delivery that was ready for the session when the broker wrote, up to
+ * a byte bound, each exactly a `delivery` event's; per handle in order.
+ */
+export interface SessionDeliveries {
+  deliveries: SessionDelivery[];
 }
 
 /**
@@ -1101,6 +1153,9 @@ export const SessionRequest: MessageFns<SessionRequest> = {
       case "nack":
         SessionNack.encode(message.request.value, writer.uint32(42).fork()).join();
         break;
+      case "publish":
+        SessionPublish.encode(message.request.value, writer.uint32(50).fork()).join();
+        break;
     }
     return writer;
   },
@@ -1156,6 +1211,14 @@ export const SessionRequest: MessageFns<SessionRequest> = {
             }
 
             message.request = { $case: "nack", value: SessionNack.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.request = { $case: "publish", value: SessionPublish.decode(reader, reader.uint32()) };
             continue;
           }
         }
@@ -1484,6 +1547,63 @@ export const SessionNack: MessageFns<SessionNack> = {
   },
 };
 
+function createBaseSessionPublish(): SessionPublish {
+  return { id: 0, messages: [] };
+}
+
+export const SessionPublish: MessageFns<SessionPublish> = {
+  encode(message: SessionPublish, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== 0) {
+      writer.uint32(8).uint64(message.id);
+    }
+    for (const v of message.messages) {
+      PublishRequest.encode(v!, writer.uint32(18).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SessionPublish {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSessionPublish();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.id = longToNumber(reader.uint64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.messages.push(PublishRequest.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+};
+
 function createBaseSessionEvent(): SessionEvent {
   return { event: undefined };
 }
@@ -1499,6 +1619,12 @@ export const SessionEvent: MessageFns<SessionEvent> = {
         break;
       case "ended":
         SessionEnded.encode(message.event.value, writer.uint32(26).fork()).join();
+        break;
+      case "published":
+        SessionPublished.encode(message.event.value, writer.uint32(34).fork()).join();
+        break;
+      case "deliveries":
+        SessionDeliveries.encode(message.event.value, writer.uint32(42).fork()).join();
         break;
     }
     return writer;
@@ -1539,6 +1665,215 @@ export const SessionEvent: MessageFns<SessionEvent> = {
             }
 
             message.event = { $case: "ended", value: SessionEnded.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.event = { $case: "published", value: SessionPublished.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.event = { $case: "deliveries", value: SessionDeliveries.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+};
+
+function createBaseSessionPublished(): SessionPublished {
+  return { id: 0, firstSequence: 0, accepted: 0, rejected: [] };
+}
+
+export const SessionPublished: MessageFns<SessionPublished> = {
+  encode(message: SessionPublished, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== 0) {
+      writer.uint32(8).uint64(message.id);
+    }
+    if (message.firstSequence !== 0) {
+      writer.uint32(16).uint64(message.firstSequence);
+    }
+    if (message.accepted !== 0) {
+      writer.uint32(24).uint32(message.accepted);
+    }
+    for (const v of message.rejected) {
+      PublishRejection.encode(v!, writer.uint32(34).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SessionPublished {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSessionPublished();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.id = longToNumber(reader.uint64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.firstSequence = longToNumber(reader.uint64());
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.accepted = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.rejected.push(PublishRejection.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+};
+
+function createBasePublishRejection(): PublishRejection {
+  return { index: 0, code: 0, message: "" };
+}
+
+export const PublishRejection: MessageFns<PublishRejection> = {
+  encode(message: PublishRejection, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.index !== 0) {
+      writer.uint32(8).uint32(message.index);
+    }
+    if (message.code !== 0) {
+      writer.uint32(16).uint32(message.code);
+    }
+    if (message.message !== "") {
+      writer.uint32(26).string(message.message);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PublishRejection {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePublishRejection();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.index = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.code = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.message = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+};
+
+function createBaseSessionDeliveries(): SessionDeliveries {
+  return { deliveries: [] };
+}
+
+export const SessionDeliveries: MessageFns<SessionDeliveries> = {
+  encode(message: SessionDeliveries, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.deliveries) {
+      SessionDelivery.encode(v!, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SessionDeliveries {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSessionDeliveries();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.deliveries.push(SessionDelivery.decode(reader, reader.uint32()));
             continue;
           }
         }
