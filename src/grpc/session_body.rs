@@ -352,8 +352,8 @@ where
     fn request(&mut self, request: pb::SessionRequest, cx: &mut Context<'_>) {
         use pb::session_request::Request;
         match request.request {
-            Some(Request::Ack(ack)) => return self.to_settle(ack.handle, ack.sequences, false),
-            Some(Request::Nack(nack)) => return self.to_settle(nack.handle, nack.sequences, true),
+            Some(Request::Ack(ack)) => return self.queue_settle(ack.handle, ack.sequences, false),
+            Some(Request::Nack(nack)) => return self.queue_settle(nack.handle, nack.sequences, true),
             _ => {}
         }
         // Acks read before this request are applied before it.
@@ -374,7 +374,7 @@ where
     /// Keeps an ack or nack with the others of its handle read in this
     /// poll: one application per handle (and kind, in order), not one per
     /// request.
-    fn to_settle(&mut self, handle: u32, sequences: Vec<u64>, nack: bool) {
+    fn queue_settle(&mut self, handle: u32, sequences: Vec<u64>, nack: bool) {
         if let Some(last) = self.settling.iter_mut().rev().find(|s| s.handle == handle)
             && last.nack == nack
         {
