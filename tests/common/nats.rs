@@ -326,17 +326,18 @@ impl NatsCluster {
                 (Some(i), _) => Some((i, Instant::now())),
                 (None, _) => None,
             };
-            if let Some((i, since)) = behind_since {
-                if since.elapsed() >= STUCK_PEER && restarts < STUCK_RESTARTS {
-                    eprintln!(
-                        "nats: {} stayed behind the meta leader for {STUCK_PEER:?}; restarting it ({why})",
-                        self.name(i)
-                    );
-                    self.kill(i);
-                    self.spawn(i);
-                    restarts += 1;
-                    behind_since = None;
-                }
+            if let Some((i, since)) = behind_since
+                && since.elapsed() >= STUCK_PEER
+                && restarts < STUCK_RESTARTS
+            {
+                eprintln!(
+                    "nats: {} stayed behind the meta leader for {STUCK_PEER:?}; restarting it ({why})",
+                    self.name(i)
+                );
+                self.kill(i);
+                self.spawn(i);
+                restarts += 1;
+                behind_since = None;
             }
             if Instant::now() >= deadline || self.servers.iter_mut().any(|s| s.died()) {
                 return Err(why);
