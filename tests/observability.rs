@@ -475,6 +475,81 @@ async fn publish_spans_reach_an_otlp_receiver_parented_by_the_callers_traceparen
     .await
 }
 
+/// A batch published on a session whose metadata carries a `traceparent`:
+/// each message gets a `publish` span of its own, parented by the
+/// session's context, and carries that span's context to its subscriber,
+/// as a message sent with `Publish` does. (Without spans for batches, the
+/// messages arrive with no `traceparent` and no span is exported.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batchs_messages_get_publish_spans_parented_by_the_sessions_traceparent() {
+    use std::process::Command;
+    use tinybroker::pb::session_event::Event;
+    use tinybroker::pb::session_request::Request;
+    timeout(async {
+        let (otlp_addr, receiver) = otlp::start().await;
+        let (mut child, grpc_addr) = start_traced(otlp_addr, &[]);
+        let mut client = pb::broker_client::BrokerClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .unwrap();
+        let (mut stream, _) = subscribe(&mut client, &["traced.batch"]).await;
+        let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let (requests, received) = futures::channel::mpsc::unbounded();
+        let mut request = tonic::Request::new(received);
+        request.metadata_mut().insert(
+            "traceparent",
+            format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap(),
+        );
+        let mut events = client.session(request).await.unwrap().into_inner();
+        requests
+            .unbounded_send(pb::SessionRequest {
+                request: Some(Request::Publish(pb::SessionPublish {
+                    id: 1,
+                    messages: vec![
+                        publish_request("traced.batch", "a"),
+                        publish_request("traced.batch", "b"),
+                    ],
+                })),
+            })
+            .unwrap();
+        match events.message().await.unwrap().unwrap().event {
+            Some(Event::Published(p)) => assert_eq!(p.accepted, 2, "{p:?}"),
+            other => panic!("{other:?}"),
+        }
+        let mut carried = Vec::new();
+        for _ in 0..2 {
+            let delivered = stream.message().await.unwrap().unwrap();
+            let traceparent = delivered.headers["traceparent"].clone();
+            assert!(traceparent.starts_with(&format!("00-{trace_id}-")), "{traceparent}");
+            carried.push(traceparent);
+        }
+        assert_ne!(carried[0], carried[1], "a span per message");
+        drop(requests);
+        Command::new("kill")
+            .args(["-TERM", &child.pid().to_string()])
+            .status()
+            .unwrap();
+        let status = common::process::exit_status(&mut child, TEST_TIMEOUT).await;
+        assert!(status.success());
+        let spans = receiver.spans.lock().unwrap().clone();
+        let publishes: Vec<_> = spans.iter().filter(|s| s.name == "publish").collect();
+        assert_eq!(
+            publishes.len(),
+            2,
+            "{:?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+        for (span, traceparent) in publishes.iter().zip(&carried) {
+            assert_eq!(hex(&span.trace_id), trace_id);
+            assert_eq!(hex(&span.parent_span_id), "00f067aa0ba902b7");
+            assert!(
+                carried.iter().any(|c| c.contains(&hex(&span.span_id))),
+                "{traceparent} and the other carry the span"
+            );
+        }
+    })
+    .await
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -102,7 +102,10 @@ impl<E: Engine> BrokerService<E> {
 /// context goes into the message's headers, unless the publisher set one
 /// ([`telemetry::inject`]: which headers it added, counted against no
 /// limit).
-fn publish_span(request: &mut pb::PublishRequest, parent: &opentelemetry::Context) -> (tracing::Span, TracingHeaders) {
+pub(super) fn publish_span(
+    request: &mut pb::PublishRequest,
+    parent: &opentelemetry::Context,
+) -> (tracing::Span, TracingHeaders) {
     let span = tracing::info_span!(
         "publish",
         otel.kind = "producer",
@@ -317,6 +320,8 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         request: Request<Streaming<pb::SessionRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let peer = request.remote_addr();
+        // The parent of the publish spans of the session's batches.
+        let parent = telemetry::tracing_enabled().then(|| telemetry::extract(request.metadata()));
         let batched = match request.metadata().get(BATCH_METADATA) {
             None => false,
             Some(value) if value.as_bytes() == b"1" => true,
@@ -333,7 +338,8 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             peer,
             self.metrics.clone(),
             batched,
-        );
+        )
+        .traced(parent);
         let mut response = Response::new(NotInstalled::new());
         response
             .extensions_mut()

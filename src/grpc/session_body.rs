@@ -141,6 +141,9 @@ pub struct SessionBody<E: Engine, R> {
     /// The batch being published (a cluster batch may wait for NATS).
     publishing: Option<Publishing<E::Publisher>>,
     max_batch: usize,
+    /// With tracing on: the parent of each batch message's publish span
+    /// (the session's `traceparent`, if it had one).
+    trace_parent: Option<opentelemetry::Context>,
     publish_duration: LocalObserver,
     publish_batch_size: prometheus::Histogram,
     ready: Arc<Ready>,
@@ -288,6 +291,7 @@ where
             publishes: VecDeque::new(),
             publishing: None,
             max_batch,
+            trace_parent: None,
             publish_duration: metrics.publish_duration(),
             publish_batch_size: metrics.publish_batch_size(),
             settling: Vec::new(),
@@ -309,6 +313,14 @@ where
             finish: None,
             done: false,
         }
+    }
+
+    /// With tracing on (`parent`: the session's request metadata's trace
+    /// context), each message of a batch gets a `publish` span, as one
+    /// sent with `Publish` does, and its context in the message's headers.
+    pub fn traced(mut self, parent: Option<opentelemetry::Context>) -> Self {
+        self.trace_parent = parent;
+        self
     }
 
     /// Reads what the client sent, up to [`REQUESTS_PER_POLL`].
@@ -426,11 +438,15 @@ where
                 self.published(publish.id, at, len, answer);
                 continue;
             }
-            let messages: Vec<NewMessage> = publish.messages.into_iter().map(new_message).collect();
+            let (messages, spans) = match &self.trace_parent {
+                None => (publish.messages.into_iter().map(new_message).collect(), Vec::new()),
+                Some(parent) => traced_messages(publish.messages, parent),
+            };
             let engine = self.engine.clone();
             let id = publish.id;
             let mut publishing: Publishing<E::Publisher> = Box::pin(async move {
                 let outcome = engine.publish_batch(messages, &mut publisher, at).await;
+                record_sequences(&spans, &outcome);
                 (id, at, len, outcome, publisher)
             });
             let _burst = WakeBatch::begin();
@@ -998,14 +1014,51 @@ fn over_limit(len: usize, max: usize) -> BatchOutcome {
     }
 }
 
-/// A batch's message as the engine takes it (untraced: a batch's
-/// messages carry the publisher's own `traceparent`, if any).
+/// A batch's message as the engine takes it, untraced.
 fn new_message(request: pb::PublishRequest) -> NewMessage {
+    traced_message(request, TracingHeaders::default())
+}
+
+fn traced_message(request: pb::PublishRequest, tracing: TracingHeaders) -> NewMessage {
     NewMessage {
         topic: request.topic,
         payload: request.payload,
         headers: request.headers,
-        tracing: TracingHeaders::default(),
+        tracing,
+    }
+}
+
+/// A batch's messages with tracing on: each in a `publish` span whose parent
+/// is the session's trace context, that span's context in its headers
+/// (unless the publisher set one), as `Publish` does.
+fn traced_messages(
+    requests: Vec<pb::PublishRequest>,
+    parent: &opentelemetry::Context,
+) -> (Vec<NewMessage>, Vec<tracing::Span>) {
+    requests
+        .into_iter()
+        .map(|mut request| {
+            let (span, tracing) = super::services::publish_span(&mut request, parent);
+            (traced_message(request, tracing), span)
+        })
+        .unzip()
+}
+
+/// Records each accepted message's sequence in its span (the accepted
+/// ones took consecutive sequences, in order, skipping the rejected).
+fn record_sequences(spans: &[tracing::Span], outcome: &BatchOutcome) {
+    if spans.is_empty() || outcome.accepted == 0 {
+        return;
+    }
+    let mut rejected = outcome.rejected.iter().map(|(index, _)| *index as usize).peekable();
+    let mut sequence = outcome.first_sequence;
+    for (index, span) in spans.iter().enumerate() {
+        if rejected.peek() == Some(&index) {
+            rejected.next();
+            continue;
+        }
+        span.record("messaging.message.id", sequence);
+        sequence += 1;
     }
 }
 
