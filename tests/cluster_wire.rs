@@ -333,3 +333,121 @@ async fn replicas_of_the_previous_version_and_of_this_one_serve_one_cluster() {
     })
     .await;
 }
+
+/// The NATS messages a raw subscriber sees on `subject`: how many
+/// envelopes each carried (its `Tinybroker-Batch` header, 1 without).
+type Batches = std::sync::Arc<std::sync::Mutex<Vec<usize>>>;
+
+async fn watch_messages(nats: &NatsCluster, subject: &str) -> (Batches, tokio::task::JoinHandle<()>) {
+    use futures::StreamExt;
+    let raw = async_nats::connect(nats.url(0)).await.unwrap();
+    let mut messages = raw.subscribe(subject.to_owned()).await.unwrap();
+    raw.flush().await.unwrap();
+    let seen = Batches::default();
+    let task = {
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            let _raw = raw;
+            while let Some(m) = messages.next().await {
+                let n = m
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Tinybroker-Batch"))
+                    .map_or(1, |v| v.as_str().parse().unwrap());
+                seen.lock().unwrap().push(n);
+            }
+        })
+    };
+    (seen, task)
+}
+
+/// Publishes `count` messages to `topic` as one batch on a session of
+/// `from`; the sequences they were given (checked consecutive).
+async fn publish_batch(from: &BrokerProcess, topic: &str, count: usize) -> Vec<u64> {
+    use tinybroker::pb::session_event::Event;
+    use tinybroker::pb::session_request::Request;
+    let mut session = common::session::TestSession::start(&mut client(from).await).await;
+    let messages = (0..count).map(|i| publish(topic, &format!("m{i}"))).collect();
+    session.send(Request::Publish(pb::SessionPublish { id: 9, messages }));
+    match session.event().await {
+        Event::Published(p) => {
+            assert_eq!((p.id, p.accepted, p.rejected.len()), (9, count as u32, 0), "{p:?}");
+            (p.first_sequence..p.first_sequence + count as u64).collect()
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A session's batch to one topic goes out on core NATS as one NATS
+/// message of envelopes while every replica reads batches, and each
+/// replica's subscriber gets every message, in order, with its sequence;
+/// once a replica of the previous version (which reads none) has a
+/// subscriber, the next batch goes out one NATS message per message, and
+/// both the new and the old replica get all of it. (Batched regardless,
+/// the old replica drops the batch as undecodable; never batched, the
+/// first batch is 300 NATS messages.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_reaches_nats_as_one_message_only_while_every_replica_reads_batches() {
+    timeout(async {
+        let nats = NatsCluster::start(1).await;
+        let a = replica(&nats, "a", false).await;
+        let b = replica(&nats, "b", false).await;
+        let subject = format!("{PREFIX}.m.batch.t");
+        let (seen, watching) = watch_messages(&nats, &subject).await;
+        let on_b = client(&b)
+            .await
+            .open_subscription(subscribe_request(&["batch.t"]))
+            .await
+            .unwrap();
+        let mut on_b = on_b.into_inner();
+        // A group's stream stores each envelope of the batch alone.
+        let mut member = client(&b)
+            .await
+            .open_subscription(member_request(&["batch.t"], "workers", false, 1000))
+            .await
+            .unwrap()
+            .into_inner();
+
+        let sent = publish_batch(&a, "batch.t", 300).await;
+        for (i, sequence) in sent.iter().enumerate() {
+            let got = next(&mut on_b, "b, first batch").await;
+            assert_eq!(
+                (got.sequence, &got.payload[..]),
+                (*sequence, format!("m{i}").as_bytes())
+            );
+        }
+        let mut taken: Vec<u64> = Vec::new();
+        for _ in &sent {
+            taken.push(next(&mut member, "the group member").await.sequence);
+        }
+        taken.sort_unstable();
+        assert_eq!(taken, sent, "the group took each message once");
+        wait_until("the raw subscriber to see the batch", || async {
+            seen.lock().unwrap().iter().sum::<usize>() == 300
+        })
+        .await;
+        assert_eq!(*seen.lock().unwrap(), [300], "one NATS message of 300 envelopes");
+        seen.lock().unwrap().clear();
+
+        let c = replica(&nats, "c", true).await;
+        let mut on_c = client(&c)
+            .await
+            .open_subscription(subscribe_request(&["batch.t"]))
+            .await
+            .unwrap()
+            .into_inner();
+        let sent = publish_batch(&a, "batch.t", 300).await;
+        for stream in [&mut on_b, &mut on_c] {
+            for sequence in &sent {
+                assert_eq!(next(stream, "second batch").await.sequence, *sequence);
+            }
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![1; 300],
+            "a NATS message per message while an old replica listens"
+        );
+        watching.abort();
+    })
+    .await
+}

@@ -19,7 +19,7 @@ use crate::broker::{RouteCache, WakeBatch};
 use crate::engine::validate::truncate;
 use crate::engine::{BatchOutcome, BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
 use async_nats::jetstream;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::{FutureExt, StreamExt};
 use std::sync::Arc;
 
@@ -56,8 +56,37 @@ impl ClusterEngine {
         routes: &mut RouteCache,
         gaps: &mut Gaps,
     ) {
+        let batch = message
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(wire::BATCH_HEADER).is_some());
+        // A replica speaking the previous wire reads none, as that version.
+        if !batch || wire::speaks_previous() {
+            return self.deliver_envelope(&message.subject, message.payload, arrived, routes, gaps);
+        }
+        for envelope in wire::batched(message.payload) {
+            match envelope {
+                Ok(envelope) => self.deliver_envelope(&message.subject, envelope, arrived, routes, gaps),
+                Err(error) => {
+                    tracing::warn!(subject = %message.subject, %error, "a batch of messages from NATS cut short: the rest of it dropped");
+                    break;
+                }
+            }
+        }
+    }
+
+    /// One envelope (alone, or of a batch) from another replica, to the
+    /// subscribers here.
+    fn deliver_envelope(
+        &self,
+        subject: &async_nats::Subject,
+        payload: Bytes,
+        arrived: PublishTime,
+        routes: &mut RouteCache,
+        gaps: &mut Gaps,
+    ) {
         let mut sender = 0;
-        if let Some((incarnation, count)) = wire::count_prefix(&message.payload) {
+        if let Some((incarnation, count)) = wire::count_prefix(&payload) {
             sender = incarnation;
             let lost = gaps.lost_before(sender, count);
             if lost > 0 {
@@ -67,14 +96,14 @@ impl ClusterEngine {
         // The subject names the topic (`<prefix>.m.<topic>`: what this
         // replica subscribes to): what no subscription here matches is
         // dropped undecoded.
-        let Some(topic) = message.subject.as_str().strip_prefix(&self.inner.message_prefix) else {
+        let Some(topic) = subject.as_str().strip_prefix(&self.inner.message_prefix) else {
             return;
         };
         let targets = self.inner.local.remote_routes(topic, routes);
         if targets.is_empty() {
             return;
         }
-        match wire::decode(message.payload) {
+        match wire::decode(payload) {
             Ok(m) if m.topic == topic => {
                 let (message, sequence, publish_time) = wire::from_envelope(m);
                 if let Some(late) = super::liveness::too_late(publish_time, arrived.wall) {
@@ -86,11 +115,11 @@ impl ClusterEngine {
                     .deliver_remote(message, sequence, publish_time, arrived, &targets);
             }
             Ok(m) => tracing::warn!(
-                subject = %message.subject,
+                %subject,
                 topic = %truncate(&m.topic),
                 "message from NATS whose envelope names another topic than its subject dropped"
             ),
-            Err(error) => tracing::warn!(subject = %message.subject, %error, "undecodable message from NATS dropped"),
+            Err(error) => tracing::warn!(%subject, %error, "undecodable message from NATS dropped"),
         }
     }
 
@@ -129,10 +158,12 @@ impl ClusterEngine {
 
     /// A batch (a session's `publish`): validated first, so the valid
     /// messages take consecutive sequences set aside for them, then each
-    /// routed in order as [`ClusterEngine::publish_cluster_routed`] routes
-    /// one (their group stores overlap), and the stores awaited in order. A
-    /// message refused after validation (the memory budget, NATS cut off,
-    /// a group's store not confirmed) leaves its sequence unused.
+    /// routed in order (their group stores overlap), and the stores awaited
+    /// in order. While every other replica reads batches, the messages of
+    /// the batch to one topic go out on core NATS as one NATS message
+    /// (`wire.rs`). A message refused after validation (the memory budget,
+    /// NATS cut off, a group's store not confirmed) leaves its sequence
+    /// unused.
     pub(super) async fn publish_cluster_batch(
         &self,
         messages: Vec<NewMessage>,
@@ -153,11 +184,34 @@ impl ClusterEngine {
         }
         self.inner.local.set_aside_sequences(valid.len(), publisher);
         let mut routed = Vec::with_capacity(valid.len());
-        for (index, message) in valid {
-            let outcome = WakeBatch::across_waits(self.publish_cluster_routed(message, publisher, at)).await;
-            match outcome {
-                Ok((outcome, confirmation)) => routed.push((index, outcome.sequence, confirmation)),
-                Err(error) => rejected.push((index, error)),
+        if valid.len() > 1 && self.inner.interest.batch() {
+            // Routed here first, then out on core NATS in runs of one
+            // topic, then to the groups.
+            let mut locals = Vec::with_capacity(valid.len());
+            for (index, message) in valid {
+                match self.route_local(message, publisher, at) {
+                    Ok(local) => locals.push((index, local)),
+                    Err(error) => rejected.push((index, error)),
+                }
+            }
+            let sent = WakeBatch::across_waits(self.send_core_batched(&mut locals)).await;
+            for ((index, local), body) in locals.into_iter().zip(sent) {
+                let stored = match body {
+                    Ok(body) => WakeBatch::across_waits(self.store_in_groups(local.into_routed(body))).await,
+                    Err(error) => Err(error),
+                };
+                match stored {
+                    Ok((outcome, confirmation)) => routed.push((index, outcome.sequence, confirmation)),
+                    Err(error) => rejected.push((index, error)),
+                }
+            }
+        } else {
+            for (index, message) in valid {
+                let outcome = WakeBatch::across_waits(self.publish_cluster_routed(message, publisher, at)).await;
+                match outcome {
+                    Ok((outcome, confirmation)) => routed.push((index, outcome.sequence, confirmation)),
+                    Err(error) => rejected.push((index, error)),
+                }
             }
         }
         publisher.end_batch();
@@ -190,7 +244,19 @@ impl ClusterEngine {
         publisher: &mut RouteCache,
         at: PublishTime,
     ) -> Result<(PublishOutcome, Option<Confirmation>), BrokerError> {
-        let (outcome, routed) = self.route_cluster(message, publisher, at).await?;
+        let mut local = self.route_local(message, publisher, at)?;
+        let body = match local.core.take() {
+            Some((subject, count_at)) => self.send_core(subject, &mut local.body, count_at).await?,
+            None => local.body.split().freeze(),
+        };
+        self.store_in_groups(local.into_routed(body)).await
+    }
+
+    /// Sends a routed message to the groups it matches (each store waits
+    /// for room in the NATS client's queue, only while NATS answers); the
+    /// confirmation awaits their acks.
+    async fn store_in_groups(&self, routed: Routed) -> Result<(PublishOutcome, Option<Confirmation>), BrokerError> {
+        let outcome = routed.outcome;
         if routed.groups.is_empty() {
             return Ok((outcome, None));
         }
@@ -252,21 +318,21 @@ impl ClusterEngine {
         Ok((outcome, Some(Box::pin(confirmation))))
     }
 
-    /// A publish's work up to the group stores, in order: validated, given
-    /// its sequence, delivered to this replica's subscribers, sent to the
-    /// other replicas over core NATS, and encoded for the groups it matches.
-    async fn route_cluster(
+    /// A publish's work here, in order: validated, given its sequence,
+    /// delivered to this replica's subscribers, and encoded for the other
+    /// replicas and the groups it matches; not yet out on NATS.
+    fn route_local(
         &self,
         message: NewMessage,
         publisher: &mut RouteCache,
         at: PublishTime,
-    ) -> Result<(PublishOutcome, Routed), BrokerError> {
+    ) -> Result<Local, BrokerError> {
         let ready = self.serving()?;
         crate::engine::validate::message(&message, crate::engine::Engine::max_message_bytes(self))?;
         let groups = self.group_routes(&message.topic);
         // Not on core NATS when no other replica has a broadcast subscriber
         // (interest.rs): decided as routing starts.
-        let core = (!self.inner.interest.skip()).then(|| {
+        let subject = (!self.inner.interest.skip()).then(|| {
             let prefix = &self.inner.message_prefix;
             let mut subject = String::with_capacity(prefix.len() + message.topic.len());
             subject.push_str(prefix);
@@ -284,7 +350,7 @@ impl ClusterEngine {
             ..Default::default()
         };
         // Sent by this replica's incarnation, when it goes out on core NATS.
-        let incarnation = core
+        let incarnation = subject
             .is_some()
             .then(|| self.inner.incarnation.load(std::sync::atomic::Ordering::Relaxed));
         let encoded = wire::encode_head(&head, incarnation);
@@ -306,38 +372,140 @@ impl ClusterEngine {
         }
         let outcome = self.inner.local.publish_at(message, Some(publisher), at)?;
         wire::put_sequence(&mut body, outcome.sequence);
-        let body = match core.zip(count_at) {
-            Some((subject, count_at)) => {
-                // Numbered and queued in one go, so the numbers go out in
-                // order whichever of this replica's streams publishes.
-                let mut sent = self.inner.core_sent.lock().await;
-                *sent += 1;
-                wire::set_count(&mut body, count_at, *sent);
-                let body = body.freeze();
-                // A full client queue (NATS cut off) waits only until the
-                // probe says so.
-                let queued = self
-                    .unless_cut_off(self.inner.client.publish(subject, body.clone()))
-                    .await;
-                let queued = match queued {
-                    Some(Ok(())) => Ok(()),
-                    Some(Err(e)) => Err(BrokerError::Unavailable(format!(
-                        "NATS is unreachable ({e}): the message reached this replica's subscribers only"
-                    ))),
-                    None => Err(self.cut_off("the message reached this replica's subscribers only")),
-                };
-                if queued.is_err() {
-                    // Not sent: its number is the next one's, so the other
-                    // replicas see no gap.
-                    *sent -= 1;
-                }
-                drop(sent);
-                queued?;
-                body
+        Ok(Local {
+            outcome,
+            ready,
+            groups,
+            body,
+            core: subject.zip(count_at),
+        })
+    }
+
+    /// Sends one routed message on core NATS: numbered and queued in one
+    /// go, so the numbers go out in order whichever of this replica's
+    /// streams publishes. Returns the envelope as sent.
+    async fn send_core(&self, subject: String, body: &mut BytesMut, count_at: usize) -> Result<Bytes, BrokerError> {
+        let mut sent = self.inner.core_sent.lock().await;
+        *sent += 1;
+        wire::set_count(body, count_at, *sent);
+        let body = body.split().freeze();
+        // A full client queue (NATS cut off) waits only until the probe
+        // says so.
+        let queued = self.queue_core(self.inner.client.publish(subject, body.clone())).await;
+        if queued.is_err() {
+            // Not sent: its number is the next one's, so the other
+            // replicas see no gap.
+            *sent -= 1;
+        }
+        drop(sent);
+        queued.map(|()| body)
+    }
+
+    /// Sends a batch's routed messages on core NATS: each run of messages
+    /// to one subject (within the NATS server's max_payload) as one NATS
+    /// message of envelopes, numbered in one go; a message that goes out
+    /// on no subject (no other replica has a broadcast subscriber) as it
+    /// is. Returns each message's envelope as sent (a slice of its run's
+    /// payload), or why it was not.
+    async fn send_core_batched(&self, locals: &mut [(u32, Local)]) -> Vec<Result<Bytes, BrokerError>> {
+        let max_payload = self.inner.max_payload.load(std::sync::atomic::Ordering::Relaxed);
+        let mut results = Vec::with_capacity(locals.len());
+        let mut sent = self.inner.core_sent.lock().await;
+        let mut i = 0;
+        while i < locals.len() {
+            let Some((subject, _)) = locals[i].1.core.clone() else {
+                results.push(Ok(locals[i].1.body.split().freeze()));
+                i += 1;
+                continue;
+            };
+            // The run: messages to the same subject, within max_payload.
+            let mut size = wire::batched_len(locals[i].1.body.len());
+            let mut end = i + 1;
+            while let Some((_, next)) = locals.get(end)
+                && next.core.as_ref().is_some_and(|(s, _)| *s == subject)
+                && size + wire::batched_len(next.body.len()) <= max_payload
+            {
+                size += wire::batched_len(next.body.len());
+                end += 1;
             }
-            None => body.freeze(),
-        };
-        Ok((outcome, Routed { ready, groups, body }))
+            let run = &mut locals[i..end];
+            for (_, local) in run.iter_mut() {
+                *sent += 1;
+                let count_at = local.core.as_ref().map_or(0, |(_, at)| *at);
+                wire::set_count(&mut local.body, count_at, *sent);
+            }
+            let queued = if run.len() == 1 {
+                let body = run[0].1.body.split().freeze();
+                self.queue_core(self.inner.client.publish(subject, body.clone()))
+                    .await
+                    .map(|()| vec![body])
+            } else {
+                let mut payload = BytesMut::with_capacity(size);
+                let ranges: Vec<_> = run
+                    .iter()
+                    .map(|(_, local)| wire::put_batched(&mut payload, &local.body))
+                    .collect();
+                let payload = payload.freeze();
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(wire::BATCH_HEADER, run.len().to_string().as_str());
+                self.queue_core(
+                    self.inner
+                        .client
+                        .publish_with_headers(subject, headers, payload.clone()),
+                )
+                .await
+                .map(|()| ranges.into_iter().map(|r| payload.slice(r)).collect())
+            };
+            match queued {
+                Ok(bodies) => results.extend(bodies.into_iter().map(Ok)),
+                Err(error) => {
+                    // Not sent: their numbers are the next ones'.
+                    *sent -= run.len() as u64;
+                    results.extend(run.iter().map(|_| Err(error.clone())));
+                }
+            }
+            i = end;
+        }
+        results
+    }
+
+    /// A core NATS publish, waiting for room in the client's queue only
+    /// while NATS answers.
+    async fn queue_core<E: std::fmt::Display>(
+        &self,
+        publish: impl std::future::Future<Output = Result<(), E>>,
+    ) -> Result<(), BrokerError> {
+        match self.unless_cut_off(publish).await {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(BrokerError::Unavailable(format!(
+                "NATS is unreachable ({e}): the message reached this replica's subscribers only"
+            ))),
+            None => Err(self.cut_off("the message reached this replica's subscribers only")),
+        }
+    }
+}
+
+/// A publish routed here and encoded, not yet out on NATS.
+pub(super) struct Local {
+    outcome: PublishOutcome,
+    ready: Arc<Ready>,
+    groups: Vec<Arc<GroupRoute>>,
+    /// The envelope, sequence included; its count is set as it goes out.
+    body: BytesMut,
+    /// Its subject on core NATS and where its count goes, when it goes out
+    /// there.
+    core: Option<(String, usize)>,
+}
+
+impl Local {
+    /// What its group stores need, with the envelope as it went out.
+    fn into_routed(self, body: Bytes) -> Routed {
+        Routed {
+            outcome: self.outcome,
+            ready: self.ready,
+            groups: self.groups,
+            body,
+        }
     }
 }
 
@@ -374,6 +542,7 @@ impl Gaps {
 
 /// A routed cluster publish: what its group stores need.
 pub(super) struct Routed {
+    outcome: PublishOutcome,
     ready: Arc<Ready>,
     groups: Vec<Arc<GroupRoute>>,
     /// The envelope, sequence included.

@@ -25,6 +25,13 @@
 //! [`FRESH_FOR`]. A replica it knows nothing of, whose word is older, or
 //! that runs a version without announcements, counts as "some".
 //!
+//! The same word says whether the replica reads batched messages (several
+//! envelopes in one NATS message, `wire.rs`): a publishing replica sends
+//! a batch's messages that way only while every other replica it knows
+//! as live, or heard from, said so within [`FRESH_FOR`]; one it knows
+//! nothing of, or of a version before batches, is sent one NATS message
+//! per message, as before.
+//!
 //! [`HEARTBEAT`]: super::HEARTBEAT
 
 use super::rpc::{self, Version};
@@ -41,10 +48,20 @@ pub const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a replica's word counts: it repeats it every heartbeat.
 pub const FRESH_FOR: Duration = Duration::from_secs(3 * HEARTBEAT.as_secs());
 
+/// What a replica says of itself ([`rpc::Call::Interest`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Word {
+    pub(super) version: Version,
+    /// It has broadcast subscriptions.
+    pub(super) some: bool,
+    pub(super) reads_batches: bool,
+}
+
 /// What a replica said last, and when it was heard.
 struct Said {
     version: Version,
     some: bool,
+    reads_batches: bool,
     heard: Instant,
 }
 
@@ -68,12 +85,20 @@ pub(super) struct Interest {
     /// Whether publishes may skip core NATS: false (they go out) until
     /// every other replica said "none".
     skip: AtomicBool,
+    /// Whether a batch's messages may go out several in one NATS message:
+    /// false until every other replica said it reads them.
+    batch: AtomicBool,
 }
 
 impl Interest {
     /// Whether publishes of this replica may skip core NATS.
     pub(super) fn skip(&self) -> bool {
         self.skip.load(Ordering::Acquire)
+    }
+
+    /// Whether every other replica reads batched messages.
+    pub(super) fn batch(&self) -> bool {
+        self.batch.load(Ordering::Acquire)
     }
 
     pub(super) async fn set_incarnation(&self, incarnation: u64) {
@@ -87,10 +112,16 @@ impl Interest {
     pub(super) fn forget(&self) {
         self.others.lock().clear();
         self.skip.store(false, Ordering::Release);
+        self.batch.store(false, Ordering::Release);
     }
 
     /// Takes replica `replica`'s word if it is newer than what was heard.
-    pub(super) fn note(&self, replica: &str, version: Version, some: bool, live: &[String], me: &str) {
+    pub(super) fn note(&self, replica: &str, word: Word, live: &[String], me: &str) {
+        let Word {
+            version,
+            some,
+            reads_batches,
+        } = word;
         {
             let mut others = self.others.lock();
             match others.get_mut(replica) {
@@ -98,6 +129,7 @@ impl Interest {
                 Some(said) => {
                     said.version = version;
                     said.some = some;
+                    said.reads_batches = reads_batches;
                     said.heard = Instant::now();
                 }
                 None => {
@@ -106,6 +138,7 @@ impl Interest {
                         Said {
                             version,
                             some,
+                            reads_batches,
                             heard: Instant::now(),
                         },
                     );
@@ -128,6 +161,10 @@ impl Interest {
             .iter()
             .any(|(replica, said)| replica != me && (said.some || now.duration_since(said.heard) > FRESH_FOR));
         self.skip.store(!unknown && !some, Ordering::Release);
+        let unbatched = others.iter().any(|(replica, said)| {
+            replica != me && (!said.reads_batches || now.duration_since(said.heard) > FRESH_FOR)
+        });
+        self.batch.store(!unknown && !unbatched, Ordering::Release);
     }
 }
 
@@ -197,6 +234,9 @@ impl ClusterEngine {
             replica: me.clone(),
             version,
             some,
+            // A replica speaking the previous wire reads none (as that
+            // version did).
+            reads_batches: !super::wire::speaks_previous(),
         };
         let calls = live.iter().filter(|r| *r != me).map(|replica| {
             let call = &call;
@@ -212,11 +252,16 @@ impl ClusterEngine {
     }
 
     /// Another replica's word (an [`rpc::Call::Interest`]).
-    pub(super) fn noted_interest(&self, replica: &str, version: Version, some: bool) {
+    pub(super) fn noted_interest(&self, replica: &str, version: Version, some: bool, reads_batches: bool) {
         let live = self.inner.live.lock().clone();
+        let word = Word {
+            version,
+            some,
+            reads_batches,
+        };
         self.inner
             .interest
-            .note(replica, version, some, &live, &self.inner.config.replica_id);
+            .note(replica, word, &live, &self.inner.config.replica_id);
     }
 }
 
@@ -226,6 +271,15 @@ mod tests {
 
     fn v(incarnation: u64, n: u64) -> Version {
         Version { incarnation, n }
+    }
+
+    /// A word of a replica that reads batches.
+    fn w(version: Version, some: bool) -> Word {
+        Word {
+            version,
+            some,
+            reads_batches: true,
+        }
     }
 
     fn live(names: &[&str]) -> Vec<String> {
@@ -239,15 +293,15 @@ mod tests {
         assert!(!interest.skip(), "before anything is known, publishes go out");
         interest.recompute(&replicas, "a");
         assert!(!interest.skip(), "b and c said nothing yet: they count as some");
-        interest.note("b", v(1, 1), false, &replicas, "a");
+        interest.note("b", w(v(1, 1), false), &replicas, "a");
         assert!(!interest.skip(), "c said nothing yet");
-        interest.note("c", v(7, 3), false, &replicas, "a");
+        interest.note("c", w(v(7, 3), false), &replicas, "a");
         assert!(interest.skip(), "both said none");
-        interest.note("c", v(7, 4), true, &replicas, "a");
+        interest.note("c", w(v(7, 4), true), &replicas, "a");
         assert!(!interest.skip(), "c has a subscriber now");
-        interest.note("c", v(7, 3), false, &replicas, "a");
+        interest.note("c", w(v(7, 3), false), &replicas, "a");
         assert!(!interest.skip(), "an older none does not undo a newer some");
-        interest.note("c", v(8, 0), false, &replicas, "a");
+        interest.note("c", w(v(8, 0), false), &replicas, "a");
         assert!(
             interest.skip(),
             "a new incarnation's word is newer than any count of an old one"
@@ -255,10 +309,10 @@ mod tests {
         let more = live(&["a", "b", "c", "d"]);
         interest.recompute(&more, "a");
         assert!(!interest.skip(), "a replica that just started counts as some");
-        interest.note("e", v(1, 1), true, &more, "a");
-        interest.note("d", v(1, 0), false, &more, "a");
+        interest.note("e", w(v(1, 1), true), &more, "a");
+        interest.note("d", w(v(1, 0), false), &more, "a");
         assert!(!interest.skip(), "e is not live yet as far as a knows, but said some");
-        interest.note("e", v(1, 2), false, &more, "a");
+        interest.note("e", w(v(1, 2), false), &more, "a");
         assert!(interest.skip(), "every one said none");
         interest.forget();
         assert!(!interest.skip(), "after a reconnection nothing is known");
@@ -267,5 +321,28 @@ mod tests {
             !interest.skip(),
             "and every live replica counts as some until it speaks again"
         );
+    }
+
+    #[test]
+    fn batches_go_out_only_while_every_other_replica_said_it_reads_them() {
+        let interest = Interest::default();
+        let replicas = live(&["a", "b", "c"]);
+        interest.recompute(&replicas, "a");
+        assert!(!interest.batch(), "b and c said nothing yet");
+        interest.note("b", w(v(1, 1), true), &replicas, "a");
+        assert!(!interest.batch(), "c said nothing yet");
+        let old = Word {
+            version: v(2, 1),
+            some: true,
+            reads_batches: false,
+        };
+        interest.note("c", old, &replicas, "a");
+        assert!(!interest.batch(), "c is of a version before batches");
+        interest.note("c", w(v(3, 0), true), &replicas, "a");
+        assert!(interest.batch(), "every other replica reads them");
+        interest.recompute(&live(&["a", "b", "c", "d"]), "a");
+        assert!(!interest.batch(), "d just started and said nothing");
+        interest.forget();
+        assert!(!interest.batch(), "after a reconnection nothing is known");
     }
 }

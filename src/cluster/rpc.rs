@@ -56,6 +56,11 @@ pub(super) enum Call {
         replica: String,
         version: Version,
         some: bool,
+        /// It reads batched messages on core NATS (`wire.rs`); replicas
+        /// before them never say so (and the JSON of one that does not
+        /// is the previous version's, byte for byte).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        reads_batches: bool,
     },
 }
 
@@ -360,8 +365,13 @@ impl ClusterEngine {
                 self.route_group(&name, patterns);
                 Ok(Answer::Routed)
             }
-            Call::Interest { replica, version, some } => {
-                self.noted_interest(&replica, version, some);
+            Call::Interest {
+                replica,
+                version,
+                some,
+                reads_batches,
+            } => {
+                self.noted_interest(&replica, version, some, reads_batches);
                 Ok(Answer::Pong)
             }
         };
@@ -487,6 +497,8 @@ mod tests {
                 replica: "a".into(),
                 version: Version { incarnation: 4, n: 2 },
                 some: true,
+                // The previous version's call (this one's says true).
+                reads_batches: false,
             },
         ]
     }
@@ -553,6 +565,37 @@ mod tests {
         let mut h = async_nats::HeaderMap::new();
         h.insert(WIRE_HEADER, version);
         h
+    }
+
+    /// A replica that reads batches says so in JSON as in proto (a new
+    /// replica calls one it has not heard accept proto in JSON).
+    #[test]
+    fn reading_batches_is_said_in_both_formats() {
+        let call = Call::Interest {
+            replica: "a".into(),
+            version: Version { incarnation: 1, n: 1 },
+            some: false,
+            reads_batches: true,
+        };
+        let json = serde_json::to_vec(&call).unwrap();
+        let (read, _) = decode_call(None, &json);
+        assert!(matches!(
+            read.unwrap(),
+            Call::Interest {
+                reads_batches: true,
+                ..
+            }
+        ));
+        let body = pb::Call::from(call).encode_to_vec();
+        let (read, proto) = decode_call(Some(&headers(WIRE_VERSION)), &body);
+        assert!(proto);
+        assert!(matches!(
+            read.unwrap(),
+            Call::Interest {
+                reads_batches: true,
+                ..
+            }
+        ));
     }
 
     /// An old replica's calls (JSON, no header) are read, and answered in

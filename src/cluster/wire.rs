@@ -16,6 +16,17 @@
 //!   `Message` by hand, and read them back only from the front). So
 //!   nothing needs negotiating: every replica of either version reads every
 //!   envelope, a group stream's messages included.
+//! - **Batches** of envelopes: the messages of one `SessionPublish` to one
+//!   topic, published by one replica in a row, go out on core NATS as one
+//!   NATS message on their subject, with the header [`BATCH_HEADER`] (their
+//!   number) and, as payload, each envelope in turn, its length (a varint)
+//!   in front ([`put_batched`], [`batched`]). Each envelope is exactly what
+//!   it would be alone (sender, count, sequence), so the other replicas
+//!   count gaps and deliver each as before, and each consumer group's
+//!   stream stores its envelope alone (a slice of the batch). Replicas
+//!   before batches read such a payload as one undecodable envelope, so a
+//!   replica sends batches only while every other replica said it reads
+//!   them (`interest.rs`).
 //! - **Calls** between replicas (Ack, Nack, CloseSubscription of a
 //!   subscription served elsewhere, the Admin listings, new groups, the
 //!   broadcast-interest word): `tinybroker.cluster.v1.Call` and `Answer`,
@@ -80,6 +91,54 @@ pub(super) fn speaks_previous() -> bool {
         set
     });
     *PREVIOUS
+}
+
+/// The NATS header of a batch of envelopes (`put_batched`): how many it
+/// holds.
+pub(super) const BATCH_HEADER: &str = "Tinybroker-Batch";
+
+/// Appends `envelope` to a batch's payload, its length in front; returns
+/// where the envelope itself lies in `out`.
+pub(super) fn put_batched(out: &mut BytesMut, envelope: &[u8]) -> std::ops::Range<usize> {
+    prost::encoding::encode_varint(envelope.len() as u64, out);
+    let start = out.len();
+    out.extend_from_slice(envelope);
+    start..out.len()
+}
+
+/// What [`put_batched`] adds to an envelope of `len` bytes.
+pub(super) fn batched_len(len: usize) -> usize {
+    prost::encoding::encoded_len_varint(len as u64) + len
+}
+
+/// The envelopes of a batch's payload, in order (each a slice of it); an
+/// error ends them (a truncated or garbled payload).
+pub(super) fn batched(payload: Bytes) -> impl Iterator<Item = Result<Bytes, &'static str>> {
+    let mut rest = payload;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut cursor: &[u8] = &rest;
+        let next = match prost::encoding::decode_varint(&mut cursor) {
+            Err(_) => Err("a batched envelope's length is not a varint"),
+            Ok(len) => {
+                let head = rest.len() - cursor.len();
+                match usize::try_from(len).ok().filter(|&len| len <= cursor.len()) {
+                    Some(len) => Ok(rest.slice(head..head + len)),
+                    None => Err("a batched envelope runs past the end of its batch"),
+                }
+            }
+        };
+        match &next {
+            Ok(envelope) => {
+                let used = rest.len() - cursor.len() + envelope.len();
+                rest = rest.slice(used..);
+            }
+            Err(_) => rest = Bytes::new(),
+        }
+        Some(next)
+    })
 }
 
 // === the envelope ===
@@ -390,5 +449,28 @@ mod tests {
                 field.name()
             );
         }
+    }
+
+    /// A batch's envelopes come back whole and in order, as slices of the
+    /// payload; a truncated one is an error that ends them.
+    #[test]
+    fn a_batch_of_envelopes_splits_back_into_them() {
+        let envelopes: Vec<Vec<u8>> = vec![vec![1; 3], vec![], vec![7; 300]];
+        let mut out = BytesMut::new();
+        let ranges: Vec<_> = envelopes.iter().map(|e| put_batched(&mut out, e)).collect();
+        assert_eq!(out.len(), envelopes.iter().map(|e| batched_len(e.len())).sum::<usize>());
+        for (range, envelope) in ranges.iter().zip(&envelopes) {
+            assert_eq!(&out[range.clone()], &envelope[..]);
+        }
+        let payload = out.freeze();
+        let back: Vec<Bytes> = batched(payload.clone()).map(Result::unwrap).collect();
+        assert_eq!(
+            back,
+            envelopes.iter().map(|e| Bytes::from(e.clone())).collect::<Vec<_>>()
+        );
+        let cut = payload.slice(..payload.len() - 1);
+        let parts: Vec<_> = batched(cut).collect();
+        assert_eq!(parts.len(), 3);
+        assert!(parts[2].is_err(), "the cut one is an error");
     }
 }

@@ -26,11 +26,17 @@ impl From<Call> for pb::Call {
             Call::ListEvictions => C::ListEvictions(pb::ListEvictionsCall {}),
             Call::ListGroups => C::ListGroups(pb::ListGroupsCall {}),
             Call::RouteGroup { name, patterns } => C::RouteGroup(pb::RouteGroupCall { name, patterns }),
-            Call::Interest { replica, version, some } => C::Interest(pb::InterestCall {
+            Call::Interest {
+                replica,
+                version,
+                some,
+                reads_batches,
+            } => C::Interest(pb::InterestCall {
                 replica,
                 incarnation: version.incarnation,
                 n: version.n,
                 some,
+                reads_batches,
             }),
         };
         pb::Call { call: Some(call) }
@@ -67,6 +73,7 @@ impl TryFrom<pb::Call> for Call {
                     n: i.n,
                 },
                 some: i.some,
+                reads_batches: i.reads_batches,
             },
         })
     }
