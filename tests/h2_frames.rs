@@ -719,8 +719,8 @@ impl SessionEvents {
         if let Some(status) = self.status.take() {
             return status;
         }
-        while let Some(event) = self.next().await {
-            panic!("an event after the end was expected: {event:?}");
+        if let Some(event) = self.next().await {
+            panic!("the end was expected, got an event: {event:?}");
         }
         let trailers = self.body.trailers().await.unwrap().expect("the session's trailers");
         let status = trailers.get("grpc-status").map(|v| v.to_str().unwrap().to_owned());
