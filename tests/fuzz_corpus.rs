@@ -188,6 +188,8 @@ enum Request {
     Open(pb::OpenSubscriptionRequest),
     Publish(pb::PublishRequest),
     PublishStream(Vec<pb::PublishRequest>),
+    /// Publishes on one session (ids may repeat); batched deliveries.
+    SessionPublish(Vec<pb::SessionPublish>, bool),
     Ack(String, Vec<u64>),
     Nack(String, Vec<u64>),
     /// Ack or nack some of what the member holds (by index).
@@ -210,6 +212,17 @@ fn request() -> impl Strategy<Value = Request> {
         3 => open_request().prop_map(Request::Open),
         4 => publish_request().prop_map(Request::Publish),
         1 => proptest::collection::vec(publish_request(), 0..5).prop_map(Request::PublishStream),
+        2 => (
+            proptest::collection::vec((0u64..3, proptest::collection::vec(publish_request(), 0..20)), 0..4),
+            any::<bool>(),
+        )
+            .prop_map(|(publishes, batched)| Request::SessionPublish(
+                publishes
+                    .into_iter()
+                    .map(|(id, messages)| pb::SessionPublish { id, messages })
+                    .collect(),
+                batched
+            )),
         1 => (id(), sequences()).prop_map(|(i, s)| Request::Ack(i, s)),
         1 => (id(), sequences()).prop_map(|(i, s)| Request::Nack(i, s)),
         3 => (id(), proptest::collection::vec(0usize..8, 1..4), any::<bool>())
@@ -263,7 +276,7 @@ fn any_bytes_pass_the_request_checks() {
 
 #[test]
 fn request_structs_pass_the_model_checks() {
-    let strategy = (any::<[u8; 6]>(), proptest::collection::vec(request(), 1..60));
+    let strategy = (any::<[u8; 7]>(), proptest::collection::vec(request(), 1..60));
     property("request structs", strategy, |(config, requests)| {
         let config = checks::FuzzConfig {
             consumer_capacity: config[0],
@@ -272,6 +285,7 @@ fn request_structs_pass_the_model_checks() {
             max_delivery_attempts: config[3],
             max_subscriptions: config[4],
             max_message_bytes: u16::from(config[5]) * 16,
+            max_batch_messages: config[6],
         };
         checks::block_on(async move {
             let mut h = checks::Harness::new(config.limits());
@@ -280,6 +294,7 @@ fn request_structs_pass_the_model_checks() {
                     Request::Open(r) => h.open(r).await,
                     Request::Publish(r) => h.publish(r).await,
                     Request::PublishStream(r) => h.publish_stream(r).await,
+                    Request::SessionPublish(p, batched) => h.session_publish(p, batched).await,
                     Request::Ack(id, s) => h.ack(id, s).await,
                     Request::Nack(id, s) => h.nack(id, s).await,
                     Request::AckHeld(id, picks, nack) => {

@@ -13,7 +13,9 @@
 //!   message, a bad compressed flag, bytes that are not the message's
 //!   protobuf) ends a `Session` or `PublishStream` with INVALID_ARGUMENT
 //!   saying what was wrong, and one over the decoding limit with
-//!   RESOURCE_EXHAUSTED (issue 33, point 4).
+//!   RESOURCE_EXHAUSTED (issue 33, point 4);
+//! - a `SessionPublish` split across many DATA frames is published whole,
+//!   and one over the request size ends only its session (issue 43).
 
 mod common;
 
@@ -655,6 +657,214 @@ async fn an_undecodable_publish_stream_ends_with_invalid_argument_saying_why() {
                 assert!(message.contains("tinybroker.v1.PublishRequest"), "{case}: {message}");
             }
         }
+    })
+    .await;
+}
+
+/// A `Session` response as a raw client reads it: its events as they come,
+/// decoded from the gRPC frames of the DATA it gets, and its status.
+struct SessionEvents {
+    body: h2::RecvStream,
+    buf: BytesMut,
+    /// The status, when the response was trailers only.
+    status: Option<(String, String)>,
+}
+
+impl SessionEvents {
+    async fn new(response: h2::client::ResponseFuture) -> Self {
+        let response = response.await.expect("the session's response headers");
+        assert_eq!(response.status(), 200, "{response:?}");
+        let status = response.headers().get("grpc-status").map(|s| {
+            let message = response
+                .headers()
+                .get("grpc-message")
+                .map(|m| percent_decoded(m.to_str().unwrap()))
+                .unwrap_or_default();
+            (s.to_str().unwrap().to_owned(), message)
+        });
+        Self {
+            body: response.into_body(),
+            buf: BytesMut::new(),
+            status,
+        }
+    }
+
+    /// The next event; None once the body ended.
+    async fn next(&mut self) -> Option<pb::session_event::Event> {
+        loop {
+            if self.buf.len() >= 5 {
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+                if self.buf.len() >= 5 + len {
+                    assert_eq!(self.buf[0], 0, "an uncompressed gRPC frame");
+                    let frame = self.buf.split_to(5 + len);
+                    let event = pb::SessionEvent::decode(&frame[5..]).expect("a SessionEvent");
+                    return Some(event.event.expect("an event with its variant set"));
+                }
+            }
+            let chunk = self.body.data().await?.expect("the session's body");
+            self.body.flow_control().release_capacity(chunk.len()).unwrap();
+            self.buf.extend_from_slice(&chunk);
+        }
+    }
+
+    async fn published(&mut self) -> pb::SessionPublished {
+        match self.next().await {
+            Some(pb::session_event::Event::Published(p)) => p,
+            other => panic!("expected published, got {other:?}"),
+        }
+    }
+
+    /// (grpc-status, grpc-message) once the body ended.
+    async fn status(mut self) -> (String, String) {
+        if let Some(status) = self.status.take() {
+            return status;
+        }
+        if let Some(event) = self.next().await {
+            panic!("the end was expected, got an event: {event:?}");
+        }
+        let trailers = self.body.trailers().await.unwrap().expect("the session's trailers");
+        let status = trailers.get("grpc-status").map(|v| v.to_str().unwrap().to_owned());
+        let message = trailers
+            .get("grpc-message")
+            .map(|m| percent_decoded(m.to_str().unwrap()))
+            .unwrap_or_default();
+        (status.unwrap_or_default(), message)
+    }
+}
+
+fn session_publish(id: u64, messages: Vec<pb::PublishRequest>) -> pb::SessionRequest {
+    pb::SessionRequest {
+        request: Some(pb::session_request::Request::Publish(pb::SessionPublish {
+            id,
+            messages,
+        })),
+    }
+}
+
+/// One `SessionPublish` of 300 messages (about 36 KB) sent in DATA frames of
+/// 1, 2, 3, 5, 8, ... bytes up to 4 KiB each (the gRPC header itself split
+/// across frames), with pauses between some: the broker reassembles it and
+/// answers it once, all accepted, and a subscriber gets the 300 in order;
+/// a second batch right behind it in the same frames is answered next.
+/// (Catches: a request decoded from what one DATA frame holds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_publish_split_across_data_frames_is_published_whole() {
+    let broker = start().await;
+    let addr = broker.grpc_addr.to_string();
+    timeout(async {
+        let (mut sub, _) = subscribe(&mut broker.client().await, &["h2.split.>"]).await;
+        let (mut send, _connection, _) = connect(&addr).await;
+        let (response, mut stream) = send.send_request(grpc_request(&addr, "Session"), false).unwrap();
+        let mut events = SessionEvents::new(response).await;
+        let batch = |id: u64, prefix: &str| {
+            session_publish(
+                id,
+                (0..300)
+                    .map(|i| pb::PublishRequest {
+                        topic: format!("h2.split.{prefix}"),
+                        payload: format!("{prefix}{i:0100}").into_bytes().into(),
+                        headers: Default::default(),
+                    })
+                    .collect(),
+            )
+        };
+        let mut bytes = BytesMut::new();
+        bytes.extend_from_slice(&grpc_frame(&batch(1, "a")));
+        bytes.extend_from_slice(&grpc_frame(&batch(2, "b")));
+        let mut bytes = bytes.freeze();
+        let total = bytes.len();
+        let (mut a, mut b) = (1usize, 2usize);
+        let mut frames = 0;
+        while !bytes.is_empty() {
+            let piece = bytes.split_to(a.min(4096).min(bytes.len()));
+            send_one_frame(&mut stream, piece).await.unwrap();
+            frames += 1;
+            if frames % 7 == 0 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            (a, b) = (b, a + b);
+            if a > 4096 {
+                (a, b) = (1, 2);
+            }
+        }
+        eprintln!("two batches of {total} bytes in {frames} DATA frames");
+        for (id, prefix) in [(1, "a"), (2, "b")] {
+            let answer = events.published().await;
+            assert_eq!((answer.id, answer.accepted), (id, 300), "{answer:?}");
+            assert!(answer.rejected.is_empty(), "{answer:?}");
+            for i in 0..300u64 {
+                let m = sub.message().await.unwrap().expect("the subscription is open");
+                assert_eq!(m.payload, format!("{prefix}{i:0100}").as_bytes(), "in order");
+                assert_eq!(m.sequence, answer.first_sequence + i);
+            }
+        }
+        stream.send_data(Bytes::new(), true).unwrap();
+        let (status, message) = events.status().await;
+        assert_eq!(status, "0", "{message}");
+    })
+    .await;
+}
+
+/// A `SessionPublish` larger than any request may be (max_message_bytes +
+/// 64 KiB) ends that session with RESOURCE_EXHAUSTED naming
+/// max_message_bytes, and nothing else: another session on the same
+/// connection goes on publishing and ends OK, and the connection serves
+/// new calls. None of the oversize batch is published. (Catches: an
+/// oversize request read whole; the connection closed for it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversize_batch_ends_only_its_session() {
+    let broker = start_with_limits(tinybroker::config::Limits {
+        max_message_bytes: 65_536,
+        ..Default::default()
+    })
+    .await;
+    let addr = broker.grpc_addr.to_string();
+    timeout(async {
+        let (mut sub, _) = subscribe(&mut broker.client().await, &["h2.big"]).await;
+        let (mut send, connection, _) = connect(&addr).await;
+        let (other_response, mut other) = send.send_request(grpc_request(&addr, "Session"), false).unwrap();
+        let mut other_events = SessionEvents::new(other_response).await;
+        let mut send = send.ready().await.unwrap();
+        let (response, mut stream) = send.send_request(grpc_request(&addr, "Session"), false).unwrap();
+        let events = SessionEvents::new(response).await;
+        // Three messages of 60,000 bytes: each within max_message_bytes,
+        // the request (about 180 KB) over 65,536 + 65,536.
+        let big = session_publish(
+            1,
+            (0..3)
+                .map(|i| pb::PublishRequest {
+                    topic: "h2.big".into(),
+                    payload: vec![b'0' + i; 60_000].into(),
+                    headers: Default::default(),
+                })
+                .collect(),
+        );
+        assert!(big.encoded_len() > 65_536 + 64 * 1024);
+        send_one_frame(&mut stream, grpc_frame(&big)).await.unwrap();
+        let (status, message) = events.status().await;
+        assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
+        assert!(
+            message.to_lowercase().contains("max_message_bytes"),
+            "names max_message_bytes: {message}"
+        );
+
+        // The other session on the connection goes on.
+        let small = session_publish(2, vec![common::publish_request("h2.big", "small")]);
+        send_one_frame(&mut other, grpc_frame(&small)).await.unwrap();
+        let answer = other_events.published().await;
+        assert_eq!((answer.id, answer.accepted), (2, 1), "{answer:?}");
+        let m = sub.message().await.unwrap().expect("the subscription is open");
+        assert_eq!(&m.payload[..], b"small", "nothing of the oversize batch was published");
+        other.send_data(Bytes::new(), true).unwrap();
+        let (status, message) = other_events.status().await;
+        assert_eq!(status, "0", "{message}");
+        assert!(!connection.is_finished(), "the connection stays up");
+        let mut send = send.ready().await.expect("the connection serves new calls");
+        let (response, mut call) = send.send_request(grpc_request(&addr, "Publish"), false).unwrap();
+        call.send_data(grpc_frame(&common::publish_request("h2.big", "after")), true)
+            .unwrap();
+        let (status, message, _) = read_response(response).await.unwrap();
+        assert_eq!(status, "0", "{message}");
     })
     .await;
 }

@@ -3,7 +3,9 @@
 //! `PublishStream` in its own small HTTP/2 DATA frame. Such a client is never
 //! cut off, also while the broker is paused (SIGSTOP, what a CPU limit does),
 //! and a subscription on the same channel gets every message in order.
-//! And grpcio holds 1,000 subscriptions on one `Session` (issue 26).
+//! And grpcio holds 1,000 subscriptions on one `Session` (issue 26); grpcio
+//! and grpc-js publish a batch on a batched `Session` and read its
+//! `deliveries` events (issue 43).
 //!
 //! The clients are the scripts in tests/clients/. `.ci/run` installs grpcio,
 //! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js; where
@@ -454,4 +456,105 @@ async fn grpcio_holds_a_thousand_subscriptions_on_one_session() {
         published.as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
+}
+
+/// The messages each batch script publishes in its first batch.
+const BATCH_COUNT: u64 = 500;
+
+/// What a batch script (grpcio_batch.py, grpcjs_batch.js) must report: a
+/// Session opened with `tinybroker-batch: 1` got every delivery in
+/// `deliveries` events and none bare, each handle its messages in order
+/// with the sequences of the `published` answers (consecutive from the
+/// first), the first batch accepted whole under its id, the second's bad
+/// message rejected by index with INVALID_ARGUMENT; both handles ended
+/// "closed" on the half-close and the stream OK. (docs/contract.md,
+/// "Batches": stock clients decode the new events through their own proto
+/// loading.)
+fn assert_batch_run(result: &serde_json::Value, stderr: &str) {
+    let context = format!("client result {result}\nclient stderr:\n{stderr}");
+    assert!(result["problem"].is_null(), "{context}");
+    assert_eq!(result["stream_code"], "OK", "{context}");
+    let answers = result["answers"].as_array().expect("answers");
+    assert_eq!(answers.len(), 2, "{context}");
+    assert_eq!(
+        (&answers[0]["id"], &answers[0]["accepted"]),
+        (&serde_json::json!(7), &serde_json::json!(BATCH_COUNT)),
+        "{context}"
+    );
+    assert_eq!(answers[0]["rejected"], serde_json::json!([]), "{context}");
+    assert_eq!(
+        (&answers[1]["id"], &answers[1]["accepted"]),
+        (&serde_json::json!(8), &serde_json::json!(1)),
+        "{context}"
+    );
+    let rejected = answers[1]["rejected"].as_array().expect("rejections");
+    assert_eq!(rejected.len(), 1, "{context}");
+    assert_eq!(rejected[0]["index"], 1, "{context}");
+    assert_eq!(rejected[0]["code"], tonic::Code::InvalidArgument as i32, "{context}");
+    assert!(
+        rejected[0]["message"].as_str().unwrap().contains("batch.*"),
+        "{context}"
+    );
+    assert_eq!(result["bare_deliveries"], 0, "{context}");
+    assert!(result["deliveries_events"].as_u64().unwrap() >= 1, "{context}");
+    assert_eq!(result["received"]["1"], BATCH_COUNT + 1, "{context}");
+    assert_eq!(result["received"]["2"], BATCH_COUNT / 2 + 1, "{context}");
+    assert!(
+        result["shared_deliveries"].as_u64().unwrap() > 0,
+        "a message for both handles came once naming both: {context}"
+    );
+    let mut ended: Vec<(u64, String)> = result["ended"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["handle"].as_u64().unwrap(), e["reason"].as_str().unwrap().to_owned()))
+        .collect();
+    ended.sort();
+    assert_eq!(ended, [(1, "closed".to_owned()), (2, "closed".to_owned())], "{context}");
+}
+
+/// Python grpcio opens a batched Session (`tinybroker-batch: 1`), publishes
+/// a batch on it and receives the `deliveries` events, decoded by the stubs
+/// grpcio-tools generates from the proto.
+#[test]
+fn grpcio_publishes_a_batch_and_receives_deliveries_events_on_a_batched_session() {
+    require_grpcio();
+    let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
+    let mut script = Script::spawn(
+        Command::new("python3").args([
+            "grpcio_batch.py",
+            &broker.grpc_addr,
+            &proto_dir(),
+            &BATCH_COUNT.to_string(),
+        ]),
+        Duration::from_secs(90),
+    );
+    let result = script.result();
+    let stderr = script.stderr_tail();
+    eprintln!("grpcio batch result: {result}");
+    assert_batch_run(&result, &stderr);
+    assert_eq!(published_total_blocking(&broker), (BATCH_COUNT + 1) as f64);
+    assert_no_warnings(&broker);
+}
+
+/// Node @grpc/grpc-js does the same through @grpc/proto-loader.
+#[test]
+fn grpc_js_publishes_a_batch_and_receives_deliveries_events_on_a_batched_session() {
+    require_grpc_js();
+    let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
+    let mut script = Script::spawn(
+        Command::new("node").args([
+            "grpcjs_batch.js",
+            &broker.grpc_addr,
+            &proto_dir(),
+            &BATCH_COUNT.to_string(),
+        ]),
+        Duration::from_secs(90),
+    );
+    let result = script.result();
+    let stderr = script.stderr_tail();
+    eprintln!("grpc-js batch result: {result}");
+    assert_batch_run(&result, &stderr);
+    assert_eq!(published_total_blocking(&broker), (BATCH_COUNT + 1) as f64);
+    assert_no_warnings(&broker);
 }

@@ -115,6 +115,13 @@ def ack(sid, seqs, packed=True):
     return out
 
 
+def session_publish(id_, messages):
+    """A SessionPublish {id, messages}: what the requests target also sends
+    on a Session (plain, then batched with the same id twice)."""
+    out = field_varint(1, id_) if id_ else b""
+    return out + b"".join(field_len(2, m) for m in messages)
+
+
 def frames(*messages):
     return b"".join(b"\0" + struct.pack(">I", len(m)) + m for m in messages)
 
@@ -180,6 +187,33 @@ requests = {
     "stream-frame-truncated": b"\0" + struct.pack(">I", 100) + b"\x0a\x01a",
     "stream-frame-huge-length": b"\0\xff\xff\xff\xff",
     "stream-frames-oversized": frames(publish("a"), publish("a", b"p" * 70000)),
+    # Batches (SessionPublish), checked on a Session against the model; the
+    # checks' default limits are max_message_bytes 1 (a request may be
+    # 65,537 bytes) and max_batch_messages 1024.
+    "session-publish-ok": session_publish(7, [publish("a.b", b"x"), publish("a", b""), publish("a.b.c", b"y")]),
+    "session-publish-bad-by-index": session_publish(
+        1,
+        [
+            publish("a", b"x"),
+            publish("a.*"),
+            publish(""),
+            publish("a", b"too big"),
+            publish("a", b"", [("h%d" % i, "") for i in range(65)]),
+            publish("a", b"", [("", "v")]),
+            publish("a" * 257),
+            publish("a\tb"),
+            publish("b", b"z"),
+        ],
+    ),
+    "session-publish-all-bad": session_publish(2, [publish("a.>"), publish(""), publish("a..b")]),
+    "session-publish-empty": session_publish(3, []),
+    "session-publish-id-max": session_publish((1 << 64) - 1, [publish("a")]),
+    "session-publish-at-limit": session_publish(4, [publish("a")] * 1024),
+    "session-publish-over-limit": session_publish(5, [publish("a")] * 1025),
+    "session-publish-far-over-limit": session_publish(6, [publish("a")] * 4097),
+    # A huge count of tiny messages within the request size, and just over it.
+    "session-publish-9000-tiny": session_publish(8, [publish("a")] * 9000),
+    "session-publish-over-request-size": session_publish(9, [publish("a")] * 10000),
 }
 for name, value in requests.items():
     write("requests", name, value)

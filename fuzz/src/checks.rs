@@ -10,6 +10,10 @@
 //!   implementations on an in-process broker, against a model of what the
 //!   broker must do (exact for broadcast queues and evictions, conservation
 //!   of messages for consumer groups, Admin and metrics agreeing throughout).
+//!   Batches on a `Session` (`SessionPublish`, with and without batched
+//!   deliveries) are checked against the same model: one answer per
+//!   publish, in order, with its id; rejections by index with the code
+//!   `Publish` gives; consecutive sequences; the batch limit.
 //!
 //! Every check panics on a violation; a panic is a finding.
 
@@ -334,6 +338,12 @@ pub async fn check_decoded_requests(data: &[u8]) {
         h.admin_close(close.subscription_id).await;
     }
     h.publish_stream_raw(data.to_vec()).await;
+    if let Ok(publish) = pb::SessionPublish::decode(data) {
+        // As it is, then twice under one id on a batched session that
+        // subscribes to everything it publishes.
+        h.session_publish(vec![publish.clone()], false).await;
+        h.session_publish(vec![publish.clone(), publish], true).await;
+    }
     h.check_admin().await;
     h.finish().await;
 }
@@ -347,6 +357,7 @@ pub struct FuzzConfig {
     pub max_delivery_attempts: u8,
     pub max_subscriptions: u8,
     pub max_message_bytes: u16,
+    pub max_batch_messages: u8,
 }
 
 impl FuzzConfig {
@@ -362,6 +373,11 @@ impl FuzzConfig {
             group_idle_ttl: Duration::from_secs(100 * 365 * 24 * 3600),
             max_message_bytes: 1 + usize::from(self.max_message_bytes % 4096),
             max_subscriptions: 1 + usize::from(self.max_subscriptions % 16),
+            // 0: the default (1024), else 1 to 16, so batches go over it.
+            max_batch_messages: match self.max_batch_messages % 17 {
+                0 => Limits::default().max_batch_messages,
+                n => usize::from(n),
+            },
             ..Limits::default()
         }
     }
@@ -470,6 +486,13 @@ pub enum Op {
         messages: Vec<(Text, u16)>,
     },
     PublishStreamRaw(Vec<u8>),
+    /// Publishes on one `Session`, sent back to back (ids may repeat);
+    /// `batched`: the session asks for batched deliveries and subscribes
+    /// to everything.
+    SessionPublish {
+        batched: bool,
+        publishes: Vec<(u8, Vec<(Text, u16)>)>,
+    },
     Open {
         patterns: Vec<Text>,
         mode: i32,
@@ -586,6 +609,10 @@ pub struct Harness {
     published: HashMap<u64, PublishedMessage>,
     last_sequence: u64,
     evictions: u64,
+    /// Publish requests answered on sessions (tinybroker_publish_batch_size
+    /// observations), and `deliveries` events sent.
+    session_publishes: u64,
+    delivery_events: u64,
 }
 
 fn check_status(call: &str, status: &Status, allowed: &[Code]) {
@@ -712,6 +739,8 @@ impl Harness {
             published: HashMap::new(),
             last_sequence: 0,
             evictions: 0,
+            session_publishes: 0,
+            delivery_events: 0,
         }
     }
 
@@ -750,6 +779,25 @@ impl Harness {
                 self.publish_stream(reqs).await;
             }
             Op::PublishStreamRaw(body) => self.publish_stream_raw(body).await,
+            Op::SessionPublish { batched, publishes } => {
+                let publishes = publishes
+                    .iter()
+                    .take(8)
+                    .map(|(id, messages)| pb::SessionPublish {
+                        id: u64::from(*id % 4),
+                        messages: messages
+                            .iter()
+                            .take(40)
+                            .map(|(t, len)| pb::PublishRequest {
+                                topic: t.render(),
+                                payload: vec![b'b'; usize::from(*len) % 3000].into(),
+                                headers: HashMap::new(),
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                self.session_publish(publishes, batched).await;
+            }
             Op::Open {
                 patterns,
                 mode,
@@ -1512,6 +1560,16 @@ impl Harness {
             .filter(|s| s.open && matches!(s.kind, Kind::Member { .. }))
             .count();
         assert_eq!(metric_sum(&text, "tinybroker_consumer_group_members"), members as f64);
+        assert_eq!(
+            metric_sum(&text, "tinybroker_publish_batch_size_count"),
+            self.session_publishes as f64,
+            "one publish_batch_size observation per session publish"
+        );
+        assert_eq!(
+            metric_sum(&text, "tinybroker_delivery_batch_size_count"),
+            self.delivery_events as f64,
+            "one delivery_batch_size observation per deliveries event"
+        );
     }
 
     /// Closes everything, drains every group with a fresh auto-ack member,
@@ -1573,6 +1631,285 @@ impl Harness {
             assert_eq!((info.members, info.backlog, info.in_flight), (0, 0, 0), "{info:?}");
         }
         assert_eq!(self.broker.subscription_count(), 0);
+    }
+}
+
+// ----- batches on a session -----
+
+/// The most bytes of deliveries in one `deliveries` event, unless it holds
+/// one delivery (docs/contract.md, "Batches").
+pub const DELIVERIES_BOUND: usize = 64 * 1024;
+
+/// Session requests as a gRPC request body.
+fn frame_requests(requests: &[pb::SessionRequest]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for r in requests {
+        let bytes = r.encode_to_vec();
+        body.push(0);
+        body.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+        body.extend_from_slice(&bytes);
+    }
+    body
+}
+
+/// What a session's response body brought: its events and its status.
+struct SessionRun {
+    events: Vec<pb::session_event::Event>,
+    status: Status,
+}
+
+impl Harness {
+    /// Sends `requests` on one `Session` (batched: with `tinybroker-batch:
+    /// 1`), half-closes, and reads the whole response as a client would.
+    async fn run_session(&self, requests: &[pb::SessionRequest], batched: bool) -> SessionRun {
+        use http_body_util::BodyExt as _;
+        let limit = tinybroker::grpc::decoding_limit(self.limits.max_message_bytes);
+        let body = http_body_util::Full::new(Bytes::from(frame_requests(requests)));
+        let decoder = tonic_prost::ProstDecoder::<pb::SessionRequest>::default();
+        let mut request = Request::new(tonic::Streaming::new_request(decoder, body, None, Some(limit)));
+        if batched {
+            request
+                .metadata_mut()
+                .insert("tinybroker-batch", "1".parse().expect("a metadata value"));
+        }
+        let mut response = match self.service.session(request).await {
+            Ok(response) => response,
+            Err(status) => panic!("the session was refused: {status:?}"),
+        };
+        let mut body = take_subscription_body(&mut response).expect("the handler made the session's body");
+        let mut events = Vec::new();
+        let mut buf = Vec::new();
+        loop {
+            let frame = body
+                .frame()
+                .await
+                .expect("a session's body ends with its trailers")
+                .expect("a session's body does not fail");
+            let frame = match frame.into_data() {
+                Ok(data) => {
+                    buf.extend_from_slice(&data);
+                    let mut rest = &buf[..];
+                    while rest.len() >= 5 {
+                        assert_eq!(rest[0], 0, "an uncompressed gRPC frame");
+                        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+                        if rest.len() < 5 + len {
+                            break;
+                        }
+                        let event = pb::SessionEvent::decode(&rest[5..5 + len]).expect("an event decodes");
+                        events.push(event.event.expect("every event has its variant set"));
+                        rest = &rest[5 + len..];
+                    }
+                    buf = rest.to_vec();
+                    continue;
+                }
+                Err(frame) => frame,
+            };
+            let trailers = frame.into_trailers().expect("a data frame or the trailers");
+            assert!(buf.is_empty(), "the body ended in the middle of an event");
+            let status = Status::from_header_map(&trailers).expect("the trailers carry a status");
+            return SessionRun { events, status };
+        }
+    }
+
+    /// Publishes `publishes` back to back on one session and checks each
+    /// answer against the model: one per publish, in order, with its id;
+    /// every bad message rejected by index with the code and message
+    /// `Publish` gives, the rest published with consecutive sequences from
+    /// `first_sequence`; a batch over `max_batch_messages` rejected whole
+    /// in a small answer; a request over the decoding limit ends the
+    /// session (RESOURCE_EXHAUSTED) after answering those before it.
+    /// `batched`: the session first opens handle 1 on `>`, and must get its
+    /// deliveries in `deliveries` events only, each within the byte bound,
+    /// in order, a prefix of what it published, until the handle ends.
+    pub async fn session_publish(&mut self, publishes: Vec<pb::SessionPublish>, batched: bool) {
+        let limit = tinybroker::grpc::decoding_limit(self.limits.max_message_bytes);
+        let max_batch = self.limits.max_batch_messages;
+        let mut requests = Vec::new();
+        let open_refused = batched && self.open_count() >= self.limits.max_subscriptions;
+        if batched {
+            requests.push(pb::SessionRequest {
+                request: Some(pb::session_request::Request::Open(pb::SessionOpen {
+                    handle: 1,
+                    subscription: Some(pb::OpenSubscriptionRequest {
+                        topic_patterns: vec![">".into()],
+                        ..Default::default()
+                    }),
+                    credit: 0,
+                })),
+            });
+        }
+        let publish_requests: Vec<pb::SessionRequest> = publishes
+            .iter()
+            .map(|p| pb::SessionRequest {
+                request: Some(pb::session_request::Request::Publish(p.clone())),
+            })
+            .collect();
+        // The publishes before the first one too large to be read.
+        let readable = publish_requests
+            .iter()
+            .position(|r| r.encoded_len() > limit)
+            .unwrap_or(publishes.len());
+        requests.extend(publish_requests);
+        let run = self.run_session(&requests, batched).await;
+
+        let mut answers = Vec::new();
+        let mut delivered: Vec<pb::Message> = Vec::new();
+        let mut opened = None;
+        let mut ended = None;
+        for event in run.events {
+            use pb::session_event::Event;
+            match event {
+                Event::Published(p) => answers.push(p),
+                Event::Opened(o) => {
+                    assert!(batched && o.handle == 1 && opened.is_none() && ended.is_none(), "{o:?}");
+                    opened = Some(o.subscription_id);
+                }
+                Event::Ended(e) => {
+                    assert!(batched && e.handle == 1 && ended.is_none(), "{e:?}");
+                    ended = Some(e);
+                }
+                Event::Deliveries(b) => {
+                    assert!(batched, "deliveries on a session that did not ask for them");
+                    assert!(!b.deliveries.is_empty(), "an empty deliveries event");
+                    assert!(
+                        b.encoded_len() <= DELIVERIES_BOUND || b.deliveries.len() == 1,
+                        "a deliveries event of {} bytes",
+                        b.encoded_len()
+                    );
+                    self.delivery_events += 1;
+                    for d in b.deliveries {
+                        assert_eq!(d.handles, [1], "{d:?}");
+                        assert!(ended.is_none(), "a delivery after the handle's ended");
+                        let m = d.message.expect("a delivery carries its message");
+                        assert_eq!(Some(&m.subscription_id), opened.as_ref(), "one handle: its id");
+                        delivered.push(m);
+                    }
+                }
+                Event::Delivery(d) => panic!("a bare delivery: {d:?}"),
+            }
+        }
+        if readable < publishes.len() {
+            check_status("Session (an oversize publish)", &run.status, &[Code::ResourceExhausted]);
+        } else {
+            assert_eq!(run.status.code(), Code::Ok, "the session ends OK: {:?}", run.status);
+        }
+        assert_eq!(answers.len(), readable, "one answer per publish read");
+        self.session_publishes += readable as u64;
+
+        let mut accepted_sequences = Vec::new();
+        for (publish, answer) in publishes.iter().zip(&answers) {
+            assert_eq!(answer.id, publish.id, "answers in request order, ids echoed");
+            let len = publish.messages.len();
+            assert_eq!(answer.accepted as usize + answer.rejected.len(), len, "{answer:?}");
+            if len > max_batch {
+                assert_eq!((answer.accepted, answer.first_sequence), (0, 0), "over the batch limit");
+                for (i, r) in answer.rejected.iter().enumerate() {
+                    assert_eq!((r.index as usize, r.code), (i, Code::ResourceExhausted as u32));
+                }
+                let said = format!("max_batch_messages {max_batch} (TINYBROKER_MAX_BATCH_MESSAGES)");
+                assert!(answer.rejected[0].message.contains(&said), "{:?}", answer.rejected[0]);
+                if len > 4 * max_batch {
+                    // A huge count: the text once, the answer a few bytes
+                    // per message.
+                    assert!(
+                        answer.encoded_len() <= 16 * len + 4096,
+                        "an answer of {} bytes for {len} rejections",
+                        answer.encoded_len()
+                    );
+                } else {
+                    assert!(answer.rejected.iter().all(|r| r.message.contains(&said)), "{answer:?}");
+                }
+                continue;
+            }
+            let mut rejected = answer.rejected.iter().peekable();
+            let first = self.last_sequence + 1;
+            for (i, m) in publish.messages.iter().enumerate() {
+                let expected = publish_expectation(m, self.limits.max_message_bytes);
+                let r = rejected.next_if(|r| r.index as usize == i);
+                match (expected, r) {
+                    (None, None) => {
+                        self.last_sequence += 1;
+                        accepted_sequences.push(self.last_sequence);
+                        let message = PublishedMessage {
+                            topic: m.topic.clone(),
+                            payload_len: m.payload.len(),
+                            headers: m.headers.clone(),
+                        };
+                        self.route(self.last_sequence, message);
+                    }
+                    (Some(code), Some(r)) => {
+                        assert_eq!(r.code, code as u32, "index {i}: {r:?}");
+                        // The code and text Publish gives.
+                        let status = self
+                            .service
+                            .publish(Request::new(m.clone()))
+                            .await
+                            .expect_err("Publish refuses it too");
+                        assert_eq!(r.code, status.code() as u32);
+                        assert!(
+                            !r.message.is_empty() && r.message.ends_with(status.message()),
+                            "index {i}: {:?}, Publish says {:?}",
+                            r.message,
+                            status.message()
+                        );
+                    }
+                    (expected, r) => panic!("message {i} of {:?}: expected {expected:?}, got {r:?}", m.topic),
+                }
+            }
+            assert!(
+                rejected.next().is_none(),
+                "rejections by index, in index order: {answer:?}"
+            );
+            let accepted = self.last_sequence + 1 - first;
+            assert_eq!(u64::from(answer.accepted), accepted);
+            let want_first = if accepted > 0 { first } else { 0 };
+            assert_eq!(answer.first_sequence, want_first, "consecutive from first_sequence");
+        }
+        assert_eq!(self.broker.last_sequence(), self.last_sequence);
+
+        if batched {
+            match (open_refused, &opened, &ended) {
+                (true, None, Some(e)) => {
+                    assert_eq!(
+                        (e.reason.as_str(), e.code),
+                        ("rejected", Code::ResourceExhausted as u32)
+                    );
+                }
+                (false, Some(_), _) => {}
+                other => panic!("the batched session's handle: {other:?}"),
+            }
+            if opened.is_some() {
+                let got: Vec<u64> = delivered.iter().map(|m| m.sequence).collect();
+                assert!(
+                    accepted_sequences.starts_with(&got),
+                    "the handle gets what was published, in order, from the start: {got:?} of {accepted_sequences:?}"
+                );
+                for m in &delivered {
+                    let published = &self.published[&m.sequence];
+                    assert_eq!((&m.topic, m.payload.len()), (&published.topic, published.payload_len));
+                }
+                match &ended {
+                    Some(e) if e.reason == "evicted" => {
+                        self.evictions += 1;
+                        coverage::add(&coverage::EVICTED, 1);
+                    }
+                    Some(e) => {
+                        assert_eq!(e.reason, "closed", "{e:?}");
+                        assert_eq!(
+                            got.len() as u64 + e.dropped,
+                            accepted_sequences.len() as u64,
+                            "delivered or dropped: {e:?}"
+                        );
+                    }
+                    // The session failed (an oversize request): no ends.
+                    None => assert!(readable < publishes.len(), "the handle never ended"),
+                }
+                if let Some(e) = &ended {
+                    assert_eq!(e.last_sequence, got.last().copied().unwrap_or(0), "{e:?}");
+                }
+                coverage::add(&coverage::BROADCAST_DELIVERED, got.len() as u64);
+            }
+        }
     }
 }
 

@@ -8,6 +8,9 @@ use tinybroker::pb::session_event::Event;
 use tinybroker::pb::session_request::Request;
 use tonic::transport::Channel;
 
+/// The request metadata a session asks for batched deliveries with.
+pub const BATCH_METADATA: &str = "tinybroker-batch";
+
 pub struct TestSession {
     /// None once the test half-closed the session.
     requests: Option<mpsc::UnboundedSender<pb::SessionRequest>>,
@@ -21,8 +24,31 @@ impl TestSession {
     }
 
     pub async fn try_start(client: &mut BrokerClient<Channel>) -> Result<Self, tonic::Status> {
+        Self::try_start_with(client, None).await
+    }
+
+    /// Opens a session that asks for batched deliveries (request metadata
+    /// `tinybroker-batch: 1`: `deliveries` events, no bare `delivery`).
+    pub async fn start_batched(client: &mut BrokerClient<Channel>) -> Self {
+        Self::try_start_with(client, Some("1"))
+            .await
+            .expect("the batched session is accepted")
+    }
+
+    /// Opens a session with `batch` as its `tinybroker-batch` metadata
+    /// (None: without the header).
+    pub async fn try_start_with(
+        client: &mut BrokerClient<Channel>,
+        batch: Option<&str>,
+    ) -> Result<Self, tonic::Status> {
         let (requests, receiver) = mpsc::unbounded();
-        let events = client.session(receiver).await?.into_inner();
+        let mut request = tonic::Request::new(receiver);
+        if let Some(value) = batch {
+            request
+                .metadata_mut()
+                .insert(BATCH_METADATA, value.parse().expect("an ASCII metadata value"));
+        }
+        let events = client.session(request).await?.into_inner();
         Ok(Self {
             requests: Some(requests),
             events,
@@ -76,6 +102,11 @@ impl TestSession {
         }));
     }
 
+    /// Sends a batch of messages (`SessionPublish`) under `id`.
+    pub fn publish(&self, id: u64, messages: Vec<pb::PublishRequest>) {
+        self.send(Request::Publish(pb::SessionPublish { id, messages }));
+    }
+
     pub fn half_close(&mut self) {
         self.requests = None;
     }
@@ -119,6 +150,22 @@ impl TestSession {
         match self.event().await {
             Event::Delivery(d) => d,
             other => panic!("expected a delivery, got {other:?}"),
+        }
+    }
+
+    /// The next event, which must be a `published` answer.
+    pub async fn published(&mut self) -> pb::SessionPublished {
+        match self.event().await {
+            Event::Published(p) => p,
+            other => panic!("expected published, got {other:?}"),
+        }
+    }
+
+    /// The next event, which must be a `deliveries` event.
+    pub async fn deliveries(&mut self) -> pb::SessionDeliveries {
+        match self.event().await {
+            Event::Deliveries(d) => d,
+            other => panic!("expected deliveries, got {other:?}"),
         }
     }
 

@@ -19,6 +19,8 @@
 //! its subscriber and publisher on one connection. Every test applies to
 //! both engines.
 //!
+//! - [`batches`]: publishes in batches on a session and batched
+//!   deliveries;
 //! - [`broadcast`]: fan-out, message fields, ordering, eviction,
 //!   subscription ids and error codes;
 //! - [`groups`]: consumer groups, manual ack, redelivery, dead letters,
@@ -28,6 +30,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod batches;
 mod broadcast;
 mod groups;
 mod sizes;
