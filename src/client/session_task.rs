@@ -20,16 +20,30 @@
 //!   rejected) takes the subscription out of the table; whether and when it
 //!   is opened again is its subscriber's business, as it was with
 //!   `OpenSubscription`.
+//! - **Batches.** The session asks for batched deliveries
+//!   (`tinybroker-batch: 1`): each element of a `deliveries` event is
+//!   forwarded as a delivery. Publishes go out as `SessionPublish` with an
+//!   id of the task's own; the broker answers each with one `published`
+//!   carrying it, in the order of the requests. A publish with no session
+//!   starts one at once (the subscriptions waiting for one are opened on it
+//!   too); if none can be started it fails as [`PublishError::NotSent`].
+//!   A publish still unanswered when its session is lost fails as
+//!   [`PublishError::Unconfirmed`]: it may or may not have been published,
+//!   and it is never sent again.
+//! - **Acks.** Commands already queued when the task takes one are written
+//!   together, consecutive acks (or nacks) of one handle merged into one
+//!   request.
 
-use super::Backoff;
+use super::{Backoff, PublishError};
+use crate::grpc::services::BATCH_METADATA;
 use crate::pb;
 use crate::pb::broker_client::BrokerClient;
 use crate::pb::session_event::Event;
 use crate::pb::session_request::Request as SessionRequest;
 use futures::channel::mpsc as requests_channel;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
@@ -42,6 +56,13 @@ pub(crate) const CREDIT_WINDOW: u32 = 64;
 pub(crate) const CREDIT_BATCH: u32 = CREDIT_WINDOW / 2;
 /// How long the broker has to accept a session (it answers at once).
 const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most commands already queued that the task writes in one turn (their
+/// acks merged) before it looks at the session's events again.
+const COMMANDS_PER_TURN: usize = 1024;
+
+/// What a publish is answered with: the broker's `published`, or why
+/// there is none.
+pub(crate) type PublishAnswer = Result<pb::SessionPublished, PublishError>;
 
 /// What a subscriber asks of the session task.
 pub(crate) enum Command {
@@ -69,6 +90,12 @@ pub(crate) enum Command {
     /// End the subscription: `ended` (closed) follows, or `Lost` if the
     /// session goes first.
     Close { handle: u32 },
+    /// Publish a batch on the session; `answer` hears the broker's
+    /// `published`, or why it was not answered.
+    Publish {
+        messages: Vec<pb::PublishRequest>,
+        answer: oneshot::Sender<PublishAnswer>,
+    },
 }
 
 /// What the session task tells one subscriber, in order.
@@ -110,6 +137,9 @@ pub(crate) fn spawn(
         entries: HashMap::new(),
         retry_at: None,
         backoff: Backoff::default(),
+        publishes: VecDeque::new(),
+        last_publish_id: 0,
+        acks: None,
     };
     tokio::spawn(task.run(receiver));
     commands
@@ -127,6 +157,29 @@ struct SessionTask {
     /// When to try a new session, after a lost or refused one.
     retry_at: Option<Instant>,
     backoff: Backoff,
+    /// Publishes sent on the current session and not answered yet, in the
+    /// order they were sent (the order the broker answers them in).
+    publishes: VecDeque<Unanswered>,
+    /// The id of the last publish sent (ids are never reused while the
+    /// client lives).
+    last_publish_id: u64,
+    /// Acks (or nacks) of one handle not written yet: the commands queued
+    /// after them may add to them.
+    acks: Option<PendingAcks>,
+}
+
+/// A publish sent and not answered.
+struct Unanswered {
+    id: u64,
+    messages: usize,
+    answer: oneshot::Sender<PublishAnswer>,
+}
+
+/// Consecutive acks (or nacks) of one handle, merged into one request.
+struct PendingAcks {
+    handle: u32,
+    nack: bool,
+    sequences: Vec<u64>,
 }
 
 struct Live {
@@ -173,7 +226,18 @@ impl SessionTask {
             };
             match step {
                 Step::Command(None) => return,
-                Step::Command(Some(command)) => self.command(command).await,
+                Step::Command(Some(command)) => {
+                    self.command(command).await;
+                    // What is queued behind it is written with it, so that
+                    // consecutive acks of one handle go out as one request.
+                    for _ in 1..COMMANDS_PER_TURN {
+                        let Ok(command) = commands.try_recv() else {
+                            break;
+                        };
+                        self.command(command).await;
+                    }
+                    self.send_acks();
+                }
                 Step::Event(event) => self.event(event),
                 Step::Retry => {
                     self.retry_at = None;
@@ -184,6 +248,10 @@ impl SessionTask {
     }
 
     async fn command(&mut self, command: Command) {
+        if !matches!(command, Command::Ack { .. }) {
+            // Whatever comes after acks is written after them.
+            self.send_acks();
+        }
         match command {
             Command::Open {
                 handle,
@@ -227,16 +295,7 @@ impl SessionTask {
                 handle,
                 sequences,
                 nack,
-            } => {
-                // A message of a lost session is redelivered by the broker
-                // anyway; the ack would name a stream that is gone.
-                if self.entries.get(&handle).is_some_and(|e| e.state != State::Waiting) {
-                    self.send(match nack {
-                        false => SessionRequest::Ack(pb::SessionAck { handle, sequences }),
-                        true => SessionRequest::Nack(pb::SessionNack { handle, sequences }),
-                    });
-                }
-            }
+            } => self.queue_ack(handle, sequences, nack),
             Command::Close { handle } => {
                 let Some(entry) = self.entries.get_mut(&handle) else {
                     return;
@@ -253,7 +312,69 @@ impl SessionTask {
                     self.send(SessionRequest::Close(pb::SessionClose { handle }));
                 }
             }
+            Command::Publish { messages, answer } => self.publish(messages, answer).await,
         }
+    }
+
+    /// Keeps an ack (or nack) to be written with the next ones of its
+    /// handle, if they come right after it.
+    fn queue_ack(&mut self, handle: u32, sequences: Vec<u64>, nack: bool) {
+        if let Some(pending) = &mut self.acks
+            && pending.handle == handle
+            && pending.nack == nack
+        {
+            pending.sequences.extend(sequences);
+            return;
+        }
+        self.send_acks();
+        self.acks = Some(PendingAcks {
+            handle,
+            nack,
+            sequences,
+        });
+    }
+
+    /// Writes the acks (or nacks) kept by [`Self::queue_ack`].
+    fn send_acks(&mut self) {
+        let Some(PendingAcks {
+            handle,
+            nack,
+            sequences,
+        }) = self.acks.take()
+        else {
+            return;
+        };
+        // A message of a lost session is redelivered by the broker anyway;
+        // the ack would name a stream that is gone.
+        if self.entries.get(&handle).is_some_and(|e| e.state != State::Waiting) {
+            self.send(match nack {
+                false => SessionRequest::Ack(pb::SessionAck { handle, sequences }),
+                true => SessionRequest::Nack(pb::SessionNack { handle, sequences }),
+            });
+        }
+    }
+
+    /// Sends a batch on the session, starting one if there is none.
+    async fn publish(&mut self, messages: Vec<pb::PublishRequest>, answer: oneshot::Sender<PublishAnswer>) {
+        let count = messages.len();
+        if self.session.is_none() {
+            match self.connect().await {
+                Ok(live) => self.started(live),
+                // The subscriptions keep their own schedule of tries.
+                Err(cause) => {
+                    let _ = answer.send(Err(PublishError::NotSent { messages: count, cause }));
+                    return;
+                }
+            }
+        }
+        self.last_publish_id += 1;
+        let id = self.last_publish_id;
+        self.publishes.push_back(Unanswered {
+            id,
+            messages: count,
+            answer,
+        });
+        self.send(SessionRequest::Publish(pb::SessionPublish { id, messages }));
     }
 
     fn send(&mut self, request: SessionRequest) {
@@ -285,19 +406,23 @@ impl SessionTask {
             return;
         }
         match self.connect().await {
-            Ok(live) => {
-                self.session = Some(live);
-                let waiting: Vec<u32> = self
-                    .entries
-                    .iter()
-                    .filter(|(_, e)| e.state == State::Waiting)
-                    .map(|(h, _)| *h)
-                    .collect();
-                for handle in waiting {
-                    self.send_open(handle);
-                }
-            }
+            Ok(live) => self.started(live),
             Err(status) => self.lost(status, true),
+        }
+    }
+
+    /// A new session is up: every waiting subscription is opened on it.
+    fn started(&mut self, live: Live) {
+        self.session = Some(live);
+        self.retry_at = None;
+        let waiting: Vec<u32> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.state == State::Waiting)
+            .map(|(h, _)| *h)
+            .collect();
+        for handle in waiting {
+            self.send_open(handle);
         }
     }
 
@@ -307,6 +432,9 @@ impl SessionTask {
         if let Some(auth) = &self.authorization {
             request.metadata_mut().insert("authorization", auth.clone());
         }
+        request
+            .metadata_mut()
+            .insert(BATCH_METADATA, MetadataValue::from_static("1"));
         let response = tokio::time::timeout(START_TIMEOUT, self.broker.session(request))
             .await
             .map_err(|_| Status::deadline_exceeded("the broker did not accept a session within 10 s"))??;
@@ -320,7 +448,10 @@ impl SessionTask {
         match event {
             Ok(Some(pb::SessionEvent { event: Some(event) })) => self.forward(event),
             Ok(Some(_)) => {}
-            Ok(None) if self.entries.is_empty() => self.session = None,
+            Ok(None) if self.entries.is_empty() => {
+                self.session = None;
+                self.unconfirmed(&Status::unavailable("the broker ended the session"));
+            }
             Ok(None) => self.lost(Status::unavailable("the broker ended the session"), false),
             Err(status) => self.lost(status, false),
         }
@@ -370,8 +501,27 @@ impl SessionTask {
                     self.forward(Event::Delivery(delivery));
                 }
             }
-            // This task sends no publishes, so it is answered none.
-            Event::Published(_) => {}
+            Event::Published(published) => {
+                // Answers come in the order of the requests: the one
+                // answered is the oldest, unless the broker skipped one.
+                let Some(at) = self.publishes.iter().position(|p| p.id == published.id) else {
+                    tracing::debug!(id = published.id, "an answer to no publish of this session");
+                    return;
+                };
+                let publish = self.publishes.remove(at).expect("found above");
+                let _ = publish.answer.send(Ok(published));
+            }
+        }
+    }
+
+    /// The session is gone: every publish on it not answered yet is
+    /// unconfirmed (never sent again).
+    fn unconfirmed(&mut self, cause: &Status) {
+        for publish in self.publishes.drain(..) {
+            let _ = publish.answer.send(Err(PublishError::Unconfirmed {
+                messages: publish.messages,
+                cause: cause.clone(),
+            }));
         }
     }
 
@@ -380,6 +530,7 @@ impl SessionTask {
     /// are told and forgotten.
     fn lost(&mut self, status: Status, starting: bool) {
         self.session = None;
+        self.unconfirmed(&status);
         let retry = retryable(&status);
         self.entries.retain(|_, entry| {
             let keep = retry && entry.reconnect && !entry.closing;
