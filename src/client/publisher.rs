@@ -198,8 +198,8 @@ impl Publisher {
             self.summary.rejected.push(Rejection {
                 index,
                 message: format!(
-                    "message to {:?} is {size} bytes encoded, larger than the broker reads in a request \
-                     ({} bytes: max_message_bytes + 64 KiB): not sent",
+                    "message to {:?} is {size} bytes encoded, larger than the largest request the broker reads \
+                     ({limit} bytes: max_message_bytes {} + 64 KiB): not sent",
                     message.topic,
                     limit - REQUEST_SLACK
                 ),
