@@ -40,14 +40,16 @@ use crate::pb;
 use crate::pb::broker_client::BrokerClient;
 use crate::pb::session_event::Event;
 use crate::pb::session_request::Request as SessionRequest;
+use futures::StreamExt;
 use futures::channel::mpsc as requests_channel;
+use futures::stream::BoxStream;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
-use tonic::{Code, Status, Streaming};
+use tonic::{Code, Status};
 
 /// Deliveries the broker may send one subscription beyond what its
 /// application has taken.
@@ -184,7 +186,9 @@ struct PendingAcks {
 
 struct Live {
     requests: requests_channel::UnboundedSender<pb::SessionRequest>,
-    events: Streaming<pb::SessionEvent>,
+    /// The session's events (a `tonic::Streaming`; a test's own stream in
+    /// the unit tests).
+    events: BoxStream<'static, Result<pb::SessionEvent, Status>>,
 }
 
 struct Entry {
@@ -440,7 +444,7 @@ impl SessionTask {
             .map_err(|_| Status::deadline_exceeded("the broker did not accept a session within 10 s"))??;
         Ok(Live {
             requests,
-            events: response.into_inner(),
+            events: response.into_inner().boxed(),
         })
     }
 
@@ -570,7 +574,7 @@ pub(crate) fn retryable(status: &Status) -> bool {
 
 async fn next_event(session: &mut Option<Live>) -> Result<Option<pb::SessionEvent>, Status> {
     match session {
-        Some(live) => live.events.message().await,
+        Some(live) => live.events.next().await.transpose(),
         None => std::future::pending().await,
     }
 }
@@ -579,5 +583,205 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::channel::mpsc as events_channel;
+    use tonic::transport::Endpoint;
+
+    /// A session task on a session of the test's own: the requests it
+    /// writes, and the events the test feeds it.
+    struct Harness {
+        commands: mpsc::UnboundedSender<Command>,
+        requests: requests_channel::UnboundedReceiver<pb::SessionRequest>,
+        events: events_channel::UnboundedSender<Result<pb::SessionEvent, Status>>,
+    }
+
+    /// The task, not yet running (so that the commands the test queues are
+    /// all there at its first turn), with `handles` open on its session. A
+    /// new session would be sought at 127.0.0.1:1, which refuses it.
+    fn harness(handles: &[u32]) -> (Harness, impl Future<Output = ()>) {
+        let (commands, receiver) = mpsc::unbounded_channel();
+        let (requests_tx, requests) = requests_channel::unbounded();
+        let (events, events_rx) = events_channel::unbounded();
+        let channel = Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        let entries = handles
+            .iter()
+            .map(|&handle| {
+                let entry = Entry {
+                    request: pb::OpenSubscriptionRequest::default(),
+                    reconnect: false,
+                    events: mpsc::unbounded_channel().0,
+                    state: State::Open,
+                    subscription_id: format!("sub-{handle}"),
+                    generation: 1,
+                    closing: false,
+                };
+                (handle, entry)
+            })
+            .collect();
+        let task = SessionTask {
+            broker: BrokerClient::new(channel),
+            authorization: None,
+            session: Some(Live {
+                requests: requests_tx,
+                events: events_rx.boxed(),
+            }),
+            entries,
+            retry_at: None,
+            backoff: Backoff::default(),
+            publishes: VecDeque::new(),
+            last_publish_id: 0,
+            acks: None,
+        };
+        let harness = Harness {
+            commands,
+            requests,
+            events,
+        };
+        (harness, task.run(receiver))
+    }
+
+    impl Harness {
+        fn send(&self, command: Command) {
+            assert!(self.commands.send(command).is_ok());
+        }
+
+        async fn request(&mut self) -> SessionRequest {
+            tokio::time::timeout(Duration::from_secs(5), self.requests.next())
+                .await
+                .expect("a request within 5 s")
+                .expect("the session is open")
+                .request
+                .expect("a request with a variant")
+        }
+
+        fn publish(&self, messages: usize) -> oneshot::Receiver<PublishAnswer> {
+            let (answer, receiver) = oneshot::channel();
+            self.send(Command::Publish {
+                messages: vec![pb::PublishRequest::default(); messages],
+                answer,
+            });
+            receiver
+        }
+
+        fn feed(&self, event: Result<Event, Status>) {
+            let event = event.map(|e| pb::SessionEvent { event: Some(e) });
+            assert!(self.events.unbounded_send(event).is_ok());
+        }
+    }
+
+    fn ack(handle: u32, sequences: &[u64], nack: bool) -> Command {
+        Command::Ack {
+            handle,
+            sequences: sequences.to_vec(),
+            nack,
+        }
+    }
+
+    async fn answer(receiver: oneshot::Receiver<PublishAnswer>) -> PublishAnswer {
+        tokio::time::timeout(Duration::from_secs(5), receiver)
+            .await
+            .expect("an answer within 5 s")
+            .expect("the task answers every publish")
+    }
+
+    #[tokio::test]
+    async fn acks_queued_together_for_one_handle_go_out_as_one_request() {
+        let (mut h, task) = harness(&[1, 2]);
+        for command in [
+            ack(1, &[1], false),
+            ack(1, &[2, 3], false),
+            ack(2, &[7], false),
+            ack(1, &[4], false),
+            ack(1, &[5], true),
+            ack(1, &[6], true),
+            Command::Credit {
+                handle: 1,
+                generation: 1,
+                messages: 32,
+            },
+            ack(1, &[8], false),
+        ] {
+            h.send(command);
+        }
+        tokio::spawn(task);
+        let acked = |handle, sequences: &[u64]| {
+            SessionRequest::Ack(pb::SessionAck {
+                handle,
+                sequences: sequences.to_vec(),
+            })
+        };
+        let mut written = Vec::new();
+        for _ in 0..6 {
+            written.push(h.request().await);
+        }
+        assert_eq!(
+            written,
+            [
+                acked(1, &[1, 2, 3]),
+                acked(2, &[7]),
+                acked(1, &[4]),
+                SessionRequest::Nack(pb::SessionNack {
+                    handle: 1,
+                    sequences: vec![5, 6]
+                }),
+                SessionRequest::Credit(pb::SessionCredit {
+                    handle: 1,
+                    messages: 32
+                }),
+                acked(1, &[8]),
+            ]
+        );
+        assert!(h.requests.try_recv().is_err(), "nothing more was written");
+    }
+
+    #[tokio::test]
+    async fn publishes_are_answered_by_id_and_those_on_a_lost_session_are_unconfirmed() {
+        let (mut h, task) = harness(&[]);
+        let answers = [h.publish(2), h.publish(1), h.publish(3)];
+        tokio::spawn(task);
+        let mut ids = Vec::new();
+        for messages in [2, 1, 3] {
+            match h.request().await {
+                SessionRequest::Publish(p) => {
+                    assert_eq!(p.messages.len(), messages);
+                    ids.push(p.id);
+                }
+                other => panic!("a publish, not {other:?}"),
+            }
+        }
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+        let [first, second, third] = answers;
+        let published = |id, first_sequence, accepted| {
+            Ok(Event::Published(pb::SessionPublished {
+                id,
+                first_sequence,
+                accepted,
+                rejected: Vec::new(),
+            }))
+        };
+        h.feed(published(ids[0], 10, 2));
+        h.feed(published(ids[1], 12, 1));
+        let a = answer(first).await.unwrap();
+        assert_eq!((a.id, a.first_sequence, a.accepted), (ids[0], 10, 2));
+        let b = answer(second).await.unwrap();
+        assert_eq!((b.id, b.first_sequence, b.accepted), (ids[1], 12, 1));
+        // The third is unanswered when the session fails.
+        h.feed(Err(Status::unavailable("connection reset")));
+        match answer(third).await {
+            Err(PublishError::Unconfirmed { messages: 3, cause }) => {
+                assert_eq!(cause.code(), Code::Unavailable);
+            }
+            other => panic!("unconfirmed, not {other:?}"),
+        }
+        // No session now, and none to be had at 127.0.0.1:1: not sent.
+        match answer(h.publish(1)).await {
+            Err(PublishError::NotSent { messages: 1, .. }) => {}
+            other => panic!("not sent, not {other:?}"),
+        }
     }
 }
