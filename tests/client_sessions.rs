@@ -661,7 +661,8 @@ async fn batched_deliveries_reach_every_subscriber_of_one_client_in_order() {
                 .map(|i| (i.to_string(), first + i as u64))
                 .collect()
         };
-        let keeps: [(&str, fn(usize) -> bool); 3] = [
+        type Keep = fn(usize) -> bool;
+        let keeps: [(&str, Keep); 3] = [
             ("fan.>", |_| true),
             ("fan.even", |i| i % 2 == 0),
             ("fan.odd", |i| i % 2 == 1),
