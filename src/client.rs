@@ -3,28 +3,32 @@
 //! eviction or a lost connection, and report each such event. Every
 //! subscription of a [`Client`] (and of its clones) is opened on one
 //! `Session` stream ([`session_task`]), with credit given back as the
-//! application takes messages and acks sent in-band. Sends
-//! `authorization: Bearer <token>` when a token is set (by default from
-//! `TINYBROKER_AUTH_TOKEN`).
+//! application takes messages and acks sent in-band; the session asks for
+//! batched deliveries. Batches of messages are published on that same
+//! session ([`Client::publish_batch`], and the buffered [`Publisher`]).
+//! Sends `authorization: Bearer <token>` when a token is set (by default
+//! from `TINYBROKER_AUTH_TOKEN`).
 
+mod publisher;
 mod session_task;
 
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
-use session_task::{CREDIT_BATCH, Command, HandleEvent};
+use session_task::{CREDIT_BATCH, Command, HandleEvent, PublishAnswer};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
 pub use crate::pb::Message;
+pub use publisher::{DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, FailedBatch, PublishSummary, Publisher, Rejection};
 
 /// The address the CLI uses when none is given.
 pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
@@ -172,6 +176,52 @@ impl Client {
         Ok(self.broker.publish(request).await?.into_inner())
     }
 
+    /// Publishes `messages` as one batch (`SessionPublish`) on this
+    /// client's session (the one its subscriptions ride on, started if
+    /// there is none), and returns the broker's answer: how many were
+    /// accepted, with consecutive sequences from `first_sequence` in the
+    /// order given, and each rejected one by its index in `messages`, with
+    /// the code and message `Publish` would have given.
+    ///
+    /// The batch is sent as it is, never split: keep it within the broker's
+    /// `max_batch_messages` (TINYBROKER_MAX_BATCH_MESSAGES, 1024 by default;
+    /// a larger batch is rejected whole, every index RESOURCE_EXHAUSTED) and
+    /// its encoded size within the broker's request limit
+    /// (`max_message_bytes` + 64 KiB; a larger one ends the session, and
+    /// every batch unanswered on it is then unconfirmed). [`Publisher`]
+    /// splits for you.
+    ///
+    /// Batches sent from one task are answered in the order they were sent.
+    /// If the session is lost before the answer comes, the error is
+    /// [`PublishError::Unconfirmed`]: the batch may or may not have been
+    /// published (in whole or in part), and it is not sent again.
+    pub async fn publish_batch(&self, messages: Vec<pb::PublishRequest>) -> Result<pb::SessionPublished, PublishError> {
+        self.send_batch(messages).answer().await
+    }
+
+    /// Hands a batch to the session task without waiting for its answer.
+    fn send_batch(&self, messages: Vec<pb::PublishRequest>) -> PendingBatch {
+        let count = messages.len();
+        let (answer, receiver) = oneshot::channel();
+        if let Err(mpsc::error::SendError(Command::Publish { answer, .. })) =
+            self.session().send(Command::Publish { messages, answer })
+        {
+            let _ = answer.send(Err(PublishError::NotSent {
+                messages: count,
+                cause: session_gone(),
+            }));
+        }
+        PendingBatch {
+            messages: count,
+            answer: receiver,
+        }
+    }
+
+    /// A buffered publisher on this client's session: see [`Publisher`].
+    pub fn publisher(&self) -> Publisher {
+        Publisher::new(self.clone())
+    }
+
     /// Acknowledges manual-ack group messages.
     pub async fn ack(&mut self, subscription_id: &str, sequences: Vec<u64>) -> Result<pb::AckResponse, Status> {
         let request = self.request(pb::AckRequest {
@@ -239,6 +289,96 @@ impl Client {
             resuming: false,
             on_event: None,
         }
+    }
+}
+
+/// Why a batch published on the session has no answer.
+#[derive(Debug, Clone)]
+pub enum PublishError {
+    /// It was written to a session that was lost before the broker
+    /// answered it: all, some or none of its messages may have been
+    /// published. The client never sends it again; the application decides.
+    Unconfirmed { messages: usize, cause: Status },
+    /// It was not sent (no session could be started, or the client's
+    /// session task is gone): nothing of it was published.
+    NotSent { messages: usize, cause: Status },
+}
+
+impl PublishError {
+    /// How many messages the batch held.
+    pub fn messages(&self) -> usize {
+        match self {
+            PublishError::Unconfirmed { messages, .. } | PublishError::NotSent { messages, .. } => *messages,
+        }
+    }
+
+    /// What failed: the session's status.
+    pub fn cause(&self) -> &Status {
+        match self {
+            PublishError::Unconfirmed { cause, .. } | PublishError::NotSent { cause, .. } => cause,
+        }
+    }
+
+    pub fn is_unconfirmed(&self) -> bool {
+        matches!(self, PublishError::Unconfirmed { .. })
+    }
+}
+
+impl std::fmt::Display for PublishError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cause = self.cause();
+        match self {
+            PublishError::Unconfirmed { messages, .. } => write!(
+                f,
+                "a batch of {messages} messages is unconfirmed: the session was lost before the broker answered \
+                 (it may or may not have been published; it was not sent again): {:?}: {}",
+                cause.code(),
+                cause.message()
+            ),
+            PublishError::NotSent { messages, .. } => write!(
+                f,
+                "a batch of {messages} messages was not sent (nothing of it was published): {:?}: {}",
+                cause.code(),
+                cause.message()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PublishError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.cause())
+    }
+}
+
+/// A batch handed to the session task, and its answer to come.
+struct PendingBatch {
+    messages: usize,
+    answer: oneshot::Receiver<PublishAnswer>,
+}
+
+impl PendingBatch {
+    async fn answer(self) -> PublishAnswer {
+        let messages = self.messages;
+        self.answer.await.unwrap_or_else(|_| Err(gone_with(messages)))
+    }
+
+    /// The answer if it has come.
+    fn try_answer(&mut self) -> Option<PublishAnswer> {
+        match self.answer.try_recv() {
+            Ok(answer) => Some(answer),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(gone_with(self.messages))),
+        }
+    }
+}
+
+/// A batch whose session task ended before answering it: it may have been
+/// written.
+fn gone_with(messages: usize) -> PublishError {
+    PublishError::Unconfirmed {
+        messages,
+        cause: session_gone(),
     }
 }
 

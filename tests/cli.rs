@@ -121,6 +121,18 @@ fn help_and_version() {
     for flag in ["--group", "--manual-ack", "--json", "--addr"] {
         assert!(text.contains(flag), "{flag} in {text}");
     }
+    let (_, text, _) = run_cli(&["publish", "--help"], &[]);
+    for flag in ["--header", "--lines", "--batch", "--addr"] {
+        assert!(text.contains(flag), "{flag} in {text}");
+    }
+    // --lines takes no PAYLOAD, and --batch is for --lines.
+    let (status, _, stderr) = run_cli(&["publish", "t", "x", "--lines"], &[]);
+    assert!(!status.success() && stderr.contains("cannot be used with"), "{stderr}");
+    let (status, _, stderr) = run_cli(&["publish", "t", "x", "--batch", "5"], &[]);
+    assert!(
+        !status.success() && stderr.contains("--batch is for --lines"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -669,6 +681,158 @@ async fn in_cluster_mode_tables_name_the_replica_of_each_subscription() {
         // The header's totals are the lists': the cluster's 2 subscriptions,
         // not replica a's 1 (GetBrokerInfo's count).
         assert!(frame.contains(" · subscriptions 2 · groups 0 · "), "{frame}");
+    })
+    .await
+}
+
+// === publish --lines ===
+
+/// Runs `tinybroker publish ARGS...` with `input` on its stdin, to
+/// completion: (status, stdout, stderr).
+async fn publish_lines(args: &[&str], input: Vec<u8>) -> (std::process::ExitStatus, String, String) {
+    let mut all = vec!["publish"];
+    all.extend_from_slice(args);
+    let mut child = ChildGuard::new(
+        cli(&all)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stdin = child.child.stdin.take().unwrap();
+    std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let read = |mut from: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = from.read_to_string(&mut text);
+            text
+        })
+    };
+    let stdout = read(Box::new(child.child.stdout.take().unwrap()));
+    let stderr = read(Box::new(child.child.stderr.take().unwrap()));
+    let status = exit_status(&mut child, TEST_TIMEOUT).await;
+    (status, stdout.join().unwrap(), stderr.join().unwrap())
+}
+
+/// The next `n` messages of `stream`, each within 20 s.
+async fn messages(stream: &mut tonic::Streaming<tinybroker::pb::Message>, n: usize) -> Vec<tinybroker::pb::Message> {
+    let mut got = Vec::with_capacity(n);
+    for _ in 0..n {
+        let m = tokio::time::timeout(Duration::from_secs(20), stream.message())
+            .await
+            .expect("a message within 20 s")
+            .unwrap()
+            .expect("the stream goes on");
+        got.push(m);
+    }
+    got
+}
+
+async fn publish_batches(broker: &TestBroker) -> (f64, f64) {
+    let metrics = scrape(broker.metrics_addr).await;
+    (
+        process::metric_sum(&metrics, "tinybroker_publish_batch_size_count"),
+        process::metric_sum(&metrics, "tinybroker_publish_batch_size_sum"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_lines_sends_every_line_in_batches_and_the_subscriber_sees_them_in_order() {
+    const LINES: usize = 5000;
+    timeout(async {
+        let broker = start_with_limits(tinybroker::config::Limits {
+            consumer_capacity: 2 * LINES,
+            ..Default::default()
+        })
+        .await;
+        let (mut stream, _) = subscribe(&mut broker.client().await, &["lines.x"]).await;
+        let input: String = (1..=LINES).map(|i| format!("line {i}\n")).collect();
+        let (status, stdout, stderr) = publish_lines(
+            &["lines.x", "--lines", "--header", "k=v", "--addr", &broker.url()],
+            input.into_bytes(),
+        )
+        .await;
+        assert!(status.success(), "{stdout}{stderr}");
+        assert_eq!(stderr, "");
+        let got = messages(&mut stream, LINES).await;
+        let first = got[0].sequence;
+        assert_eq!(
+            stdout,
+            format!(
+                "published={LINES} first_sequence={first} last_sequence={} rejected=0 unconfirmed=0 not_sent=0\n",
+                first + LINES as u64 - 1
+            )
+        );
+        for (i, m) in got.iter().enumerate() {
+            assert_eq!(
+                (std::str::from_utf8(&m.payload).unwrap(), m.sequence),
+                (&format!("line {}", i + 1)[..], first + i as u64)
+            );
+            assert_eq!(
+                m.headers.get("k").map(String::as_str),
+                Some("v"),
+                "--header on every line"
+            );
+        }
+        // All in SessionPublish batches of at most 1024 (what the pipe gave
+        // at once goes together: a few batches, not one per line).
+        let (batches, messages) = publish_batches(&broker).await;
+        assert_eq!(messages, LINES as f64);
+        assert!(
+            (LINES.div_ceil(1024) as f64..=20.0).contains(&batches),
+            "{batches} batches"
+        );
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_lines_names_each_rejected_line_by_number_and_exits_non_zero() {
+    const MAX_MESSAGE_BYTES: usize = 100;
+    timeout(async {
+        let broker = start_with_limits(tinybroker::config::Limits {
+            max_message_bytes: MAX_MESSAGE_BYTES,
+            ..Default::default()
+        })
+        .await;
+        let (mut stream, _) = subscribe(&mut broker.client().await, &["lines.y"]).await;
+        // Line 2 is too large for the broker; line 4 too large for any
+        // request it reads (the CLI rejects it; the session goes on); line
+        // 3 ends in CRLF; line 5 has no line end.
+        let input = format!(
+            "one\n{}\nthree\r\n{}\nfive",
+            "x".repeat(2 * MAX_MESSAGE_BYTES),
+            "y".repeat(70 * 1024)
+        );
+        let (status, stdout, stderr) =
+            publish_lines(&["lines.y", "--lines", "--addr", &broker.url()], input.into_bytes()).await;
+        assert_eq!(status.code(), Some(2), "{stdout}{stderr}");
+        let got = messages(&mut stream, 3).await;
+        let payloads: Vec<&[u8]> = got.iter().map(|m| &m.payload[..]).collect();
+        assert_eq!(payloads, [&b"one"[..], b"three", b"five"]);
+        assert_eq!(
+            stdout,
+            format!(
+                "published=3 first_sequence={} last_sequence={} rejected=2 unconfirmed=0 not_sent=0\n",
+                got[0].sequence, got[2].sequence
+            )
+        );
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 3, "{stderr}");
+        assert!(
+            lines[0].starts_with("tinybroker publish: line 2 rejected: ResourceExhausted: ")
+                && lines[0].contains("max_message_bytes 100"),
+            "{stderr}"
+        );
+        assert!(
+            lines[1].starts_with("tinybroker publish: line 4 rejected: ResourceExhausted: ")
+                && lines[1].contains("not sent"),
+            "{stderr}"
+        );
+        assert_eq!(lines[2], "tinybroker: publish --lines: 2 lines rejected");
     })
     .await
 }

@@ -2,7 +2,10 @@
 //! every subscriber of one `Client` shares one `Session` stream, credit
 //! follows what the application takes (so a stalled application is evicted
 //! alone), acks go in-band, and after a lost connection or a restarted
-//! broker every subscription is opened again on a new session.
+//! broker every subscription is opened again on a new session. And the
+//! batches of issue 43: the client publishes on its session
+//! (`publish_batch`, `Publisher`) and asks for batched deliveries; a batch
+//! lost with its session is unconfirmed, never sent again.
 
 mod common;
 
@@ -11,11 +14,14 @@ use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tinybroker::client::{Client, ConnectOptions, EndReason, Subscriber, SubscriberEvent};
+use tinybroker::client::{Client, ConnectOptions, EndReason, PublishError, Subscriber, SubscriberEvent};
 use tinybroker::config::{Config, Limits};
 use tinybroker::pb;
 use tinybroker::server::{self, Listeners};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tonic::Code;
 
 type Publisher = pb::broker_client::BrokerClient<tonic::transport::Channel>;
 
@@ -274,10 +280,14 @@ async fn the_session_carries_the_token_and_a_refused_one_is_not_retried() {
     .await
 }
 
-/// A TCP proxy in front of the broker whose connections the test can cut.
+/// A TCP proxy in front of the broker whose connections the test can cut,
+/// and which can hold back what the broker sends (as a network losing one
+/// direction would) while passing on what the client sends.
 struct Proxy {
     addr: SocketAddr,
     connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// While true, what the broker sends is read and held, not forwarded.
+    hold: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -286,29 +296,60 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
-        let held = connections.clone();
+        let (hold, held) = watch::channel(false);
+        let tasks = connections.clone();
         let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let mut held = held.clone();
                 let task = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(to).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    let Ok(outbound) = TcpStream::connect(to).await else {
+                        return;
+                    };
+                    let (mut client_reads, mut client_writes) = inbound.into_split();
+                    let (mut broker_reads, mut broker_writes) = outbound.into_split();
+                    let up = tokio::io::copy(&mut client_reads, &mut broker_writes);
+                    let down = async {
+                        let mut buf = vec![0; 16 * 1024];
+                        while let Ok(n @ 1..) = broker_reads.read(&mut buf).await {
+                            if held.wait_for(|hold| !*hold).await.is_err()
+                                || client_writes.write_all(&buf[..n]).await.is_err()
+                            {
+                                return;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = up => {}
+                        () = down => {}
                     }
                 });
-                held.lock().push(task.abort_handle());
+                tasks.lock().push(task.abort_handle());
             }
         });
         Self {
             addr,
             connections,
+            hold,
             accept,
         }
     }
 
-    /// Drops every connection through it, both ways.
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Holds back what the broker sends from now on, until [`Proxy::cut`].
+    fn hold_answers(&self) {
+        self.hold.send_replace(true);
+    }
+
+    /// Drops every connection through it, both ways (what was held with
+    /// them); new ones are forwarded both ways.
     fn cut(&self) {
         for connection in self.connections.lock().drain(..) {
             connection.abort();
         }
+        self.hold.send_replace(false);
     }
 }
 
@@ -325,7 +366,7 @@ async fn after_a_cut_connection_every_subscription_is_opened_again_on_a_new_sess
     timeout(async {
         let broker = start().await;
         let proxy = Proxy::start(broker.grpc_addr).await;
-        let client = Client::connect(&format!("http://{}", proxy.addr)).await.unwrap();
+        let client = Client::connect(&proxy.url()).await.unwrap();
         let mut publisher = broker.client().await;
         let mut subscribers = Vec::new();
         let mut events = Vec::new();
@@ -471,6 +512,361 @@ async fn after_the_broker_restarts_on_the_same_port_every_subscription_receives_
             );
         }
         second.stop().await;
+    })
+    .await
+}
+
+// === batches on the session (issue 43) ===
+
+/// A batch of `n` messages to `topic`, payloads `{prefix}{i}`.
+fn batch(topic: &str, prefix: &str, n: usize) -> Vec<pb::PublishRequest> {
+    (0..n)
+        .map(|i| publish_request(topic, &format!("{prefix}{i}")))
+        .collect()
+}
+
+/// Messages published on a broker's sessions, and `publish` requests
+/// (batches) read.
+async fn publish_batches(metrics_addr: SocketAddr) -> f64 {
+    process::metric_sum(&scrape(metrics_addr).await, "tinybroker_publish_batch_size_count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_published_on_the_session_is_answered_in_order_with_its_rejections_by_index() {
+    const MAX_BATCH: usize = 4;
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            max_batch_messages: MAX_BATCH,
+            ..Limits::default()
+        })
+        .await;
+        let client = Client::connect(&broker.url()).await.unwrap();
+        let mut subscriber = client.subscriber(subscribe_request(&["batch.>"]), false);
+        subscriber.open().await.unwrap();
+
+        // Bad ones are named by index; the rest is published, in order,
+        // with consecutive sequences.
+        let answer = client
+            .publish_batch(vec![
+                publish_request("batch.a", "0"),
+                publish_request("batch.*", "1"),
+                publish_request("batch.b", "2"),
+                publish_request("", "3"),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(answer.accepted, 2, "{answer:?}");
+        let rejected: Vec<(u32, u32)> = answer.rejected.iter().map(|r| (r.index, r.code)).collect();
+        assert_eq!(
+            rejected,
+            [(1, Code::InvalidArgument as u32), (3, Code::InvalidArgument as u32)],
+            "{answer:?}"
+        );
+        assert!(answer.rejected[0].message.contains("batch.*"), "{answer:?}");
+        for (payload, sequence) in [("0", answer.first_sequence), ("2", answer.first_sequence + 1)] {
+            let m = next(&mut subscriber).await;
+            assert_eq!((&m.payload[..], m.sequence), (payload.as_bytes(), sequence));
+        }
+
+        // Twenty batches in flight at once from one task: each caller gets
+        // the answer to its own batch.
+        let answers =
+            futures::future::join_all((0..20).map(|i| client.publish_batch(batch("batch.order", &format!("{i}-"), 3))))
+                .await;
+        let answers: Vec<pb::SessionPublished> = answers.into_iter().map(Result::unwrap).collect();
+        for (i, a) in answers.iter().enumerate() {
+            assert_eq!((a.accepted, a.rejected.len()), (3, 0), "{a:?}");
+            for j in 0..3 {
+                let m = next(&mut subscriber).await;
+                assert_eq!(
+                    (std::str::from_utf8(&m.payload).unwrap(), m.sequence),
+                    (&format!("{i}-{j}")[..], a.first_sequence + j as u64),
+                    "batch {i} was answered with its own sequences"
+                );
+            }
+        }
+        assert!(answers.windows(2).all(|w| w[0].first_sequence < w[1].first_sequence));
+
+        // Over max_batch_messages: rejected whole, and the session goes on.
+        let over = client
+            .publish_batch(batch("batch.over", "", MAX_BATCH + 1))
+            .await
+            .unwrap();
+        assert_eq!(over.accepted, 0);
+        assert_eq!(
+            over.rejected.iter().map(|r| r.index).collect::<Vec<_>>(),
+            (0..=MAX_BATCH as u32).collect::<Vec<_>>()
+        );
+        assert!(
+            over.rejected.iter().all(|r| r.code == Code::ResourceExhausted as u32),
+            "{over:?}"
+        );
+        assert!(
+            over.rejected[0].message.contains("TINYBROKER_MAX_BATCH_MESSAGES"),
+            "{over:?}"
+        );
+        let full = client.publish_batch(batch("batch.full", "", MAX_BATCH)).await.unwrap();
+        assert_eq!(full.accepted, MAX_BATCH as u32);
+        assert_eq!(
+            sessions(broker.metrics_addr).await,
+            1.0,
+            "the subscription and every batch on one session"
+        );
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_deliveries_reach_every_subscriber_of_one_client_in_order() {
+    const COUNT: usize = 3000;
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            consumer_capacity: 2 * COUNT,
+            ..Limits::default()
+        })
+        .await;
+        let client = Client::connect(&broker.url()).await.unwrap();
+        // Even messages match two of them: one delivery names both.
+        let patterns: [(&[&str], usize); 3] = [
+            (&["fan.>"], COUNT),
+            (&["fan.even"], COUNT / 2),
+            (&["fan.odd"], COUNT / 2),
+        ];
+        let mut readers = Vec::new();
+        for (pattern, expected) in patterns {
+            let mut s = client.subscriber(subscribe_request(pattern), false);
+            s.open().await.unwrap();
+            readers.push(tokio::spawn(async move {
+                let mut got = Vec::with_capacity(expected);
+                while got.len() < expected {
+                    let m = next(&mut s).await;
+                    got.push((String::from_utf8(m.payload.to_vec()).unwrap(), m.sequence));
+                }
+                got
+            }));
+        }
+        let mut publisher = client.publisher();
+        for i in 0..COUNT {
+            let topic = if i % 2 == 0 { "fan.even" } else { "fan.odd" };
+            publisher.publish(publish_request(topic, &i.to_string())).await;
+        }
+        let summary = publisher.flush().await;
+        assert!(summary.all_accepted(), "{summary:?}");
+        assert_eq!(summary.accepted, COUNT as u64);
+        let first = summary.first_sequence.unwrap();
+        assert_eq!(summary.last_sequence, Some(first + COUNT as u64 - 1));
+        let expect = |keep: fn(usize) -> bool| -> Vec<(String, u64)> {
+            (0..COUNT)
+                .filter(|i| keep(*i))
+                .map(|i| (i.to_string(), first + i as u64))
+                .collect()
+        };
+        type Keep = fn(usize) -> bool;
+        let keeps: [(&str, Keep); 3] = [
+            ("fan.>", |_| true),
+            ("fan.even", |i| i % 2 == 0),
+            ("fan.odd", |i| i % 2 == 1),
+        ];
+        for ((name, keep), reader) in keeps.into_iter().zip(readers) {
+            let (got, expected) = (reader.await.unwrap(), expect(keep));
+            // The first difference, not thousands of pairs.
+            if let Some(at) = (0..expected.len()).find(|&i| got.get(i) != expected.get(i)) {
+                panic!(
+                    "{name}: message {at} is {:?}, expected {:?} (then {:?})",
+                    got.get(at),
+                    expected[at],
+                    got.get(at + 1..(at + 4).min(got.len()))
+                );
+            }
+        }
+        // They came in `deliveries` events (the session asked for them),
+        // some of which carried more than one.
+        let metrics = scrape(broker.metrics_addr).await;
+        let events = process::metric_sum(&metrics, "tinybroker_delivery_batch_size_count");
+        let deliveries = process::metric_sum(&metrics, "tinybroker_delivery_batch_size_sum");
+        assert!(
+            events > 0.0 && deliveries > events,
+            "{events} events, {deliveries} deliveries"
+        );
+        assert_eq!(
+            publish_batches(broker.metrics_addr).await,
+            COUNT.div_ceil(1024) as f64,
+            "batches full by count"
+        );
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_splits_its_batches_and_its_flush_names_each_rejection() {
+    const MAX_MESSAGE_BYTES: usize = 100;
+    timeout(async {
+        let broker = start_with_limits(Limits {
+            max_batch_messages: 10,
+            max_message_bytes: MAX_MESSAGE_BYTES,
+            ..Limits::default()
+        })
+        .await;
+        let client = Client::connect(&broker.url()).await.unwrap();
+        let mut raw = broker.client().await;
+        let (mut stream, _) = subscribe(&mut raw, &["pub.>"]).await;
+        let mut publisher = client
+            .publisher()
+            .max_messages(10)
+            .broker_max_message_bytes(MAX_MESSAGE_BYTES);
+        // 25 messages in batches of 10: index 13 too large for the broker,
+        // 21 a wildcard topic, 17 too large for any request the broker reads
+        // (rejected by the publisher: the session must not end for it).
+        for i in 0..25u64 {
+            let message = match i {
+                13 => publish_request("pub.big", &"x".repeat(2 * MAX_MESSAGE_BYTES)),
+                17 => publish_request("pub.huge", &"x".repeat(70 * 1024)),
+                21 => publish_request("pub.*", "wildcard"),
+                _ => publish_request("pub.x", &i.to_string()),
+            };
+            assert_eq!(publisher.publish(message).await, i);
+        }
+        let summary = publisher.flush().await;
+        assert!(summary.failed.is_empty(), "{summary:?}");
+        assert_eq!(summary.accepted, 22, "{summary:?}");
+        let rejected: Vec<(u64, &str, Code)> = summary
+            .rejected
+            .iter()
+            .map(|r| (r.index, r.topic.as_str(), r.code))
+            .collect();
+        assert_eq!(
+            rejected,
+            [
+                (13, "pub.big", Code::ResourceExhausted),
+                (17, "pub.huge", Code::ResourceExhausted),
+                (21, "pub.*", Code::InvalidArgument)
+            ],
+            "{summary:?}"
+        );
+        assert!(summary.rejected[0].message.contains("max_message_bytes"), "{summary:?}");
+        assert!(summary.rejected[1].message.contains("not sent"), "{summary:?}");
+        // Everything accepted arrives, in order (on the raw stream), with
+        // the sequences the summary gives.
+        let mut sequences = Vec::new();
+        for i in (0..25).filter(|i| ![13, 17, 21].contains(i)) {
+            let m = tokio::time::timeout(Duration::from_secs(20), stream.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(m.payload, i.to_string().as_bytes());
+            sequences.push(m.sequence);
+        }
+        assert_eq!(
+            (summary.first_sequence, summary.last_sequence),
+            (sequences.first().copied(), sequences.last().copied())
+        );
+        // Split by count: 0-9 when full, 10-16 before the one it rejected
+        // itself, 18-24 at the flush.
+        let by_count = publish_batches(broker.metrics_addr).await;
+        assert_eq!(by_count, 3.0);
+
+        // Split by bytes: 95 bytes each in batches of at most 1000.
+        let mut publisher = client.publisher().max_bytes(1000);
+        for i in 0..25 {
+            publisher.publish(publish_request("pub.x", &format!("{i:080}"))).await;
+        }
+        let summary = publisher.flush().await;
+        assert_eq!((summary.accepted, summary.all_accepted()), (25, true), "{summary:?}");
+        assert_eq!(
+            publish_batches(broker.metrics_addr).await - by_count,
+            3.0,
+            "10 + 10 + 5"
+        );
+        assert_eq!(sessions(broker.metrics_addr).await, 1.0);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_in_flight_when_the_session_is_lost_is_unconfirmed_and_not_sent_again() {
+    timeout(async {
+        let broker = start().await;
+        let proxy = Proxy::start(broker.grpc_addr).await;
+        let client = Client::connect(&proxy.url()).await.unwrap();
+        let mut raw = broker.client().await;
+        let (mut stream, _) = subscribe(&mut raw, &["lost.>"]).await;
+        let mut received = async || -> String {
+            let m = tokio::time::timeout(Duration::from_secs(20), stream.message())
+                .await
+                .expect("a message within 20 s")
+                .unwrap()
+                .expect("the stream goes on");
+            String::from_utf8(m.payload.to_vec()).unwrap()
+        };
+        let before = client.publish_batch(batch("lost.a", "before-", 1)).await.unwrap();
+        assert_eq!(before.accepted, 1);
+        assert_eq!(received().await, "before-0");
+
+        // The broker publishes the batch; its answer never reaches the
+        // client, whose session is then cut.
+        proxy.hold_answers();
+        let in_flight = tokio::spawn({
+            let client = client.clone();
+            async move { client.publish_batch(batch("lost.a", "in-flight-", 2)).await }
+        });
+        assert_eq!(received().await, "in-flight-0");
+        assert_eq!(received().await, "in-flight-1");
+        assert!(!in_flight.is_finished(), "its answer is held back");
+        proxy.cut();
+        let outcome = tokio::time::timeout(Duration::from_secs(20), in_flight)
+            .await
+            .expect("the caller hears within 20 s")
+            .unwrap();
+        match outcome {
+            Err(PublishError::Unconfirmed { messages: 2, ref cause }) => {
+                let text = outcome.as_ref().unwrap_err().to_string();
+                assert!(text.contains("unconfirmed"), "{text}");
+                assert!(text.contains("not sent again"), "{text}");
+                assert_ne!(cause.code(), Code::Ok);
+            }
+            other => panic!("expected the batch unconfirmed, got {other:?}"),
+        }
+
+        // The next batch goes on a new session; the lost one is not sent
+        // again.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let after = loop {
+            match client.publish_batch(batch("lost.a", "after-", 1)).await {
+                Ok(answer) => break answer,
+                // The channel may not have seen the cut connection yet
+                // (polled as wait_until polls).
+                Err(PublishError::NotSent { .. }) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+                Err(other) => panic!("{other}"),
+            }
+        };
+        assert_eq!(after.accepted, 1);
+        assert_eq!(received().await, "after-0", "the lost batch was not sent again");
+
+        // A Publisher's flush reports the same: which messages, unconfirmed.
+        let mut publisher = client.publisher();
+        for i in 0..3 {
+            publisher
+                .publish(publish_request("lost.b", &format!("buffered-{i}")))
+                .await;
+        }
+        proxy.hold_answers();
+        publisher.send_buffered().await;
+        for i in 0..3 {
+            assert_eq!(received().await, format!("buffered-{i}"));
+        }
+        proxy.cut();
+        let summary = publisher.flush().await;
+        assert_eq!(
+            (summary.accepted, summary.unconfirmed(), summary.not_sent()),
+            (0, 3, 0),
+            "{summary:?}"
+        );
+        assert_eq!(summary.failed.len(), 1);
+        assert_eq!(summary.failed[0].first_index, 0);
+        assert!(!summary.all_accepted());
     })
     .await
 }

@@ -5,14 +5,14 @@
 mod admin;
 mod top;
 
-use crate::client::{Client, ConnectOptions, DEFAULT_ADDR};
+use crate::client::{Client, ConnectOptions, DEFAULT_ADDR, DEFAULT_BATCH_MESSAGES, PublishSummary};
 use crate::config::Config;
 use crate::pb;
 use crate::server::{self, Listeners};
 use base64::Engine as _;
 use clap::{Args, Parser, Subcommand};
 use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -35,7 +35,7 @@ pub struct Cli {
 enum Command {
     /// Run the broker (the default), configured from TINYBROKER_* environment variables.
     Serve,
-    /// Publish one message.
+    /// Publish one message, or each line of stdin as one (--lines).
     Publish(PublishArgs),
     /// Subscribe and print each message's payload on its own line.
     Subscribe(SubscribeArgs),
@@ -79,14 +79,29 @@ impl Connection {
 }
 
 #[derive(Args, Debug)]
+#[command(
+    after_help = "With --lines, each line of stdin (without its line end) is one message to TOPIC, \
+sent in batches of up to --batch messages or about 512 KiB on one session, as stdin gives them; \
+prints `published=N first_sequence=F last_sequence=L rejected=M unconfirmed=U not_sent=S` on stdout \
+and each rejected line on stderr with its line number; exits non-zero if any line was rejected or \
+the session failed (a batch lost with the session is unconfirmed: never sent again)."
+)]
 struct PublishArgs {
     /// Topic, e.g. deploy.rollout.
     topic: String,
     /// Payload; read from stdin when absent.
+    #[arg(conflicts_with = "lines")]
     payload: Option<String>,
-    /// A header as key=value; repeatable.
+    /// A header as key=value; repeatable (with --lines, on every line's message).
     #[arg(long = "header", value_name = "KEY=VALUE", value_parser = parse_header)]
     headers: Vec<(String, String)>,
+    /// Publish each line of stdin as one message, in batches on one session.
+    #[arg(long)]
+    lines: bool,
+    /// With --lines: messages per batch at most, 1024 when not given (keep
+    /// it within the broker's TINYBROKER_MAX_BATCH_MESSAGES).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    batch: Option<u32>,
     #[command(flatten)]
     connection: Connection,
 }
@@ -312,6 +327,13 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 }
 
 async fn publish(args: PublishArgs) -> anyhow::Result<()> {
+    if args.lines {
+        return publish_lines(args).await;
+    }
+    // (clap's `requires` takes a flag's default of false for present.)
+    if args.batch.is_some() {
+        anyhow::bail!("--batch is for --lines");
+    }
     let payload = match args.payload {
         Some(p) => p.into_bytes(),
         None => {
@@ -329,6 +351,167 @@ async fn publish(args: PublishArgs) -> anyhow::Result<()> {
     out(format_args!(
         "sequence={} matched_subscriptions={} matched_groups={}\n",
         response.sequence, response.matched_subscriptions, response.matched_groups
+    ))?;
+    Ok(())
+}
+
+/// Lines of stdin handed over together: those read while more were already
+/// buffered (so that a file goes in full batches and a line typed or
+/// tailed goes at once), at most this many.
+const LINES_PER_CHUNK: usize = 1024;
+
+/// `publish --lines`: each line of stdin one message to the topic, through
+/// the client's [`crate::client::Publisher`] on one session. What is
+/// gathered is sent whenever stdin has nothing more ready, so a line never
+/// waits for the next. Stops reading at the first batch without an answer.
+async fn publish_lines(args: PublishArgs) -> anyhow::Result<()> {
+    let addr = &args.connection.addr;
+    let mut client = args.connection.connect().await?;
+    let mut publisher = client
+        .publisher()
+        .max_messages(args.batch.map_or(DEFAULT_BATCH_MESSAGES, |n| n as usize));
+    // Batches within the largest request the broker reads, and a line too
+    // large for one rejected here rather than ending the session.
+    match client.broker_info().await {
+        Ok(info) => {
+            if let Some(limits) = info.limits {
+                publisher = publisher.broker_max_message_bytes(limits.max_message_bytes as usize);
+            }
+        }
+        Err(status) if status.code() == tonic::Code::Unimplemented => {}
+        Err(status) => return Err(failed("publish", addr, status)),
+    }
+    let headers: HashMap<String, String> = args.headers.into_iter().collect();
+    let (chunks_tx, mut chunks) = tokio::sync::mpsc::channel(4);
+    // A thread of its own, not left for the runtime to wait for: reading a
+    // terminal blocks until a line is typed.
+    std::thread::spawn(move || read_lines(std::io::stdin().lock(), chunks_tx));
+    let mut read_error = None;
+    'reading: while let Some(chunk) = chunks.recv().await {
+        let lines = match chunk {
+            Ok(lines) => lines,
+            Err(e) => {
+                read_error = Some(e);
+                break;
+            }
+        };
+        for line in lines {
+            publisher
+                .publish(pb::PublishRequest {
+                    topic: args.topic.clone(),
+                    payload: line.into(),
+                    headers: headers.clone(),
+                })
+                .await;
+            if publisher.failed() {
+                break 'reading;
+            }
+        }
+        if chunks.is_empty() {
+            publisher.send_buffered().await;
+        }
+    }
+    let summary = publisher.flush().await;
+    report_lines(addr, &summary)?;
+    if let Some(e) = read_error {
+        anyhow::bail!("cannot read stdin: {e}");
+    }
+    if summary.failed.is_empty() && summary.rejected.is_empty() {
+        return Ok(());
+    }
+    let lines = |n: u64| {
+        if n == 1 {
+            "1 line".to_owned()
+        } else {
+            format!("{n} lines")
+        }
+    };
+    let mut problems = Vec::new();
+    if !summary.rejected.is_empty() {
+        problems.push(format!("{} rejected", lines(summary.rejected.len() as u64)));
+    }
+    if summary.unconfirmed() > 0 {
+        problems.push(format!("{} unconfirmed", lines(summary.unconfirmed())));
+    }
+    if summary.not_sent() > 0 {
+        problems.push(format!("{} not sent", lines(summary.not_sent())));
+    }
+    if !summary.failed.is_empty() {
+        problems.push("stopped reading stdin after the session failed".into());
+    }
+    anyhow::bail!("publish --lines: {}", problems.join(", "))
+}
+
+/// Reads `input` line by line (each without its `\n` or `\r\n`) and hands
+/// the lines over in chunks: what was read while more input was buffered.
+fn read_lines(mut input: impl BufRead, chunks: tokio::sync::mpsc::Sender<std::io::Result<Vec<Vec<u8>>>>) {
+    let mut chunk = Vec::new();
+    loop {
+        let mut line = Vec::new();
+        match input.read_until(b'\n', &mut line) {
+            Ok(0) => break,
+            Ok(_) => {
+                if line.last() == Some(&b'\n') {
+                    line.pop();
+                    if line.last() == Some(&b'\r') {
+                        line.pop();
+                    }
+                }
+                chunk.push(line);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                if !chunk.is_empty() && chunks.blocking_send(Ok(std::mem::take(&mut chunk))).is_err() {
+                    return;
+                }
+                let _ = chunks.blocking_send(Err(e));
+                return;
+            }
+        }
+        // The next line would mean waiting for input: hand over these.
+        let waiting = input.fill_buf().map_or(true, |b| b.is_empty());
+        if (waiting || chunk.len() >= LINES_PER_CHUNK) && chunks.blocking_send(Ok(std::mem::take(&mut chunk))).is_err()
+        {
+            return;
+        }
+    }
+    if !chunk.is_empty() {
+        let _ = chunks.blocking_send(Ok(chunk));
+    }
+}
+
+/// The summary of `publish --lines` on stdout, and each line that was not
+/// published on stderr, by its line number.
+fn report_lines(addr: &str, summary: &PublishSummary) -> anyhow::Result<()> {
+    for r in &summary.rejected {
+        eprintln!(
+            "tinybroker publish: line {} rejected: {:?}: {}",
+            r.index + 1,
+            r.code,
+            r.message
+        );
+    }
+    for f in &summary.failed {
+        let (first, last) = (f.first_index + 1, f.first_index + f.error.messages() as u64);
+        let what = match f.error.is_unconfirmed() {
+            true => {
+                "unconfirmed: the session was lost before the broker answered (they may or may not have been published, and were not sent again)"
+            }
+            false => "not sent (not published)",
+        };
+        eprintln!(
+            "tinybroker publish: lines {first}-{last} {what}: {:#}",
+            failed("publish", addr, f.error.cause().clone())
+        );
+    }
+    out(format_args!(
+        "published={} first_sequence={} last_sequence={} rejected={} unconfirmed={} not_sent={}\n",
+        summary.accepted,
+        summary.first_sequence.unwrap_or(0),
+        summary.last_sequence.unwrap_or(0),
+        summary.rejected.len(),
+        summary.unconfirmed(),
+        summary.not_sent()
     ))?;
     Ok(())
 }

@@ -20,20 +20,36 @@
 //!   rejected) takes the subscription out of the table; whether and when it
 //!   is opened again is its subscriber's business, as it was with
 //!   `OpenSubscription`.
+//! - **Batches.** The session asks for batched deliveries
+//!   (`tinybroker-batch: 1`): each element of a `deliveries` event is
+//!   forwarded as a delivery. Publishes go out as `SessionPublish` with an
+//!   id of the task's own; the broker answers each with one `published`
+//!   carrying it, in the order of the requests. A publish with no session
+//!   starts one at once (the subscriptions waiting for one are opened on it
+//!   too); if none can be started it fails as [`PublishError::NotSent`].
+//!   A publish still unanswered when its session is lost fails as
+//!   [`PublishError::Unconfirmed`]: it may or may not have been published,
+//!   and it is never sent again.
+//! - **Acks.** Commands already queued when the task takes one are written
+//!   together, consecutive acks (or nacks) of one handle merged into one
+//!   request.
 
-use super::Backoff;
+use super::{Backoff, PublishError};
+use crate::grpc::services::BATCH_METADATA;
 use crate::pb;
 use crate::pb::broker_client::BrokerClient;
 use crate::pb::session_event::Event;
 use crate::pb::session_request::Request as SessionRequest;
+use futures::StreamExt;
 use futures::channel::mpsc as requests_channel;
-use std::collections::HashMap;
+use futures::stream::BoxStream;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
-use tonic::{Code, Status, Streaming};
+use tonic::{Code, Status};
 
 /// Deliveries the broker may send one subscription beyond what its
 /// application has taken.
@@ -42,6 +58,13 @@ pub(crate) const CREDIT_WINDOW: u32 = 64;
 pub(crate) const CREDIT_BATCH: u32 = CREDIT_WINDOW / 2;
 /// How long the broker has to accept a session (it answers at once).
 const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most commands already queued that the task writes in one turn (their
+/// acks merged) before it looks at the session's events again.
+const COMMANDS_PER_TURN: usize = 1024;
+
+/// What a publish is answered with: the broker's `published`, or why
+/// there is none.
+pub(crate) type PublishAnswer = Result<pb::SessionPublished, PublishError>;
 
 /// What a subscriber asks of the session task.
 pub(crate) enum Command {
@@ -69,6 +92,12 @@ pub(crate) enum Command {
     /// End the subscription: `ended` (closed) follows, or `Lost` if the
     /// session goes first.
     Close { handle: u32 },
+    /// Publish a batch on the session; `answer` hears the broker's
+    /// `published`, or why it was not answered.
+    Publish {
+        messages: Vec<pb::PublishRequest>,
+        answer: oneshot::Sender<PublishAnswer>,
+    },
 }
 
 /// What the session task tells one subscriber, in order.
@@ -110,6 +139,9 @@ pub(crate) fn spawn(
         entries: HashMap::new(),
         retry_at: None,
         backoff: Backoff::default(),
+        publishes: VecDeque::new(),
+        last_publish_id: 0,
+        acks: None,
     };
     tokio::spawn(task.run(receiver));
     commands
@@ -127,11 +159,36 @@ struct SessionTask {
     /// When to try a new session, after a lost or refused one.
     retry_at: Option<Instant>,
     backoff: Backoff,
+    /// Publishes sent on the current session and not answered yet, in the
+    /// order they were sent (the order the broker answers them in).
+    publishes: VecDeque<Unanswered>,
+    /// The id of the last publish sent (ids are never reused while the
+    /// client lives).
+    last_publish_id: u64,
+    /// Acks (or nacks) of one handle not written yet: the commands queued
+    /// after them may add to them.
+    acks: Option<PendingAcks>,
+}
+
+/// A publish sent and not answered.
+struct Unanswered {
+    id: u64,
+    messages: usize,
+    answer: oneshot::Sender<PublishAnswer>,
+}
+
+/// Consecutive acks (or nacks) of one handle, merged into one request.
+struct PendingAcks {
+    handle: u32,
+    nack: bool,
+    sequences: Vec<u64>,
 }
 
 struct Live {
     requests: requests_channel::UnboundedSender<pb::SessionRequest>,
-    events: Streaming<pb::SessionEvent>,
+    /// The session's events (a `tonic::Streaming`; a test's own stream in
+    /// the unit tests).
+    events: BoxStream<'static, Result<pb::SessionEvent, Status>>,
 }
 
 struct Entry {
@@ -173,7 +230,18 @@ impl SessionTask {
             };
             match step {
                 Step::Command(None) => return,
-                Step::Command(Some(command)) => self.command(command).await,
+                Step::Command(Some(command)) => {
+                    self.command(command).await;
+                    // What is queued behind it is written with it, so that
+                    // consecutive acks of one handle go out as one request.
+                    for _ in 1..COMMANDS_PER_TURN {
+                        let Ok(command) = commands.try_recv() else {
+                            break;
+                        };
+                        self.command(command).await;
+                    }
+                    self.send_acks();
+                }
                 Step::Event(event) => self.event(event),
                 Step::Retry => {
                     self.retry_at = None;
@@ -184,6 +252,10 @@ impl SessionTask {
     }
 
     async fn command(&mut self, command: Command) {
+        if !matches!(command, Command::Ack { .. }) {
+            // Whatever comes after acks is written after them.
+            self.send_acks();
+        }
         match command {
             Command::Open {
                 handle,
@@ -227,16 +299,7 @@ impl SessionTask {
                 handle,
                 sequences,
                 nack,
-            } => {
-                // A message of a lost session is redelivered by the broker
-                // anyway; the ack would name a stream that is gone.
-                if self.entries.get(&handle).is_some_and(|e| e.state != State::Waiting) {
-                    self.send(match nack {
-                        false => SessionRequest::Ack(pb::SessionAck { handle, sequences }),
-                        true => SessionRequest::Nack(pb::SessionNack { handle, sequences }),
-                    });
-                }
-            }
+            } => self.queue_ack(handle, sequences, nack),
             Command::Close { handle } => {
                 let Some(entry) = self.entries.get_mut(&handle) else {
                     return;
@@ -253,7 +316,69 @@ impl SessionTask {
                     self.send(SessionRequest::Close(pb::SessionClose { handle }));
                 }
             }
+            Command::Publish { messages, answer } => self.publish(messages, answer).await,
         }
+    }
+
+    /// Keeps an ack (or nack) to be written with the next ones of its
+    /// handle, if they come right after it.
+    fn queue_ack(&mut self, handle: u32, sequences: Vec<u64>, nack: bool) {
+        if let Some(pending) = &mut self.acks
+            && pending.handle == handle
+            && pending.nack == nack
+        {
+            pending.sequences.extend(sequences);
+            return;
+        }
+        self.send_acks();
+        self.acks = Some(PendingAcks {
+            handle,
+            nack,
+            sequences,
+        });
+    }
+
+    /// Writes the acks (or nacks) kept by [`Self::queue_ack`].
+    fn send_acks(&mut self) {
+        let Some(PendingAcks {
+            handle,
+            nack,
+            sequences,
+        }) = self.acks.take()
+        else {
+            return;
+        };
+        // A message of a lost session is redelivered by the broker anyway;
+        // the ack would name a stream that is gone.
+        if self.entries.get(&handle).is_some_and(|e| e.state != State::Waiting) {
+            self.send(match nack {
+                false => SessionRequest::Ack(pb::SessionAck { handle, sequences }),
+                true => SessionRequest::Nack(pb::SessionNack { handle, sequences }),
+            });
+        }
+    }
+
+    /// Sends a batch on the session, starting one if there is none.
+    async fn publish(&mut self, messages: Vec<pb::PublishRequest>, answer: oneshot::Sender<PublishAnswer>) {
+        let count = messages.len();
+        if self.session.is_none() {
+            match self.connect().await {
+                Ok(live) => self.started(live),
+                // The subscriptions keep their own schedule of tries.
+                Err(cause) => {
+                    let _ = answer.send(Err(PublishError::NotSent { messages: count, cause }));
+                    return;
+                }
+            }
+        }
+        self.last_publish_id += 1;
+        let id = self.last_publish_id;
+        self.publishes.push_back(Unanswered {
+            id,
+            messages: count,
+            answer,
+        });
+        self.send(SessionRequest::Publish(pb::SessionPublish { id, messages }));
     }
 
     fn send(&mut self, request: SessionRequest) {
@@ -285,19 +410,23 @@ impl SessionTask {
             return;
         }
         match self.connect().await {
-            Ok(live) => {
-                self.session = Some(live);
-                let waiting: Vec<u32> = self
-                    .entries
-                    .iter()
-                    .filter(|(_, e)| e.state == State::Waiting)
-                    .map(|(h, _)| *h)
-                    .collect();
-                for handle in waiting {
-                    self.send_open(handle);
-                }
-            }
+            Ok(live) => self.started(live),
             Err(status) => self.lost(status, true),
+        }
+    }
+
+    /// A new session is up: every waiting subscription is opened on it.
+    fn started(&mut self, live: Live) {
+        self.session = Some(live);
+        self.retry_at = None;
+        let waiting: Vec<u32> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.state == State::Waiting)
+            .map(|(h, _)| *h)
+            .collect();
+        for handle in waiting {
+            self.send_open(handle);
         }
     }
 
@@ -307,12 +436,15 @@ impl SessionTask {
         if let Some(auth) = &self.authorization {
             request.metadata_mut().insert("authorization", auth.clone());
         }
+        request
+            .metadata_mut()
+            .insert(BATCH_METADATA, MetadataValue::from_static("1"));
         let response = tokio::time::timeout(START_TIMEOUT, self.broker.session(request))
             .await
             .map_err(|_| Status::deadline_exceeded("the broker did not accept a session within 10 s"))??;
         Ok(Live {
             requests,
-            events: response.into_inner(),
+            events: response.into_inner().boxed(),
         })
     }
 
@@ -320,7 +452,10 @@ impl SessionTask {
         match event {
             Ok(Some(pb::SessionEvent { event: Some(event) })) => self.forward(event),
             Ok(Some(_)) => {}
-            Ok(None) if self.entries.is_empty() => self.session = None,
+            Ok(None) if self.entries.is_empty() => {
+                self.session = None;
+                self.unconfirmed(&Status::unavailable("the broker ended the session"));
+            }
             Ok(None) => self.lost(Status::unavailable("the broker ended the session"), false),
             Err(status) => self.lost(status, false),
         }
@@ -370,8 +505,27 @@ impl SessionTask {
                     self.forward(Event::Delivery(delivery));
                 }
             }
-            // This task sends no publishes, so it is answered none.
-            Event::Published(_) => {}
+            Event::Published(published) => {
+                // Answers come in the order of the requests: the one
+                // answered is the oldest, unless the broker skipped one.
+                let Some(at) = self.publishes.iter().position(|p| p.id == published.id) else {
+                    tracing::debug!(id = published.id, "an answer to no publish of this session");
+                    return;
+                };
+                let publish = self.publishes.remove(at).expect("found above");
+                let _ = publish.answer.send(Ok(published));
+            }
+        }
+    }
+
+    /// The session is gone: every publish on it not answered yet is
+    /// unconfirmed (never sent again).
+    fn unconfirmed(&mut self, cause: &Status) {
+        for publish in self.publishes.drain(..) {
+            let _ = publish.answer.send(Err(PublishError::Unconfirmed {
+                messages: publish.messages,
+                cause: cause.clone(),
+            }));
         }
     }
 
@@ -380,6 +534,7 @@ impl SessionTask {
     /// are told and forgotten.
     fn lost(&mut self, status: Status, starting: bool) {
         self.session = None;
+        self.unconfirmed(&status);
         let retry = retryable(&status);
         self.entries.retain(|_, entry| {
             let keep = retry && entry.reconnect && !entry.closing;
@@ -419,7 +574,7 @@ pub(crate) fn retryable(status: &Status) -> bool {
 
 async fn next_event(session: &mut Option<Live>) -> Result<Option<pb::SessionEvent>, Status> {
     match session {
-        Some(live) => live.events.message().await,
+        Some(live) => live.events.next().await.transpose(),
         None => std::future::pending().await,
     }
 }
@@ -428,5 +583,205 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::channel::mpsc as events_channel;
+    use tonic::transport::Endpoint;
+
+    /// A session task on a session of the test's own: the requests it
+    /// writes, and the events the test feeds it.
+    struct Harness {
+        commands: mpsc::UnboundedSender<Command>,
+        requests: requests_channel::UnboundedReceiver<pb::SessionRequest>,
+        events: events_channel::UnboundedSender<Result<pb::SessionEvent, Status>>,
+    }
+
+    /// The task, not yet running (so that the commands the test queues are
+    /// all there at its first turn), with `handles` open on its session. A
+    /// new session would be sought at 127.0.0.1:1, which refuses it.
+    fn harness(handles: &[u32]) -> (Harness, impl Future<Output = ()>) {
+        let (commands, receiver) = mpsc::unbounded_channel();
+        let (requests_tx, requests) = requests_channel::unbounded();
+        let (events, events_rx) = events_channel::unbounded();
+        let channel = Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        let entries = handles
+            .iter()
+            .map(|&handle| {
+                let entry = Entry {
+                    request: pb::OpenSubscriptionRequest::default(),
+                    reconnect: false,
+                    events: mpsc::unbounded_channel().0,
+                    state: State::Open,
+                    subscription_id: format!("sub-{handle}"),
+                    generation: 1,
+                    closing: false,
+                };
+                (handle, entry)
+            })
+            .collect();
+        let task = SessionTask {
+            broker: BrokerClient::new(channel),
+            authorization: None,
+            session: Some(Live {
+                requests: requests_tx,
+                events: events_rx.boxed(),
+            }),
+            entries,
+            retry_at: None,
+            backoff: Backoff::default(),
+            publishes: VecDeque::new(),
+            last_publish_id: 0,
+            acks: None,
+        };
+        let harness = Harness {
+            commands,
+            requests,
+            events,
+        };
+        (harness, task.run(receiver))
+    }
+
+    impl Harness {
+        fn send(&self, command: Command) {
+            assert!(self.commands.send(command).is_ok());
+        }
+
+        async fn request(&mut self) -> SessionRequest {
+            tokio::time::timeout(Duration::from_secs(5), self.requests.next())
+                .await
+                .expect("a request within 5 s")
+                .expect("the session is open")
+                .request
+                .expect("a request with a variant")
+        }
+
+        fn publish(&self, messages: usize) -> oneshot::Receiver<PublishAnswer> {
+            let (answer, receiver) = oneshot::channel();
+            self.send(Command::Publish {
+                messages: vec![pb::PublishRequest::default(); messages],
+                answer,
+            });
+            receiver
+        }
+
+        fn feed(&self, event: Result<Event, Status>) {
+            let event = event.map(|e| pb::SessionEvent { event: Some(e) });
+            assert!(self.events.unbounded_send(event).is_ok());
+        }
+    }
+
+    fn ack(handle: u32, sequences: &[u64], nack: bool) -> Command {
+        Command::Ack {
+            handle,
+            sequences: sequences.to_vec(),
+            nack,
+        }
+    }
+
+    async fn answer(receiver: oneshot::Receiver<PublishAnswer>) -> PublishAnswer {
+        tokio::time::timeout(Duration::from_secs(5), receiver)
+            .await
+            .expect("an answer within 5 s")
+            .expect("the task answers every publish")
+    }
+
+    #[tokio::test]
+    async fn acks_queued_together_for_one_handle_go_out_as_one_request() {
+        let (mut h, task) = harness(&[1, 2]);
+        for command in [
+            ack(1, &[1], false),
+            ack(1, &[2, 3], false),
+            ack(2, &[7], false),
+            ack(1, &[4], false),
+            ack(1, &[5], true),
+            ack(1, &[6], true),
+            Command::Credit {
+                handle: 1,
+                generation: 1,
+                messages: 32,
+            },
+            ack(1, &[8], false),
+        ] {
+            h.send(command);
+        }
+        tokio::spawn(task);
+        let acked = |handle, sequences: &[u64]| {
+            SessionRequest::Ack(pb::SessionAck {
+                handle,
+                sequences: sequences.to_vec(),
+            })
+        };
+        let mut written = Vec::new();
+        for _ in 0..6 {
+            written.push(h.request().await);
+        }
+        assert_eq!(
+            written,
+            [
+                acked(1, &[1, 2, 3]),
+                acked(2, &[7]),
+                acked(1, &[4]),
+                SessionRequest::Nack(pb::SessionNack {
+                    handle: 1,
+                    sequences: vec![5, 6]
+                }),
+                SessionRequest::Credit(pb::SessionCredit {
+                    handle: 1,
+                    messages: 32
+                }),
+                acked(1, &[8]),
+            ]
+        );
+        assert!(h.requests.try_recv().is_err(), "nothing more was written");
+    }
+
+    #[tokio::test]
+    async fn publishes_are_answered_by_id_and_those_on_a_lost_session_are_unconfirmed() {
+        let (mut h, task) = harness(&[]);
+        let answers = [h.publish(2), h.publish(1), h.publish(3)];
+        tokio::spawn(task);
+        let mut ids = Vec::new();
+        for messages in [2, 1, 3] {
+            match h.request().await {
+                SessionRequest::Publish(p) => {
+                    assert_eq!(p.messages.len(), messages);
+                    ids.push(p.id);
+                }
+                other => panic!("a publish, not {other:?}"),
+            }
+        }
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+        let [first, second, third] = answers;
+        let published = |id, first_sequence, accepted| {
+            Ok(Event::Published(pb::SessionPublished {
+                id,
+                first_sequence,
+                accepted,
+                rejected: Vec::new(),
+            }))
+        };
+        h.feed(published(ids[0], 10, 2));
+        h.feed(published(ids[1], 12, 1));
+        let a = answer(first).await.unwrap();
+        assert_eq!((a.id, a.first_sequence, a.accepted), (ids[0], 10, 2));
+        let b = answer(second).await.unwrap();
+        assert_eq!((b.id, b.first_sequence, b.accepted), (ids[1], 12, 1));
+        // The third is unanswered when the session fails.
+        h.feed(Err(Status::unavailable("connection reset")));
+        match answer(third).await {
+            Err(PublishError::Unconfirmed { messages: 3, cause }) => {
+                assert_eq!(cause.code(), Code::Unavailable);
+            }
+            other => panic!("unconfirmed, not {other:?}"),
+        }
+        // No session now, and none to be had at 127.0.0.1:1: not sent.
+        match answer(h.publish(1)).await {
+            Err(PublishError::NotSent { messages: 1, .. }) => {}
+            other => panic!("not sent, not {other:?}"),
+        }
     }
 }
