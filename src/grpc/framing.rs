@@ -1,7 +1,8 @@
 //! A delivery as the bytes of a gRPC frame, for both subscription bodies
 //! ([`super::subscription_body`], [`super::session_body`]): the frame
 //! header (`GRPC_HEADER`), the encode buffer's growth (`reserve_frame`,
-//! `FRAME_THRESHOLD`), the `deliver` span each delivery gets, and the
+//! `FRAME_THRESHOLD`), the `deliver` span each delivery gets (and the
+//! `publish` span of each published message), and the
 //! `Message` itself ([`EncodedMessage`]).
 //!
 //! A delivery is encoded straight from the published message. Protobuf
@@ -21,7 +22,9 @@
 
 use super::codec::ENCODE_CHUNK;
 use crate::broker::Published;
+use crate::engine::TracingHeaders;
 use crate::ops::telemetry;
+use crate::ops::telemetry::TRACEPARENT;
 use crate::pb;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::encoding::{DecodeContext, WireType};
@@ -256,6 +259,30 @@ pub(crate) fn deliver_span(m: &Published, group: &str, subscription_id: &str, at
 /// The length of gRPC's message header: the compressed flag and 4 bytes of
 /// length.
 pub(crate) const GRPC_HEADER: usize = 5;
+
+/// A `publish` span whose parent is the caller's `traceparent`; its own
+/// context goes into the message's headers, unless the publisher set one
+/// ([`telemetry::inject`]: which headers it added, counted against no
+/// limit).
+pub(crate) fn publish_span(
+    request: &mut pb::PublishRequest,
+    parent: &opentelemetry::Context,
+) -> (tracing::Span, TracingHeaders) {
+    let span = tracing::info_span!(
+        "publish",
+        otel.kind = "producer",
+        messaging.system = "tinybroker",
+        messaging.operation.type = "publish",
+        messaging.destination.name = %request.topic,
+        messaging.message.id = tracing::field::Empty,
+    );
+    let _ = span.set_parent(parent.clone());
+    let tracing = match request.headers.contains_key(TRACEPARENT) {
+        true => TracingHeaders::default(),
+        false => telemetry::inject(&span.context(), &mut request.headers),
+    };
+    (span, tracing)
+}
 
 #[cfg(test)]
 mod tests {

@@ -7,13 +7,14 @@
 //! [`super::session_body`]).
 
 use super::convert::{decoding_limit, request_stream_error, status, subscribe_request};
+use super::framing::publish_span;
 use super::session_body::SessionBody;
 use super::subscription_body::{NotInstalled, PendingBody, SUBSCRIPTION_ID_METADATA, SubscriptionBody};
 use crate::broker::WakeBatch;
 use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
 use crate::engine::{Confirmation, DeliveryStream, Engine, NewMessage, PublishOutcome, PublishTime, TracingHeaders};
 use crate::ops::metrics::Metrics;
-use crate::ops::telemetry::{self, TRACEPARENT};
+use crate::ops::telemetry;
 use crate::pb;
 use futures::FutureExt;
 use parking_lot::Mutex;
@@ -21,7 +22,6 @@ use std::sync::Arc;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Most messages of one PublishStream routed before the task yields.
 const PUBLISH_BATCH: usize = 128;
@@ -96,30 +96,6 @@ impl<E: Engine> BrokerService<E> {
         let limit = decoding_limit(self.engine.limits().max_message_bytes);
         pb::broker_server::BrokerServer::new(self).max_decoding_message_size(limit)
     }
-}
-
-/// A `publish` span whose parent is the caller's `traceparent`; its own
-/// context goes into the message's headers, unless the publisher set one
-/// ([`telemetry::inject`]: which headers it added, counted against no
-/// limit).
-pub(super) fn publish_span(
-    request: &mut pb::PublishRequest,
-    parent: &opentelemetry::Context,
-) -> (tracing::Span, TracingHeaders) {
-    let span = tracing::info_span!(
-        "publish",
-        otel.kind = "producer",
-        messaging.system = "tinybroker",
-        messaging.operation.type = "publish",
-        messaging.destination.name = %request.topic,
-        messaging.message.id = tracing::field::Empty,
-    );
-    let _ = span.set_parent(parent.clone());
-    let tracing = match request.headers.contains_key(TRACEPARENT) {
-        true => TracingHeaders::default(),
-        false => telemetry::inject(&span.context(), &mut request.headers),
-    };
-    (span, tracing)
 }
 
 /// The message of a request; `tracing`: the headers [`publish_span`] added

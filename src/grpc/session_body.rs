@@ -1038,7 +1038,7 @@ fn traced_messages(
     requests
         .into_iter()
         .map(|mut request| {
-            let (span, tracing) = super::services::publish_span(&mut request, parent);
+            let (span, tracing) = super::framing::publish_span(&mut request, parent);
             (traced_message(request, tracing), span)
         })
         .unzip()
