@@ -154,6 +154,7 @@ pub(super) async fn info(args: ListArgs) -> anyhow::Result<()> {
                 "max subscriptions per session",
                 l.max_subscriptions_per_session.to_string(),
             ),
+            ("max batch messages", l.max_batch_messages.to_string()),
             ("max connections", l.max_connections.to_string()),
             (
                 "max patterns per subscription",
@@ -485,6 +486,7 @@ fn info_json(i: &pb::GetBrokerInfoResponse) -> Value {
             "max_memory_bytes": l.max_memory_bytes,
             "max_subscriptions": l.max_subscriptions,
             "max_subscriptions_per_session": l.max_subscriptions_per_session,
+            "max_batch_messages": l.max_batch_messages,
             "max_connections": l.max_connections,
             "max_patterns_per_subscription": l.max_patterns_per_subscription,
             "max_topic_bytes": l.max_topic_bytes,

@@ -98,8 +98,8 @@ struct PublishArgs {
     /// Publish each line of stdin as one message, in batches on one session.
     #[arg(long)]
     lines: bool,
-    /// With --lines: messages per batch at most, 1024 when not given (keep
-    /// it within the broker's TINYBROKER_MAX_BATCH_MESSAGES).
+    /// With --lines: messages per batch at most; when not given, the
+    /// broker's TINYBROKER_MAX_BATCH_MESSAGES (GetBrokerInfo), else 1024.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     batch: Option<u32>,
     #[command(flatten)]
@@ -370,12 +370,16 @@ async fn publish_lines(args: PublishArgs) -> anyhow::Result<()> {
     let mut publisher = client
         .publisher()
         .max_messages(args.batch.map_or(DEFAULT_BATCH_MESSAGES, |n| n as usize));
-    // Batches within the largest request the broker reads, and a line too
-    // large for one rejected here rather than ending the session.
+    // Batches within the largest request the broker reads (a line too
+    // large for one rejected here rather than ending the session), and
+    // within its batch limit unless --batch says otherwise.
     match client.broker_info().await {
         Ok(info) => {
             if let Some(limits) = info.limits {
                 publisher = publisher.broker_max_message_bytes(limits.max_message_bytes as usize);
+                if args.batch.is_none() && limits.max_batch_messages > 0 {
+                    publisher = publisher.max_messages(limits.max_batch_messages as usize);
+                }
             }
         }
         Err(status) if status.code() == tonic::Code::Unimplemented => {}

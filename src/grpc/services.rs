@@ -473,6 +473,7 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
                 max_message_bytes: self.engine.max_message_bytes() as u64,
                 max_subscriptions: l.max_subscriptions as u64,
                 max_subscriptions_per_session: l.max_subscriptions_per_session as u64,
+                max_batch_messages: l.max_batch_messages as u64,
                 shutdown_grace_seconds: self.shutdown_grace.as_secs(),
                 max_patterns_per_subscription: MAX_PATTERNS_PER_SUBSCRIPTION as u32,
                 max_topic_bytes: crate::topic::MAX_TOPIC_BYTES as u32,

@@ -409,6 +409,15 @@ async fn at_the_batch_limit_a_batch_passes_and_one_over_is_rejected_whole_and_th
         })
         .await;
         let (mut sub, _) = subscribe(&mut broker.client_on(1).await, &["l"]).await;
+        // A client can size its batches: GetBrokerInfo says the limit.
+        let info = broker
+            .admin()
+            .await
+            .get_broker_info(tinybroker::pb::GetBrokerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.limits.unwrap().max_batch_messages, 4);
         let mut publisher = Events::start(&mut broker.client_on(0).await, false).await;
         let at_limit = publisher.publish(1, messages("l", "a", 4)).await;
         all_accepted(&at_limit, 4);

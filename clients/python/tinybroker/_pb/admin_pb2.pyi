@@ -126,7 +126,7 @@ class GetBrokerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BrokerLimits(_message.Message):
-    __slots__ = ("consumer_capacity", "group_capacity", "default_max_in_flight", "default_ack_deadline_ms", "max_delivery_attempts", "group_idle_ttl_seconds", "max_message_bytes", "max_subscriptions", "shutdown_grace_seconds", "max_patterns_per_subscription", "max_topic_bytes", "max_headers", "consumer_max_bytes", "group_max_bytes", "max_memory_bytes", "max_connections", "handshake_timeout_seconds", "max_subscriptions_per_session")
+    __slots__ = ("consumer_capacity", "group_capacity", "default_max_in_flight", "default_ack_deadline_ms", "max_delivery_attempts", "group_idle_ttl_seconds", "max_message_bytes", "max_subscriptions", "shutdown_grace_seconds", "max_patterns_per_subscription", "max_topic_bytes", "max_headers", "consumer_max_bytes", "group_max_bytes", "max_memory_bytes", "max_connections", "handshake_timeout_seconds", "max_subscriptions_per_session", "max_batch_messages")
     CONSUMER_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     GROUP_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class BrokerLimits(_message.Message):
     MAX_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_SUBSCRIPTIONS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     consumer_capacity: int
     group_capacity: int
     default_max_in_flight: int
@@ -163,7 +164,8 @@ class BrokerLimits(_message.Message):
     max_connections: int
     handshake_timeout_seconds: int
     max_subscriptions_per_session: int
-    def __init__(self, consumer_capacity: _Optional[int] = ..., group_capacity: _Optional[int] = ..., default_max_in_flight: _Optional[int] = ..., default_ack_deadline_ms: _Optional[int] = ..., max_delivery_attempts: _Optional[int] = ..., group_idle_ttl_seconds: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_subscriptions: _Optional[int] = ..., shutdown_grace_seconds: _Optional[int] = ..., max_patterns_per_subscription: _Optional[int] = ..., max_topic_bytes: _Optional[int] = ..., max_headers: _Optional[int] = ..., consumer_max_bytes: _Optional[int] = ..., group_max_bytes: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., max_connections: _Optional[int] = ..., handshake_timeout_seconds: _Optional[int] = ..., max_subscriptions_per_session: _Optional[int] = ...) -> None: ...
+    max_batch_messages: int
+    def __init__(self, consumer_capacity: _Optional[int] = ..., group_capacity: _Optional[int] = ..., default_max_in_flight: _Optional[int] = ..., default_ack_deadline_ms: _Optional[int] = ..., max_delivery_attempts: _Optional[int] = ..., group_idle_ttl_seconds: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_subscriptions: _Optional[int] = ..., shutdown_grace_seconds: _Optional[int] = ..., max_patterns_per_subscription: _Optional[int] = ..., max_topic_bytes: _Optional[int] = ..., max_headers: _Optional[int] = ..., consumer_max_bytes: _Optional[int] = ..., group_max_bytes: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., max_connections: _Optional[int] = ..., handshake_timeout_seconds: _Optional[int] = ..., max_subscriptions_per_session: _Optional[int] = ..., max_batch_messages: _Optional[int] = ...) -> None: ...
 
 class GetBrokerInfoResponse(_message.Message):
     __slots__ = ("version", "uptime", "started_at", "limits", "subscriptions", "consumer_groups", "last_sequence", "auth_enabled", "tls_enabled", "cluster_mode", "replica_id", "nats_server", "messages_published", "messages_delivered")

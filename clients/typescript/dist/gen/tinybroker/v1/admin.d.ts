@@ -105,6 +105,8 @@ export interface BrokerLimits {
     handshakeTimeoutSeconds: number;
     /** Subscriptions one Session stream may hold. */
     maxSubscriptionsPerSession: number;
+    /** Messages one SessionPublish may carry (TINYBROKER_MAX_BATCH_MESSAGES). */
+    maxBatchMessages: number;
 }
 export interface GetBrokerInfoResponse {
     version: string;

@@ -788,6 +788,7 @@ function createBaseBrokerLimits() {
         maxConnections: 0,
         handshakeTimeoutSeconds: 0,
         maxSubscriptionsPerSession: 0,
+        maxBatchMessages: 0,
     };
 }
 export const BrokerLimits = {
@@ -845,6 +846,9 @@ export const BrokerLimits = {
         }
         if (message.maxSubscriptionsPerSession !== 0) {
             writer.uint32(144).uint64(message.maxSubscriptionsPerSession);
+        }
+        if (message.maxBatchMessages !== 0) {
+            writer.uint32(152).uint64(message.maxBatchMessages);
         }
         return writer;
     },
@@ -985,6 +989,13 @@ export const BrokerLimits = {
                             break;
                         }
                         message.maxSubscriptionsPerSession = longToNumber(reader.uint64());
+                        continue;
+                    }
+                    case 19: {
+                        if (tag !== 152) {
+                            break;
+                        }
+                        message.maxBatchMessages = longToNumber(reader.uint64());
                         continue;
                     }
                 }

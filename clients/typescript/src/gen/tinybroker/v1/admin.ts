@@ -139,6 +139,8 @@ export interface BrokerLimits {
   handshakeTimeoutSeconds: number;
   /** Subscriptions one Session stream may hold. */
   maxSubscriptionsPerSession: number;
+  /** Messages one SessionPublish may carry (TINYBROKER_MAX_BATCH_MESSAGES). */
+  maxBatchMessages: number;
 }
 
 export interface GetBrokerInfoResponse {
@@ -1008,6 +1010,7 @@ function createBaseBrokerLimits(): BrokerLimits {
     maxConnections: 0,
     handshakeTimeoutSeconds: 0,
     maxSubscriptionsPerSession: 0,
+    maxBatchMessages: 0,
   };
 }
 
@@ -1066,6 +1069,9 @@ export const BrokerLimits: MessageFns<BrokerLimits> = {
     }
     if (message.maxSubscriptionsPerSession !== 0) {
       writer.uint32(144).uint64(message.maxSubscriptionsPerSession);
+    }
+    if (message.maxBatchMessages !== 0) {
+      writer.uint32(152).uint64(message.maxBatchMessages);
     }
     return writer;
   },
@@ -1225,6 +1231,14 @@ export const BrokerLimits: MessageFns<BrokerLimits> = {
             }
 
             message.maxSubscriptionsPerSession = longToNumber(reader.uint64());
+            continue;
+          }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.maxBatchMessages = longToNumber(reader.uint64());
             continue;
           }
         }
