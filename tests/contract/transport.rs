@@ -3,7 +3,11 @@
 //! opens each as a handle of a `Session` stream of its own, so that every
 //! broadcast and group behaviour of the contract is checked through
 //! sessions too (docs/contract.md, "Sessions": a session's subscription is
-//! every bit a subscription). A test reads a [`Sub`] as it would read the
+//! every bit a subscription); `batched` does the same on sessions opened
+//! with `tinybroker-batch: 1`, whose deliveries come in `deliveries` events
+//! (docs/contract.md, "Batches"), so that eviction, order and every group
+//! behaviour are checked through batched deliveries too. A test reads a
+//! [`Sub`] as it would read the
 //! stream: `message()` gives the next delivery, and `Ok(None)` once the
 //! broker ended the subscription (an `ended` event, or the stream's end).
 //! Many subscriptions on one session are `tests/sessions.rs`'s.
@@ -19,13 +23,15 @@ use tonic::{Code, Status};
 pub enum Transport {
     Stream,
     Session,
+    Batched,
 }
 
 pub fn transport() -> Transport {
     match std::env::var("TB_TRANSPORT").as_deref() {
         Err(_) | Ok("" | "stream") => Transport::Stream,
         Ok("session") => Transport::Session,
-        Ok(other) => panic!("TB_TRANSPORT={other:?}: the transports are stream (the default) and session"),
+        Ok("batched") => Transport::Batched,
+        Ok(other) => panic!("TB_TRANSPORT={other:?}: the transports are stream (the default), session and batched"),
     }
 }
 
@@ -35,7 +41,12 @@ const HANDLE: u32 = 1;
 /// One open subscription, on the transport [`transport`] picks.
 pub enum Sub {
     Stream(tonic::Streaming<pb::Message>),
-    Session { session: TestSession, ended: bool },
+    Session {
+        session: TestSession,
+        ended: bool,
+        /// The rest of a `deliveries` event (batched sessions), oldest last.
+        batch: Vec<pb::SessionDelivery>,
+    },
 }
 
 impl std::fmt::Debug for Sub {
@@ -52,7 +63,11 @@ impl Sub {
     pub async fn message(&mut self) -> Result<Option<pb::Message>, Status> {
         match self {
             Sub::Stream(stream) => stream.message().await,
-            Sub::Session { session, ended } => {
+            Sub::Session { session, ended, batch } => {
+                if let Some(d) = batch.pop() {
+                    assert_eq!(d.handles, [HANDLE], "a delivery names the session's one handle");
+                    return Ok(Some(d.message.expect("a delivery carries its message")));
+                }
                 if *ended {
                     return Ok(None);
                 }
@@ -60,8 +75,19 @@ impl Sub {
                     *ended = true;
                     return Ok(None);
                 };
+                let batched = transport() == Transport::Batched;
                 match event.event {
                     Some(Event::Delivery(d)) => {
+                        assert!(!batched, "a bare delivery on a batched session: {d:?}");
+                        assert_eq!(d.handles, [HANDLE], "a delivery names the session's one handle");
+                        Ok(Some(d.message.expect("a delivery carries its message")))
+                    }
+                    Some(Event::Deliveries(b)) => {
+                        assert!(batched, "a deliveries event on a session that did not ask: {b:?}");
+                        assert!(!b.deliveries.is_empty(), "an empty deliveries event");
+                        *batch = b.deliveries;
+                        batch.reverse();
+                        let d = batch.pop().expect("one at least");
                         assert_eq!(d.handles, [HANDLE], "a delivery names the session's one handle");
                         Ok(Some(d.message.expect("a delivery carries its message")))
                     }
@@ -95,13 +121,21 @@ pub async fn try_open(
                 .to_owned();
             Ok((Sub::Stream(response.into_inner()), id))
         }
-        Transport::Session => {
-            let mut session = TestSession::try_start(client).await?;
+        Transport::Session | Transport::Batched => {
+            let mut session = match transport() {
+                Transport::Batched => TestSession::try_start_with(client, Some("1")).await?,
+                _ => TestSession::try_start(client).await?,
+            };
             session.open(HANDLE, request, 0);
             match session.events.message().await?.and_then(|e| e.event) {
                 Some(Event::Opened(o)) => {
                     assert_eq!(o.handle, HANDLE);
-                    Ok((Sub::Session { session, ended: false }, o.subscription_id))
+                    let sub = Sub::Session {
+                        session,
+                        ended: false,
+                        batch: Vec::new(),
+                    };
+                    Ok((sub, o.subscription_id))
                 }
                 Some(Event::Ended(e)) if e.reason == "rejected" => {
                     assert_eq!(e.handle, HANDLE);
