@@ -117,6 +117,7 @@ fn tinybroker(session: bool, manual_ack: bool) -> Variant {
         kind: Kind::Tinybroker,
         manual_ack,
         session,
+        batch: false,
     }
 }
 
@@ -187,6 +188,31 @@ fn items(messages: u64) -> Vec<Item> {
             counted: group(None),
             native: group(Some(NATIVE_RATE)),
             variant: tinybroker(true, true),
+        },
+        // The batched forms (`session-batch`): under callgrind the publisher's
+        // batches are as large as the window and the four publishes the
+        // broker reads ahead let them be; paced, each message goes alone,
+        // in a batch of one and a `deliveries` event of one.
+        Item {
+            id: "fanout-3-batch",
+            label: "fan-out 1→3, 256 B, session-batch",
+            counted: fanout,
+            native: fanout_paced,
+            variant: workloads::session_batch(false),
+        },
+        Item {
+            id: "group-3-auto-batch",
+            label: "group of 3, AUTO, 256 B, session-batch",
+            counted: group(None),
+            native: group(Some(NATIVE_RATE)),
+            variant: workloads::session_batch(false),
+        },
+        Item {
+            id: "group-3-manual-batch",
+            label: "group of 3, MANUAL, acks in bulk, 256 B, session-batch",
+            counted: group(None),
+            native: group(Some(NATIVE_RATE)),
+            variant: workloads::session_batch(true),
         },
         Item {
             id: "wide-paced",

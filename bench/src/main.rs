@@ -54,8 +54,8 @@ struct Cli {
     #[arg(long)]
     skip_redis: bool,
     /// Only runs of these systems or variants (repeatable, case-insensitive
-    /// substring of the table's system column: tinybroker, nats, redis, manual),
-    /// for profiling one of them; ratios need NATS in the run.
+    /// substring of the table's system column: tinybroker, nats, redis, manual,
+    /// session, session-batch), for profiling one of them; ratios need NATS in the run.
     #[arg(long)]
     system: Vec<String>,
     /// Idle subscriptions of the idle workloads.

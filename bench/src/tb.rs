@@ -1,6 +1,9 @@
 //! tinybroker client adapter: one tonic `Channel` (one HTTP/2 connection)
 //! per subscriber, `PublishStream` for the publisher, batched unary `Ack`s
-//! for manual-ack group members.
+//! for manual-ack group members; and the batched forms of the contract
+//! ("Batches: many messages per gRPC message"): a publisher that sends
+//! `SessionPublish` batches of what is ready, and sessions opened with
+//! `tinybroker-batch: 1` that read `deliveries` events and ack in bulk.
 
 use crate::measure::{Delivery, Recorder, Tally, drive};
 use crate::systems::{Server, before, http_get, prom_sum, within};
@@ -9,6 +12,7 @@ use bytes::Bytes;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+use tinybroker::grpc::services::BATCH_METADATA;
 use tinybroker::pb;
 use tinybroker::pb::broker_client::BrokerClient;
 use tokio::sync::{Semaphore, mpsc};
@@ -323,6 +327,196 @@ impl Publisher {
     }
 }
 
+/// Most messages in one `SessionPublish`: the broker's default
+/// `TINYBROKER_MAX_BATCH_MESSAGES`.
+pub const PUBLISH_BATCH: usize = 1024;
+/// Most payload bytes in one `SessionPublish`, far below what one request
+/// may hold (`max_message_bytes`, 1 MiB by default, + 64 KiB).
+const PUBLISH_BATCH_BYTES: usize = 256 * 1024;
+/// `SessionPublish`es sent and not answered yet, at most: the broker reads
+/// no further ahead than that (its `PUBLISHES_WAITING`).
+const PUBLISHES_IN_FLIGHT: usize = 4;
+
+/// The batched publisher: one `Session` that publishes in `SessionPublish`
+/// batches. As a NATS client's buffered writes, it batches what is ready
+/// and never waits to fill a batch: the load generator hands messages to a
+/// writer task through a channel, and the writer sends whatever is in the
+/// channel when it can (up to [`PUBLISH_BATCH`] messages or
+/// [`PUBLISH_BATCH_BYTES`]) as one batch, with up to
+/// [`PUBLISHES_IN_FLIGHT`] batches unanswered. A lone message leaves at
+/// once in a batch of one; under load the batches grow while the answers
+/// are awaited.
+pub struct BatchPublisher {
+    tx: mpsc::Sender<Bytes>,
+    /// Gives back the session's request sender when done: the session stays
+    /// open (not half-closed) until every answer is in.
+    writer: JoinHandle<Result<mpsc::UnboundedSender<pb::SessionRequest>>>,
+    reader: JoinHandle<Result<()>>,
+    /// One permit per batch that may be sent; an answer gives one back.
+    slots: Arc<Semaphore>,
+    accepted: Arc<AtomicU64>,
+    /// Messages the broker rejected, and the first rejection's text.
+    rejected: Arc<std::sync::Mutex<(u64, Option<String>)>>,
+    /// Keeps the session's connection open.
+    _client: BrokerClient<Channel>,
+}
+
+impl BatchPublisher {
+    pub async fn new(server: &Server, topic: &str) -> Result<BatchPublisher> {
+        let mut client = connect(server, None).await?;
+        let session = Session::start(&mut client, false).await?;
+        let Session { tx: requests, events } = session;
+        let slots = Arc::new(Semaphore::new(PUBLISHES_IN_FLIGHT));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let rejected = Arc::new(std::sync::Mutex::new((0, None)));
+        let (tx, rx) = mpsc::channel(PUBLISH_BATCH);
+        let writer = tokio::spawn(write_batches(requests, rx, topic.to_owned(), slots.clone()));
+        let reader = tokio::spawn(read_answers(events, slots.clone(), accepted.clone(), rejected.clone()));
+        Ok(BatchPublisher {
+            tx,
+            writer,
+            reader,
+            slots,
+            accepted,
+            rejected,
+            _client: client,
+        })
+    }
+
+    pub async fn send(&mut self, payload: Bytes, deadline: tokio::time::Instant) -> Result<()> {
+        match before(
+            deadline,
+            "handing a message to the batch publisher",
+            self.tx.send(payload),
+        )
+        .await?
+        {
+            Ok(()) => Ok(()),
+            // The writer stopped: its result (or the reader's) says why.
+            Err(_) => {
+                if self.reader.is_finished() {
+                    (&mut self.reader).await.context("the answer reader")??;
+                }
+                within(NET, "reading the batch writer's result", &mut self.writer)
+                    .await?
+                    .context("the batch writer")??;
+                bail!("the batch publisher stopped before all messages were sent")
+            }
+        }
+    }
+
+    /// Sends what is left, waits for every answer and checks the broker
+    /// accepted every message.
+    pub async fn finish(self, sent: u64) -> Result<()> {
+        drop(self.tx);
+        let _requests = within(NET, "sending the last batches", self.writer)
+            .await?
+            .context("the batch writer")??;
+        // Every batch answered: all the permits are back.
+        let all = within(
+            Duration::from_secs(60),
+            "waiting for the SessionPublished answers",
+            self.slots.acquire_many(PUBLISHES_IN_FLIGHT as u32),
+        )
+        .await?;
+        if all.is_err() {
+            // The reader closed the slots: the session failed.
+            self.reader.await.context("the answer reader")??;
+            bail!("the publishing session ended before every batch was answered");
+        }
+        self.reader.abort();
+        let (rejected, first) = self.rejected.lock().unwrap().clone();
+        if rejected > 0 {
+            bail!(
+                "the broker rejected {rejected} messages of the batches: {}",
+                first.unwrap_or_default()
+            );
+        }
+        let accepted = self.accepted.load(Ordering::Relaxed);
+        if accepted != sent {
+            bail!("the SessionPublished answers accepted {accepted} of {sent} messages");
+        }
+        Ok(())
+    }
+}
+
+/// The batch publisher's writer: each batch is what is in `payloads` when
+/// a slot is free.
+async fn write_batches(
+    requests: mpsc::UnboundedSender<pb::SessionRequest>,
+    mut payloads: mpsc::Receiver<Bytes>,
+    topic: String,
+    slots: Arc<Semaphore>,
+) -> Result<mpsc::UnboundedSender<pb::SessionRequest>> {
+    let message = |payload: Bytes| pb::PublishRequest {
+        topic: topic.clone(),
+        payload,
+        headers: Default::default(),
+    };
+    let mut id = 0u64;
+    while let Some(first) = payloads.recv().await {
+        slots
+            .acquire()
+            .await
+            .context("the publishing session ended (no answers)")?
+            .forget();
+        // What arrived while an answer was awaited goes in the same batch.
+        let mut bytes = first.len();
+        let mut messages = Vec::with_capacity(payloads.len() + 1);
+        messages.push(message(first));
+        while messages.len() < PUBLISH_BATCH && bytes < PUBLISH_BATCH_BYTES {
+            match payloads.try_recv() {
+                Ok(p) => {
+                    bytes += p.len();
+                    messages.push(message(p));
+                }
+                Err(_) => break,
+            }
+        }
+        id += 1;
+        requests
+            .send(pb::SessionRequest {
+                request: Some(pb::session_request::Request::Publish(pb::SessionPublish {
+                    id,
+                    messages,
+                })),
+            })
+            .map_err(|_| anyhow::anyhow!("the publishing session's request stream is closed"))?;
+    }
+    Ok(requests)
+}
+
+/// The batch publisher's reader: counts what each `published` answer
+/// accepted and rejected, and frees a slot for each.
+async fn read_answers(
+    mut events: Streaming<pb::SessionEvent>,
+    slots: Arc<Semaphore>,
+    accepted: Arc<AtomicU64>,
+    rejected: Arc<std::sync::Mutex<(u64, Option<String>)>>,
+) -> Result<()> {
+    let outcome = loop {
+        match events.message().await {
+            Ok(Some(pb::SessionEvent {
+                event: Some(pb::session_event::Event::Published(p)),
+            })) => {
+                accepted.fetch_add(u64::from(p.accepted), Ordering::Relaxed);
+                if let Some(first) = p.rejected.first() {
+                    let mut r = rejected.lock().unwrap();
+                    r.0 += p.rejected.len() as u64;
+                    r.1.get_or_insert_with(|| format!("message {} of batch {}: {}", first.index, p.id, first.message));
+                }
+                slots.add_permits(1);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => break Err(anyhow::anyhow!("the publishing session ended")),
+            Err(e) => break Err(anyhow::anyhow!("the publishing session failed: {e}")),
+        }
+    };
+    // Nobody waits for an answer that cannot come.
+    slots.close();
+    outcome
+}
+
 /// A `Session` stream (issue 26): requests go in through a channel.
 struct Session {
     tx: mpsc::UnboundedSender<pb::SessionRequest>,
@@ -334,16 +528,20 @@ struct Session {
 const SESSION_CREDIT: u32 = 0;
 
 impl Session {
-    async fn start(client: &mut BrokerClient<Channel>) -> Result<Session> {
+    /// Opens a session; `batch` asks for `deliveries` events
+    /// (`tinybroker-batch: 1`) instead of one `delivery` event each.
+    async fn start(client: &mut BrokerClient<Channel>, batch: bool) -> Result<Session> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let events = within(
-            NET,
-            "opening a tinybroker session",
-            client.session(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)),
-        )
-        .await?
-        .context("Session")?
-        .into_inner();
+        let mut request = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        if batch {
+            request
+                .metadata_mut()
+                .insert(BATCH_METADATA, tonic::metadata::MetadataValue::from_static("1"));
+        }
+        let events = within(NET, "opening a tinybroker session", client.session(request))
+            .await?
+            .context("Session")?
+            .into_inner();
         Ok(Session { tx, events })
     }
 
@@ -381,13 +579,16 @@ impl Session {
 }
 
 /// The receive loop of a session: each delivery is counted once for every
-/// handle it names; `acks` (manual-ack members) acks in-band, in batches of
-/// what has arrived together (at most [`ACK_BATCH`]).
+/// handle it names, whether it came alone (`delivery`) or in a `deliveries`
+/// event. With `acks` (manual-ack members) the sequences that arrived are
+/// acked in-band, in one `SessionAck` per read of the stream: the event
+/// read and whatever else had already arrived, at most `acks_per_read`
+/// sequences.
 async fn drive_session(
     mut session: Session,
     mut recs: Vec<Recorder>,
     stop: CancellationToken,
-    acks: bool,
+    acks: Option<usize>,
 ) -> Vec<Tally> {
     let mut pending: Vec<u64> = Vec::new();
     let cancelled = stop.cancelled();
@@ -402,27 +603,22 @@ async fn drive_session(
         let mut event = event;
         loop {
             match event {
-                Ok(Some(pb::SessionEvent {
-                    event: Some(pb::session_event::Event::Delivery(d)),
-                })) => {
-                    if let Some(m) = d.message {
-                        for h in &d.handles {
-                            if let Some(rec) = recs.get_mut(*h as usize - 1) {
-                                rec.record(&m.payload);
-                            }
-                        }
-                        if acks {
-                            pending.push(m.sequence);
+                Ok(Some(pb::SessionEvent { event: Some(e) })) => match e {
+                    pb::session_event::Event::Delivery(d) => {
+                        take_delivery(d, &mut recs, acks.map(|_| &mut pending));
+                    }
+                    pb::session_event::Event::Deliveries(ds) => {
+                        for d in ds.deliveries {
+                            take_delivery(d, &mut recs, acks.map(|_| &mut pending));
                         }
                     }
-                }
-                Ok(Some(pb::SessionEvent {
-                    event: Some(pb::session_event::Event::Ended(e)),
-                })) => {
-                    if let Some(rec) = recs.get_mut(e.handle as usize - 1) {
-                        rec.ended(format!("ended by the server: {}", e.reason));
+                    pb::session_event::Event::Ended(e) => {
+                        if let Some(rec) = recs.get_mut(e.handle as usize - 1) {
+                            rec.ended(format!("ended by the server: {}", e.reason));
+                        }
                     }
-                }
+                    _ => {}
+                },
                 Ok(Some(_)) => {}
                 Ok(None) => {
                     ended = Some("session ended by the server".to_string());
@@ -433,7 +629,7 @@ async fn drive_session(
                     break 'outer;
                 }
             }
-            if acks && pending.len() >= ACK_BATCH {
+            if acks.is_some_and(|most| pending.len() >= most) {
                 break;
             }
             // What else has arrived goes in the same batch of acks.
@@ -459,6 +655,20 @@ async fn drive_session(
         .collect()
 }
 
+/// Counts one delivery for every handle it names; its sequence goes to
+/// `pending` when the session acks.
+fn take_delivery(d: pb::SessionDelivery, recs: &mut [Recorder], pending: Option<&mut Vec<u64>>) {
+    let Some(m) = d.message else { return };
+    for h in &d.handles {
+        if let Some(rec) = recs.get_mut(*h as usize - 1) {
+            rec.record(&m.payload);
+        }
+    }
+    if let Some(pending) = pending {
+        pending.push(m.sequence);
+    }
+}
+
 /// Spawns a session's receive loop; one handle per recorder, each giving
 /// that subscriber's tally.
 fn spawn_session(
@@ -466,7 +676,7 @@ fn spawn_session(
     client: BrokerClient<Channel>,
     recs: Vec<Recorder>,
     stop: CancellationToken,
-    acks: bool,
+    acks: Option<usize>,
 ) -> Vec<JoinHandle<Tally>> {
     let n = recs.len();
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| tokio::sync::oneshot::channel::<Tally>()).unzip();
@@ -484,34 +694,43 @@ fn spawn_session(
 }
 
 /// [`subscribe_shared`] on one `Session`: the connection's subscribers are
-/// handles of one stream.
+/// handles of one stream (with `batch`, a session of `deliveries` events).
 pub async fn subscribe_session_shared(
     server: &Server,
     pattern: &str,
     recs: Vec<Recorder>,
     stop: CancellationToken,
+    batch: bool,
 ) -> Result<Vec<JoinHandle<Tally>>> {
     let mut client = connect(server, None).await?;
-    let mut session = Session::start(&mut client).await?;
+    let mut session = Session::start(&mut client, batch).await?;
     session
         .open_all((0..recs.len()).map(|_| request(pattern, Mode::Broadcast)).collect())
         .await?;
-    Ok(spawn_session(session, client, recs, stop, false))
+    Ok(spawn_session(session, client, recs, stop, None))
 }
 
 /// [`subscribe`] as the one handle of a `Session` of its own connection;
-/// a manual-ack member acks in-band.
+/// a manual-ack member acks in-band. With `batch` the session reads
+/// `deliveries` events and a member acks everything one read brought in
+/// one `SessionAck` (at most its `max_in_flight` can be unacked); without,
+/// at most [`ACK_BATCH`] sequences an ack, as before batches.
 pub async fn subscribe_session(
     server: &Server,
     pattern: &str,
     mode: Mode,
     rec: Recorder,
     stop: CancellationToken,
+    batch: bool,
 ) -> Result<JoinHandle<Tally>> {
     let mut client = connect(server, None).await?;
-    let mut session = Session::start(&mut client).await?;
+    let mut session = Session::start(&mut client, batch).await?;
     session.open_all(vec![request(pattern, mode)]).await?;
-    let acks = matches!(mode, Mode::Group { manual: true, .. });
+    let acks = matches!(mode, Mode::Group { manual: true, .. }).then_some(if batch {
+        MAX_IN_FLIGHT as usize
+    } else {
+        ACK_BATCH
+    });
     Ok(spawn_session(session, client, vec![rec], stop, acks).remove(0))
 }
 
@@ -522,7 +741,7 @@ pub async fn idle_on_sessions(
     per_conn: usize,
 ) -> Result<Box<dyn Send>> {
     let opened = futures::future::try_join_all(clients.into_iter().enumerate().map(|(c, mut client)| async move {
-        let mut session = Session::start(&mut client).await?;
+        let mut session = Session::start(&mut client, false).await?;
         let requests = (c * per_conn..((c + 1) * per_conn).min(count))
             .map(|i| request(&format!("idle.{i}"), Mode::Broadcast))
             .collect();

@@ -131,15 +131,23 @@ pub struct Variant {
     /// tinybroker: subscriptions on `Session` streams (one per connection)
     /// instead of an `OpenSubscription` stream each.
     pub session: bool,
+    /// tinybroker, with `session`: the batched forms ("Batches: many
+    /// messages per gRPC message"): the publisher sends `SessionPublish`
+    /// batches of what is ready on a session of its own, the subscribers'
+    /// sessions ask for `deliveries` events (`tinybroker-batch: 1`), and a
+    /// MANUAL member acks what one read brought in one `SessionAck`.
+    pub batch: bool,
 }
 
 impl fmt::Display for Variant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match (self.kind, self.manual_ack, self.session) {
-            (Kind::Tinybroker, true, false) => f.write_str("tinybroker MANUAL ack"),
-            (Kind::Tinybroker, true, true) => f.write_str("tinybroker session, MANUAL ack in-band"),
-            (Kind::Tinybroker, false, true) => f.write_str("tinybroker session"),
-            (k, _, _) => write!(f, "{k}"),
+        match (self.kind, self.manual_ack, self.session, self.batch) {
+            (Kind::Tinybroker, true, false, _) => f.write_str("tinybroker MANUAL ack"),
+            (Kind::Tinybroker, true, true, false) => f.write_str("tinybroker session, MANUAL ack in-band"),
+            (Kind::Tinybroker, false, true, false) => f.write_str("tinybroker session"),
+            (Kind::Tinybroker, true, true, true) => f.write_str("tinybroker session-batch, MANUAL ack in-band"),
+            (Kind::Tinybroker, false, true, true) => f.write_str("tinybroker session-batch"),
+            (k, _, _, _) => write!(f, "{k}"),
         }
     }
 }
@@ -158,6 +166,7 @@ fn v(kind: Kind) -> Variant {
         kind,
         manual_ack: false,
         session: false,
+        batch: false,
     }
 }
 
@@ -167,6 +176,17 @@ fn session(manual_ack: bool) -> Variant {
         kind: Kind::Tinybroker,
         manual_ack,
         session: true,
+        batch: false,
+    }
+}
+
+/// tinybroker on sessions, with batches both ways (`session-batch`).
+pub fn session_batch(manual_ack: bool) -> Variant {
+    Variant {
+        kind: Kind::Tinybroker,
+        manual_ack,
+        session: true,
+        batch: true,
     }
 }
 
@@ -214,7 +234,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
     } = *scale;
     let mut out = Vec::new();
     let fan_peers = |redis: bool| {
-        let mut p = vec![v(Kind::Tinybroker), v(Kind::Nats)];
+        let mut p = vec![v(Kind::Tinybroker), session_batch(false), v(Kind::Nats)];
         if redis {
             p.push(v(Kind::Redis));
         }
@@ -267,8 +287,11 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
                 kind: Kind::Tinybroker,
                 manual_ack: true,
                 session: false,
+                batch: false,
             },
             session(true),
+            session_batch(false),
+            session_batch(true),
             v(Kind::Nats),
         ],
     });
@@ -304,7 +327,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             rate: Some(wide_rate.max(1)),
             messages: (wide_rate * wide_seconds).max(1),
         },
-        variants: vec![v(Kind::Tinybroker), session(false), v(Kind::Nats)],
+        variants: vec![v(Kind::Tinybroker), session(false), session_batch(false), v(Kind::Nats)],
     });
     out.push(Case {
         id: "wide-max".into(),
@@ -316,7 +339,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             rate: None,
             messages: wide_messages.max(1),
         },
-        variants: vec![v(Kind::Tinybroker), session(false), v(Kind::Nats)],
+        variants: vec![v(Kind::Tinybroker), session(false), session_batch(false), v(Kind::Nats)],
     });
     out.push(Case {
         id: "idle".into(),
@@ -390,6 +413,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
                 kind: Kind::Tinybroker,
                 manual_ack: true,
                 session: false,
+                batch: false,
             },
             v(Kind::Nats),
         ],
@@ -457,6 +481,8 @@ fn tinybroker_env(settings: &Settings, subs: usize, per_sub_metrics: bool) -> Ti
 
 enum Publisher {
     Tb(tb::Publisher),
+    /// `session-batch`: `SessionPublish` batches of what is ready.
+    TbBatch(tb::BatchPublisher),
     Nats(nats::Publisher),
     /// The NATS peer of a cluster-wide group: JetStream publishes, their
     /// acks awaited in order with a window ([`nats::JsPublisher`]).
@@ -465,8 +491,9 @@ enum Publisher {
 }
 
 impl Publisher {
-    async fn new(kind: Kind, server: &Server) -> Result<Publisher> {
-        Ok(match kind {
+    async fn new(variant: Variant, server: &Server) -> Result<Publisher> {
+        Ok(match variant.kind {
+            Kind::Tinybroker if variant.batch => Publisher::TbBatch(tb::BatchPublisher::new(server, TOPIC).await?),
             Kind::Tinybroker => Publisher::Tb(tb::Publisher::new(server, TOPIC).await?),
             Kind::Nats => Publisher::Nats(nats::Publisher::new(server, TOPIC).await?),
             Kind::Redis => Publisher::Redis(redis_pubsub::Publisher::new(server, TOPIC).await?),
@@ -477,6 +504,7 @@ impl Publisher {
     async fn send(&mut self, p: Bytes, deadline: tokio::time::Instant) -> Result<()> {
         match self {
             Publisher::Tb(x) => x.send(p, deadline).await,
+            Publisher::TbBatch(x) => x.send(p, deadline).await,
             Publisher::Nats(x) => x.send(p, deadline).await,
             Publisher::NatsJs(x) => x.send(p, deadline).await,
             Publisher::Redis(x) => x.send(p, deadline).await,
@@ -486,6 +514,7 @@ impl Publisher {
     async fn finish(self, sent: u64) -> Result<()> {
         match self {
             Publisher::Tb(x) => x.finish(sent).await,
+            Publisher::TbBatch(x) => x.finish(sent).await,
             Publisher::Nats(x) => x.finish(sent).await,
             Publisher::NatsJs(x) => x.finish().await,
             Publisher::Redis(x) => x.finish(sent).await,
@@ -503,7 +532,7 @@ async fn subscribe(
 ) -> Result<JoinHandle<Tally>> {
     match (variant.kind, group_member) {
         (Kind::Tinybroker, None) if variant.session => {
-            tb::subscribe_session(server, PATTERN, tb::Mode::Broadcast, rec, stop).await
+            tb::subscribe_session(server, PATTERN, tb::Mode::Broadcast, rec, stop, variant.batch).await
         }
         (Kind::Tinybroker, None) => tb::subscribe(server, PATTERN, tb::Mode::Broadcast, rec, stop).await,
         (Kind::Tinybroker, Some(member)) => {
@@ -512,7 +541,7 @@ async fn subscribe(
                 member,
             };
             match variant.session {
-                true => tb::subscribe_session(server, PATTERN, mode, rec, stop).await,
+                true => tb::subscribe_session(server, PATTERN, mode, rec, stop, variant.batch).await,
                 false => tb::subscribe(server, PATTERN, mode, rec, stop).await,
             }
         }
@@ -532,7 +561,9 @@ async fn open_shared(
     stop: CancellationToken,
 ) -> Result<Vec<JoinHandle<Tally>>> {
     match variant.kind {
-        Kind::Tinybroker if variant.session => tb::subscribe_session_shared(server, PATTERN, share, stop).await,
+        Kind::Tinybroker if variant.session => {
+            tb::subscribe_session_shared(server, PATTERN, share, stop, variant.batch).await
+        }
         Kind::Tinybroker => tb::subscribe_shared(server, PATTERN, share, stop).await,
         Kind::Nats => nats::subscribe_shared(server, PATTERN, share, stop).await,
         Kind::Redis => bail!("the shared-connection workloads have no Redis variant"),
@@ -823,7 +854,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     let mut publisher = if cluster_group && kind == Kind::Nats {
         Publisher::NatsJs(nats::JsPublisher::new(server, TOPIC).await?)
     } else {
-        Publisher::new(kind, server).await?
+        Publisher::new(variant, server).await?
     };
     let mut flow = Flow::new(domains.clone(), settings.window, signal.clone());
     let mut remarks = Vec::new();
