@@ -103,8 +103,12 @@ const MESSAGE_KEY: u8 = (2 << 3) | 2;
 /// `SessionDeliveries.deliveries`.
 const BATCHED_KEY: u8 = (1 << 3) | 2;
 /// Room left ahead of a `deliveries` event for its frame header, its key
-/// and its length (a varint of at most 5 bytes: a frame is below 4 GiB).
-const DELIVERIES_HEAD_MAX: usize = GRPC_HEADER + 1 + 5;
+/// and its length: a varint of 3 bytes for an event within
+/// [`DELIVERIES_BOUND`] (below 2 MiB), so that the head of an event of 16
+/// KiB or more fills it exactly and nothing moves; of 5 bytes for one
+/// delivery larger than the bound (a frame is below 4 GiB).
+const DELIVERIES_HEAD: usize = GRPC_HEADER + 1 + 3;
+const DELIVERIES_HEAD_LARGE: usize = GRPC_HEADER + 1 + 5;
 /// The most bytes of deliveries one `deliveries` event holds (one delivery
 /// larger than this alone is an event of its own).
 pub const DELIVERIES_BOUND: usize = 64 * 1024;
@@ -246,9 +250,9 @@ struct Out {
     spare: Vec<Vec<u32>>,
     /// Deliveries go out as `deliveries` events (the client asked).
     batched: bool,
-    /// The `deliveries` event being written: where it starts in `buf`, and
-    /// how many deliveries it holds.
-    open_batch: Option<(usize, u64)>,
+    /// The `deliveries` event being written: where it starts in `buf`, the
+    /// room left for its head, and how many deliveries it holds.
+    open_batch: Option<(usize, usize, u64)>,
     delivery_batch_size: prometheus::Histogram,
 }
 
@@ -835,20 +839,27 @@ impl Out {
     fn put_batched(&mut self, handles: &[u32], message: &EncodedMessage) {
         let (delivery_len, handles_len, message_len) = delivery_lens(handles, message);
         let element = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
-        if let Some((start, _)) = self.open_batch
-            && self.buf.len() - start - DELIVERIES_HEAD_MAX + element > DELIVERIES_BOUND
+        if let Some((start, head, _)) = self.open_batch
+            && self.buf.len() - start - head + element > DELIVERIES_BOUND
         {
             self.close_batch();
         }
         match &mut self.open_batch {
-            Some((_, count)) => {
+            Some((_, _, count)) => {
                 *count += 1;
                 reserve_frame(&mut self.buf, element);
             }
             None => {
-                reserve_frame(&mut self.buf, DELIVERIES_HEAD_MAX + element);
-                self.open_batch = Some((self.buf.len(), 1));
-                self.buf.put_bytes(0, DELIVERIES_HEAD_MAX);
+                let head = match element <= DELIVERIES_BOUND {
+                    true => DELIVERIES_HEAD,
+                    false => DELIVERIES_HEAD_LARGE,
+                };
+                // Room for what one poll writes at most (deliver() stops
+                // past FRAME_THRESHOLD), so that an event does not grow by
+                // reallocations, each copying what it holds.
+                reserve_frame(&mut self.buf, head + element.max(FRAME_THRESHOLD));
+                self.open_batch = Some((self.buf.len(), head, 1));
+                self.buf.put_bytes(0, head);
             }
         }
         self.buf.put_u8(BATCHED_KEY);
@@ -860,21 +871,25 @@ impl Out {
     /// in front of it, where room was left, and the deliveries moved up to
     /// it by the bytes the head did not need.
     fn close_batch(&mut self) {
-        let Some((start, count)) = self.open_batch.take() else {
+        let Some((start, room, count)) = self.open_batch.take() else {
             return;
         };
-        let body = start + DELIVERIES_HEAD_MAX;
+        let body = start + room;
         let body_len = self.buf.len() - body;
         let event_len = 1 + encoded_len_varint(body_len as u64) + body_len;
-        let mut head = BytesMut::with_capacity(DELIVERIES_HEAD_MAX);
-        head.put_u8(0);
-        head.put_u32(event_len as u32);
-        head.put_u8(DELIVERIES_KEY);
-        encode_varint(body_len as u64, &mut head);
-        self.buf[start..start + head.len()].copy_from_slice(&head);
-        let gap = DELIVERIES_HEAD_MAX - head.len();
+        let mut head = [0u8; DELIVERIES_HEAD_LARGE];
+        let mut writer = &mut head[..];
+        writer.put_u8(0);
+        writer.put_u32(event_len as u32);
+        writer.put_u8(DELIVERIES_KEY);
+        encode_varint(body_len as u64, &mut writer);
+        let head_len = DELIVERIES_HEAD_LARGE - writer.len();
+        self.buf[start..start + head_len].copy_from_slice(&head[..head_len]);
+        // Only an event below 16 KiB (or a large one below 256 MiB) has
+        // room to spare: its deliveries move up by a byte or two.
+        let gap = room - head_len;
         if gap > 0 {
-            self.buf.copy_within(body.., start + head.len());
+            self.buf.copy_within(body.., start + head_len);
             self.buf.truncate(self.buf.len() - gap);
         }
         self.delivery_batch_size.observe(count as f64);
@@ -1723,6 +1738,38 @@ mod tests {
         assert!(
             matches!(&events[..], [Event::Deliveries(b)] if b.deliveries.len() == 1 && b.deliveries[0].message.as_ref().unwrap().sequence == one),
             "{events:?}"
+        );
+    }
+
+    /// A delivery larger than the bound is an event of its own between the
+    /// events before and after it, each whole (its head has room for a
+    /// larger length), and the one after it small again.
+    #[test]
+    fn a_delivery_over_the_bound_is_an_event_of_its_own() {
+        let mut s = session_batched(Limits::default(), true);
+        s.open(1, subscription(&["t"]), 0);
+        s.events();
+        let small = s.publish("t", "a");
+        let large = s.publish("t", &"L".repeat(3 * DELIVERIES_BOUND));
+        let after = s.publish("t", "b");
+        let events = s.events();
+        let sizes: Vec<Vec<(u64, usize)>> = events
+            .iter()
+            .map(|e| match e {
+                Event::Deliveries(b) => b
+                    .deliveries
+                    .iter()
+                    .map(|d| {
+                        let m = d.message.as_ref().unwrap();
+                        (m.sequence, m.payload.len())
+                    })
+                    .collect(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            sizes,
+            [vec![(small, 1)], vec![(large, 3 * DELIVERIES_BOUND)], vec![(after, 1)]]
         );
     }
 
