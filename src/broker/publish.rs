@@ -200,6 +200,7 @@ impl Broker {
     }
 
     /// [`Broker::route`] with the message's sequence already taken.
+    #[inline]
     fn route_as(
         &self,
         message: NewMessage,

@@ -409,6 +409,7 @@ where
     }
 
     /// Applies the acks and nacks read so far, per handle.
+    #[inline]
     fn settle(&mut self, cx: &mut Context<'_>) {
         if self.settling.is_empty() {
             return;
@@ -870,7 +871,15 @@ impl Out {
     /// Ends the `deliveries` event being written, if any: its head written
     /// in front of it, where room was left, and the deliveries moved up to
     /// it by the bytes the head did not need.
+    #[inline]
     fn close_batch(&mut self) {
+        if self.open_batch.is_some() {
+            self.end_batch();
+        }
+    }
+
+    /// [`Out::close_batch`] of the open event.
+    fn end_batch(&mut self) {
         let Some((start, room, count)) = self.open_batch.take() else {
             return;
         };
@@ -960,6 +969,7 @@ impl Out {
 
 /// Appends one gRPC frame holding a `SessionEvent { delivery: SessionDelivery
 /// { handles, message } }`, encoded by hand (see the module docs).
+#[inline]
 fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
     let (delivery_len, handles_len, message_len) = delivery_lens(handles, message);
     let event_len = 1 + encoded_len_varint(delivery_len as u64) + delivery_len;
@@ -973,6 +983,7 @@ fn put_delivery(buf: &mut BytesMut, handles: &[u32], message: &EncodedMessage) {
 }
 
 /// A `SessionDelivery`'s encoded length, and its handles' and message's.
+#[inline]
 fn delivery_lens(handles: &[u32], message: &EncodedMessage) -> (usize, usize, usize) {
     let message_len = prost::Message::encoded_len(message);
     let handles_len: usize = handles.iter().map(|&h| encoded_len_varint(u64::from(h))).sum();
@@ -986,6 +997,7 @@ fn delivery_lens(handles: &[u32], message: &EncodedMessage) -> (usize, usize, us
 }
 
 /// A `SessionDelivery`'s fields: the packed handles, then the message.
+#[inline(always)]
 fn put_delivery_fields(
     buf: &mut BytesMut,
     handles: &[u32],
