@@ -37,15 +37,13 @@ pub struct RouteCache {
 }
 
 impl RouteCache {
+    const CAPACITY: usize = 256;
+
     /// Forgets the sequences a batch set aside and did not use (its
     /// messages refused after validation leave them unused).
     pub fn end_batch(&mut self) {
         self.batch_sequences = 0..0;
     }
-}
-
-impl RouteCache {
-    const CAPACITY: usize = 256;
 }
 
 /// Where a message from another cluster replica goes here

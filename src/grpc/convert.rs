@@ -5,12 +5,23 @@
 //! own decoding failures into the statuses the contract promises
 //! (`request_stream_error`, [`map_oversized_response`]).
 
-use crate::engine::{AckMode, BrokerError, DeliveryMode, SubscribeRequest};
+use crate::engine::{AckMode, BrokerError, DeliveryMode, NewMessage, SubscribeRequest, TracingHeaders};
 use crate::pb;
 use tonic::codegen::http;
 use tonic::{Code, Status};
 
 /// Maps a core error to the status code docs/contract.md (Errors) gives for it.
+/// The message of a publish request; `tracing`: the headers its `publish`
+/// span added (none without tracing).
+pub fn new_message(request: pb::PublishRequest, tracing: TracingHeaders) -> NewMessage {
+    NewMessage {
+        topic: request.topic,
+        payload: request.payload,
+        headers: request.headers,
+        tracing,
+    }
+}
+
 pub fn status(error: BrokerError) -> Status {
     let code = match &error {
         BrokerError::InvalidArgument(_) => Code::InvalidArgument,

@@ -6,13 +6,13 @@
 //! through a response body of its own ([`super::subscription_body`],
 //! [`super::session_body`]).
 
-use super::convert::{decoding_limit, request_stream_error, status, subscribe_request};
+use super::convert::{decoding_limit, new_message, request_stream_error, status, subscribe_request};
 use super::framing::publish_span;
 use super::session_body::SessionBody;
 use super::subscription_body::{NotInstalled, PendingBody, SUBSCRIPTION_ID_METADATA, SubscriptionBody};
 use crate::broker::WakeBatch;
 use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
-use crate::engine::{Confirmation, DeliveryStream, Engine, NewMessage, PublishOutcome, PublishTime, TracingHeaders};
+use crate::engine::{Confirmation, DeliveryStream, Engine, PublishOutcome, PublishTime, TracingHeaders};
 use crate::ops::metrics::Metrics;
 use crate::ops::telemetry;
 use crate::pb;
@@ -95,17 +95,6 @@ impl<E: Engine> BrokerService<E> {
     pub fn into_server(self) -> pb::broker_server::BrokerServer<Self> {
         let limit = decoding_limit(self.engine.limits().max_message_bytes);
         pb::broker_server::BrokerServer::new(self).max_decoding_message_size(limit)
-    }
-}
-
-/// The message of a request; `tracing`: the headers [`publish_span`] added
-/// (none without tracing).
-fn new_message(request: pb::PublishRequest, tracing: TracingHeaders) -> NewMessage {
-    NewMessage {
-        topic: request.topic,
-        payload: request.payload,
-        headers: request.headers,
-        tracing,
     }
 }
 

@@ -390,15 +390,15 @@ where
     /// Keeps an ack or nack with the others of its handle read in this
     /// poll: one application per handle (and kind, in order), not one per
     /// request.
+    /// An ack without sequences stays a request of its own, to be counted
+    /// as one (`no_sequences`).
     fn queue_settle(&mut self, handle: u32, sequences: Vec<u64>, nack: bool) {
-        if let Some(last) = self.settling.iter_mut().rev().find(|s| s.handle == handle)
+        if !sequences.is_empty()
+            && let Some(last) = self.settling.iter_mut().rev().find(|s| s.handle == handle)
             && last.nack == nack
+            && !last.sequences.is_empty()
         {
             last.sequences.extend_from_slice(&sequences);
-            if sequences.is_empty() {
-                // Still counted as a request without sequences.
-                self.ignored(IgnoredRequest::NoSequences, 1);
-            }
             return;
         }
         self.settling.push(Settle {
@@ -444,7 +444,14 @@ where
                 continue;
             }
             let (messages, spans) = match &self.trace_parent {
-                None => (publish.messages.into_iter().map(new_message).collect(), Vec::new()),
+                None => (
+                    publish
+                        .messages
+                        .into_iter()
+                        .map(|m| convert::new_message(m, TracingHeaders::default()))
+                        .collect(),
+                    Vec::new(),
+                ),
                 Some(parent) => traced_messages(publish.messages, parent),
             };
             let engine = self.engine.clone();
@@ -718,6 +725,9 @@ where
                 self.publisher = Some(publisher);
                 self.published(id, at, len, outcome);
                 self.publish_next(cx);
+                // Reading may have stopped at PUBLISHES_WAITING, with no
+                // waker left on the requests: read on in the next poll.
+                cx.waker().wake_by_ref();
             }
         }
         if let Some(draining) = &mut self.draining
@@ -1041,20 +1051,6 @@ fn over_limit(len: usize, max: usize) -> BatchOutcome {
     }
 }
 
-/// A batch's message as the engine takes it, untraced.
-fn new_message(request: pb::PublishRequest) -> NewMessage {
-    traced_message(request, TracingHeaders::default())
-}
-
-fn traced_message(request: pb::PublishRequest, tracing: TracingHeaders) -> NewMessage {
-    NewMessage {
-        topic: request.topic,
-        payload: request.payload,
-        headers: request.headers,
-        tracing,
-    }
-}
-
 /// A batch's messages with tracing on: each in a `publish` span whose parent
 /// is the session's trace context, that span's context in its headers
 /// (unless the publisher set one), as `Publish` does.
@@ -1066,7 +1062,7 @@ fn traced_messages(
         .into_iter()
         .map(|mut request| {
             let (span, tracing) = super::framing::publish_span(&mut request, parent);
-            (traced_message(request, tracing), span)
+            (convert::new_message(request, tracing), span)
         })
         .unzip()
 }
@@ -1830,6 +1826,12 @@ mod tests {
         s.events();
         let sent: Vec<u64> = (0..4).map(|i| s.publish("jobs", &format!("j{i}"))).collect();
         assert_eq!(s.sequences_for(1), sent[..2], "two in flight");
+        // An ack without sequences read with the others is still counted
+        // as one (not merged away into the next).
+        s.send(Request::Ack(pb::SessionAck {
+            handle: 1,
+            sequences: vec![],
+        }));
         for &sequence in &sent[..2] {
             s.send(Request::Ack(pb::SessionAck {
                 handle: 1,
@@ -1842,6 +1844,7 @@ mod tests {
         }));
         assert_eq!(s.sequences_for(1), sent[2..], "room for the next two");
         assert_eq!(s.ignored(IgnoredRequest::UnknownSequence), 1);
+        assert_eq!(s.ignored(IgnoredRequest::NoSequences), 1);
     }
 
     /// A client that half-closes ends every handle "closed", counting what
