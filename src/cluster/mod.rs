@@ -751,6 +751,10 @@ impl Engine for ClusterEngine {
         self.inner.max_message_bytes.load(Ordering::Relaxed)
     }
 
+    fn sequence_scope(&self) -> crate::engine::SequenceScope {
+        crate::engine::SequenceScope::Replica
+    }
+
     fn publish(
         &self,
         message: NewMessage,

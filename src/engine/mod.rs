@@ -45,6 +45,28 @@ pub type Confirmation = futures::future::BoxFuture<'static, Result<u32, BrokerEr
 /// reached are woken once, at its end, or when a publish has to wait (a
 /// cluster publish waiting for room in the NATS client's queue, a group's
 /// store), before the task yields.
+/// Whether one counter numbers every message an instance delivers, so a
+/// client may compute the sequences it missed between two deliveries on
+/// sessions of one instance (docs/clients.md, "Gaps").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SequenceScope {
+    /// Single node: the broker's one counter, new at each start.
+    Instance,
+    /// Cluster mode: each publishing replica (each start of it) counts apart,
+    /// so sequences delivered on one replica come from several counters.
+    Replica,
+}
+
+impl SequenceScope {
+    /// The header's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SequenceScope::Instance => "instance",
+            SequenceScope::Replica => "replica",
+        }
+    }
+}
+
 pub trait Engine: Clone + Send + Sync + 'static {
     /// A publish stream's own state, kept across its messages (the
     /// in-memory engine: its route cache).
@@ -60,6 +82,12 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// where the NATS server's `max_payload` may lower it once connected.
     fn max_message_bytes(&self) -> usize {
         self.limits().max_message_bytes
+    }
+
+    /// Where the sequences delivered by this engine come from, as the
+    /// `tinybroker-sequence-scope` response header says to clients.
+    fn sequence_scope(&self) -> SequenceScope {
+        SequenceScope::Instance
     }
 
     /// Validates and publishes one message.

@@ -19,7 +19,7 @@ use crate::pb;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use std::sync::Arc;
-use tonic::metadata::MetadataValue;
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
@@ -27,6 +27,12 @@ use tracing::Instrument;
 const PUBLISH_BATCH: usize = 128;
 /// The request metadata a session asks for batched deliveries with.
 pub const BATCH_METADATA: &str = "tinybroker-batch";
+/// The response header of `Session` and `OpenSubscription` naming this
+/// broker instance (a new id at every start): sequences restart with it.
+pub const INSTANCE_METADATA: &str = "tinybroker-instance";
+/// The response header saying where delivered sequences come from
+/// ([`crate::engine::SequenceScope`]).
+pub const SEQUENCE_SCOPE_METADATA: &str = "tinybroker-sequence-scope";
 /// The message a `PublishStream` carries, as its decoding errors name it.
 const PUBLISH_REQUEST: &str = "tinybroker.v1.PublishRequest";
 
@@ -34,11 +40,30 @@ const PUBLISH_REQUEST: &str = "tinybroker.v1.PublishRequest";
 pub struct BrokerService<E: Engine> {
     engine: E,
     metrics: Metrics,
+    /// This process's instance id, as [`INSTANCE_METADATA`] sends it.
+    instance: MetadataValue<Ascii>,
 }
 
 impl<E: Engine> BrokerService<E> {
     pub fn new(engine: E, metrics: Metrics) -> Self {
-        Self { engine, metrics }
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let instance = MetadataValue::try_from(id.as_str()).expect("a uuid is ASCII");
+        Self {
+            engine,
+            metrics,
+            instance,
+        }
+    }
+
+    /// Says which instance answers and where its sequences come from, in the
+    /// response headers of a stream that delivers messages.
+    fn name_instance<T>(&self, response: &mut Response<T>) {
+        let metadata = response.metadata_mut();
+        metadata.insert(INSTANCE_METADATA, self.instance.clone());
+        metadata.insert(
+            SEQUENCE_SCOPE_METADATA,
+            MetadataValue::from_static(self.engine.sequence_scope().as_str()),
+        );
     }
 
     /// Publishes one message with tracing on: in a `publish` span whose
@@ -275,6 +300,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         if let Ok(value) = MetadataValue::try_from(id.as_str()) {
             response.metadata_mut().insert(SUBSCRIPTION_ID_METADATA, value);
         }
+        self.name_instance(&mut response);
         Ok(response)
     }
 
@@ -309,6 +335,7 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
         response
             .extensions_mut()
             .insert(PendingBody(Arc::new(Mutex::new(Some(tonic::body::Body::new(body))))));
+        self.name_instance(&mut response);
         Ok(response)
     }
 

@@ -292,6 +292,55 @@ async fn subscription_ids_are_returned_and_unique_while_open() {
     .await
 }
 
+/// The headers a client reads to tell sequence spaces apart
+/// (docs/clients.md, "Gaps"): a restarted broker counts again from 1, so a
+/// gap computed across it would be a range of nonsense.
+fn instance_headers(metadata: &tonic::metadata::MetadataMap) -> (String, String) {
+    let get = |name: &str| {
+        metadata
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name} response header"))
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    (get("tinybroker-instance"), get("tinybroker-sequence-scope"))
+}
+
+#[tokio::test]
+async fn sessions_and_subscriptions_name_the_instance_and_its_sequence_scope() {
+    timeout(async {
+        let scope = match test_engine() {
+            TestEngine::Memory => "instance",
+            TestEngine::Cluster => "replica",
+        };
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            // Each broker (replica) started is an instance of its own.
+            let broker = start().await;
+            for i in 0..broker.replica_count() {
+                let mut client = broker.client_on(i).await;
+                let session = client
+                    .session(tokio_stream::iter(Vec::<pb::SessionRequest>::new()))
+                    .await
+                    .unwrap();
+                let (instance, session_scope) = instance_headers(session.metadata());
+                assert_eq!(session_scope, scope);
+                assert!(instance.len() >= 16, "{instance:?}");
+                let stream = client.open_subscription(subscribe_request(&["a.b"])).await.unwrap();
+                assert_eq!(
+                    instance_headers(stream.metadata()),
+                    (instance.clone(), scope.to_owned())
+                );
+                assert!(!seen.contains(&instance), "{instance} named two instances");
+                seen.push(instance);
+            }
+            broker.stop().await;
+        }
+    })
+    .await
+}
+
 #[tokio::test]
 async fn a_cancelled_subscription_disappears() {
     timeout(async {
