@@ -16,7 +16,7 @@ use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use bytes::Bytes;
-use session_task::{CREDIT_BATCH, Command, HandleEvent, PublishAnswer};
+use session_task::{CREDIT_BATCH, Command, HandleEvent, PublishAnswer, SequenceSpace};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -283,9 +283,11 @@ impl Client {
             live: None,
             subscription_id: None,
             reconnect,
-            backoff: Backoff::default(),
+            backoff: Backoff::resubscribe(),
             opened_once: false,
             last_sequence: None,
+            last_space: SequenceSpace::default(),
+            space: SequenceSpace::default(),
             resuming: false,
             on_event: None,
         }
@@ -425,9 +427,59 @@ pub enum SubscriberEvent {
     Reconnecting { delay: Duration, cause: Option<Status> },
     /// Open again, under a new id.
     Resubscribed { subscription_id: String },
-    /// The first message after re-subscribing: messages published between
-    /// the two sequences while the subscription was away were missed.
-    Resumed { last_before: Option<u64>, first_after: u64 },
+    /// The first message after re-subscribing, and what was missed while
+    /// the subscription was away.
+    Resumed {
+        last_before: Option<u64>,
+        first_after: u64,
+        missed: Gap,
+    },
+}
+
+/// What a subscription missed while it was away (docs/clients.md, "Gaps").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gap {
+    /// Nothing: the first message after is the one after the last before.
+    Nothing,
+    /// These sequences, inclusive (both messages came from one instance
+    /// that numbers everything it delivers with one counter).
+    Range { first: u64, last: u64 },
+    /// Not known: the sequences before and after cannot be compared.
+    Unknown(GapUnknown),
+}
+
+/// Why a [`Gap`] is not known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GapUnknown {
+    /// The broker restarted, or the subscription is now on another replica:
+    /// sequences count apart.
+    InstanceChanged,
+    /// Cluster mode: each publishing replica counts apart.
+    SequenceScope,
+    /// Nothing was delivered before.
+    NothingBefore,
+}
+
+impl Gap {
+    /// The gap between `last` (of `before`) and `first` (of `after`).
+    pub(crate) fn between(last: Option<(u64, &SequenceSpace)>, first: u64, after: &SequenceSpace) -> Gap {
+        let Some((last, before)) = last else {
+            return Gap::Unknown(GapUnknown::NothingBefore);
+        };
+        if before.instance.is_none() || before.instance != after.instance {
+            return Gap::Unknown(GapUnknown::InstanceChanged);
+        }
+        if !after.one_counter {
+            return Gap::Unknown(GapUnknown::SequenceScope);
+        }
+        match first.checked_sub(1) {
+            Some(end) if end > last => Gap::Range {
+                first: last + 1,
+                last: end,
+            },
+            _ => Gap::Nothing,
+        }
+    }
 }
 
 impl std::fmt::Display for SubscriberEvent {
@@ -492,13 +544,26 @@ impl std::fmt::Display for SubscriberEvent {
             SubscriberEvent::Resumed {
                 last_before,
                 first_after,
-            } => match last_before {
-                Some(last) => write!(
-                    f,
-                    "receiving again from sequence {first_after} (last before: {last}); anything published in between was missed"
-                ),
-                None => write!(f, "receiving again from sequence {first_after}"),
-            },
+                missed,
+            } => {
+                write!(f, "receiving again from sequence {first_after}")?;
+                if let Some(last) = last_before {
+                    write!(f, " (last before: {last})")?;
+                }
+                match missed {
+                    Gap::Nothing => write!(f, "; nothing missed"),
+                    Gap::Range { first, last } => write!(f, "; missed sequences {first}..{last}"),
+                    Gap::Unknown(GapUnknown::InstanceChanged) => write!(
+                        f,
+                        "; what was published while away is unknown (the broker restarted, or this is another replica: sequences count apart)"
+                    ),
+                    Gap::Unknown(GapUnknown::SequenceScope) => write!(
+                        f,
+                        "; what was published while away is unknown (cluster mode: each replica numbers its own publishes)"
+                    ),
+                    Gap::Unknown(GapUnknown::NothingBefore) => Ok(()),
+                }
+            }
         }
     }
 }
@@ -591,6 +656,10 @@ pub struct Subscriber {
     opened_once: bool,
     /// Sequence of the last message returned.
     last_sequence: Option<u64>,
+    /// Where that sequence came from.
+    last_space: SequenceSpace,
+    /// Where the current stream's sequences come from.
+    space: SequenceSpace,
     /// Set from a re-subscription until its first message.
     resuming: bool,
     on_event: Option<EventHandler>,
@@ -605,6 +674,8 @@ struct Live {
     generation: u64,
     /// Messages taken and not yet given back as credit.
     taken: u32,
+    /// Deliveries the session task sent it that were not taken yet.
+    held: Arc<AtomicU32>,
 }
 
 impl Live {
@@ -614,6 +685,7 @@ impl Live {
 
     /// One more message taken: credit goes back in batches.
     fn took_one(&mut self) {
+        self.held.fetch_sub(1, Ordering::AcqRel);
         self.taken += 1;
         if self.taken >= CREDIT_BATCH {
             let messages = std::mem::take(&mut self.taken);
@@ -677,26 +749,31 @@ impl Subscriber {
             let (events_tx, events) = mpsc::unbounded_channel();
             let commands = self.client.session();
             let handle = self.client.next_handle();
+            let held = Arc::new(AtomicU32::new(0));
             let mut live = Live {
                 handle,
                 events,
                 commands,
                 generation: 0,
                 taken: 0,
+                held: held.clone(),
             };
             live.send(Command::Open {
                 handle,
                 request: self.request.clone(),
                 reconnect: self.reconnect,
                 events: events_tx,
+                held,
             })?;
             let failure = loop {
                 match live.events.recv().await {
                     Some(HandleEvent::Opened {
                         subscription_id,
                         generation,
+                        space,
                     }) => {
                         live.generation = generation;
+                        self.space = space;
                         self.opened(subscription_id);
                         self.live = Some(live);
                         return Ok(());
@@ -763,21 +840,30 @@ impl Subscriber {
                     self.backoff.reset();
                     if std::mem::take(&mut self.resuming) {
                         let last_before = self.last_sequence;
+                        let missed = Gap::between(
+                            last_before.map(|last| (last, &self.last_space)),
+                            message.sequence,
+                            &self.space,
+                        );
                         self.emit(SubscriberEvent::Resumed {
                             last_before,
                             first_after: message.sequence,
+                            missed,
                         });
                     }
                     self.last_sequence = Some(message.sequence);
+                    self.last_space.clone_from(&self.space);
                     return Ok(Some(message));
                 }
                 HandleEvent::Opened {
                     subscription_id,
                     generation,
+                    space,
                 } => {
                     // Open again on a new session, with a fresh window.
                     live.generation = generation;
                     live.taken = 0;
+                    self.space = space;
                     self.opened(subscription_id);
                 }
                 HandleEvent::Retrying { delay, cause } => self.emit(SubscriberEvent::Reconnecting { delay, cause }),
@@ -913,30 +999,47 @@ impl Subscriber {
     }
 }
 
-/// Exponential backoff with jitter: 100 ms doubling to 5 s.
+/// Exponential backoff with jitter (docs/clients.md, "The constants"):
+/// from `first`, doubling to `cap`, each delay times a factor drawn from
+/// [0.8, 1.2].
 struct Backoff {
+    first: Duration,
+    cap: Duration,
     next: Duration,
 }
 
-impl Default for Backoff {
-    fn default() -> Self {
-        Self { next: Self::FIRST }
-    }
-}
-
 impl Backoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(5);
+    /// Between attempts to start a session (`CONNECT_DELAY_*`): short, so a
+    /// broker that answers again has every subscription back within 0.5 s.
+    fn connect() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_millis(250))
+    }
+
+    /// Before opening again a subscription the broker ended or refused
+    /// (`RESUBSCRIBE_DELAY_*`).
+    fn resubscribe() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_secs(5))
+    }
+
+    fn new(first: Duration, cap: Duration) -> Self {
+        Self {
+            first,
+            cap,
+            next: first,
+        }
+    }
 
     fn reset(&mut self) {
-        self.next = Self::FIRST;
+        self.next = self.first;
     }
 
     /// The delay before the next attempt, and doubles the one after.
     fn next_delay(&mut self) -> Duration {
-        let jitter_pct = u64::from(uuid::Uuid::new_v4().as_bytes()[0]) % 25;
-        let delay = self.next + self.next * jitter_pct as u32 / 100;
-        self.next = (self.next * 2).min(Self::MAX);
+        // A uniform factor in [0.8, 1.2], in thousandths.
+        let draw = u16::from_le_bytes([uuid::Uuid::new_v4().as_bytes()[0], uuid::Uuid::new_v4().as_bytes()[1]]);
+        let per_mille = 800 + u32::from(draw) % 401;
+        let delay = self.next * per_mille / 1000;
+        self.next = (self.next * 2).min(self.cap);
         delay
     }
 }

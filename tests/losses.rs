@@ -205,6 +205,11 @@ async fn an_evicted_cli_subscriber_says_what_it_lost_and_resumes() {
         let (resumed, _) = line_containing(stderr(&cli), "receiving again from sequence ", WAIT).await;
         assert_eq!(number_after(&resumed, "receiving again from sequence "), sequences[0]);
         assert_eq!(number_after(&resumed, "(last before: "), last, "{resumed}");
+        // One broker, one counter: the gap is the range it did not get.
+        assert!(
+            resumed.ends_with(&format!("; missed sequences {}..{}", last + 1, sequences[0] - 1)),
+            "{resumed}"
+        );
         drop(broker);
     })
     .await

@@ -35,7 +35,7 @@
 //!   request.
 
 use super::{Backoff, PublishError};
-use crate::grpc::services::BATCH_METADATA;
+use crate::grpc::services::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 use crate::pb;
 use crate::pb::broker_client::BrokerClient;
 use crate::pb::session_event::Event;
@@ -44,6 +44,8 @@ use futures::StreamExt;
 use futures::channel::mpsc as requests_channel;
 use futures::stream::BoxStream;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -52,15 +54,38 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 /// Deliveries the broker may send one subscription beyond what its
-/// application has taken.
-pub(crate) const CREDIT_WINDOW: u32 = 64;
-/// Taken messages are given back as credit this many at a time.
-pub(crate) const CREDIT_BATCH: u32 = CREDIT_WINDOW / 2;
+/// application has taken (docs/clients.md: `WINDOW`).
+pub(crate) const CREDIT_WINDOW: u32 = 256;
+/// Taken messages are given back as credit this many at a time
+/// (docs/clients.md: `TOP_UP`).
+pub(crate) const CREDIT_BATCH: u32 = CREDIT_WINDOW / 4;
 /// How long the broker has to accept a session (it answers at once).
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most commands already queued that the task writes in one turn (their
 /// acks merged) before it looks at the session's events again.
 const COMMANDS_PER_TURN: usize = 1024;
+
+/// Where the sequences of a session's deliveries come from, as its
+/// response headers say (docs/clients.md, "Gaps").
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct SequenceSpace {
+    /// `tinybroker-instance`; None from a broker that does not send it
+    /// (each of its sessions is then taken for a new instance).
+    pub(crate) instance: Option<String>,
+    /// `tinybroker-sequence-scope` is `instance`: one counter numbers every
+    /// message the instance delivers.
+    pub(crate) one_counter: bool,
+}
+
+impl SequenceSpace {
+    fn of(metadata: &tonic::metadata::MetadataMap) -> Self {
+        let header = |name: &str| metadata.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        Self {
+            instance: header(INSTANCE_METADATA),
+            one_counter: header(SEQUENCE_SCOPE_METADATA).as_deref() == Some("instance"),
+        }
+    }
+}
 
 /// What a publish is answered with: the broker's `published`, or why
 /// there is none.
@@ -76,6 +101,9 @@ pub(crate) enum Command {
         /// Open it again on a new session after a lost one.
         reconnect: bool,
         events: mpsc::UnboundedSender<HandleEvent>,
+        /// Deliveries sent to `events` that the application has not taken:
+        /// the task adds, the subscriber takes away.
+        held: Arc<AtomicU32>,
     },
     /// The application took `messages` deliveries of `generation`.
     Credit {
@@ -107,6 +135,8 @@ pub(crate) enum HandleEvent {
     Opened {
         subscription_id: String,
         generation: u64,
+        /// Which instance the session is on, and how it numbers messages.
+        space: SequenceSpace,
     },
     Delivery(pb::Message),
     /// The broker ended the subscription (or rejected its open); it is out
@@ -138,7 +168,7 @@ pub(crate) fn spawn(
         session: None,
         entries: HashMap::new(),
         retry_at: None,
-        backoff: Backoff::default(),
+        backoff: Backoff::connect(),
         publishes: VecDeque::new(),
         last_publish_id: 0,
         acks: None,
@@ -186,6 +216,8 @@ struct PendingAcks {
 
 struct Live {
     requests: requests_channel::UnboundedSender<pb::SessionRequest>,
+    /// What its response headers said.
+    space: SequenceSpace,
     /// The session's events (a `tonic::Streaming`; a test's own stream in
     /// the unit tests).
     events: BoxStream<'static, Result<pb::SessionEvent, Status>>,
@@ -203,11 +235,15 @@ struct Entry {
     generation: u64,
     /// Its subscriber asked to close it: not opened again.
     closing: bool,
+    /// Deliveries sent to `events` and not taken by the application.
+    held: Arc<AtomicU32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Not on the current session (there is none yet).
+    /// Not on the current session (there is none yet, or the application
+    /// holds a whole window of its deliveries: it is opened once it takes
+    /// one, so the client never holds more than the window).
     Waiting,
     /// `open` sent, `opened` not yet received.
     Opening,
@@ -262,6 +298,7 @@ impl SessionTask {
                 request,
                 reconnect,
                 events,
+                held,
             } => {
                 self.entries.insert(
                     handle,
@@ -273,6 +310,7 @@ impl SessionTask {
                         subscription_id: String::new(),
                         generation: 0,
                         closing: false,
+                        held,
                     },
                 );
                 if self.session.is_some() {
@@ -287,11 +325,15 @@ impl SessionTask {
                 generation,
                 messages,
             } => {
-                if self
-                    .entries
-                    .get(&handle)
-                    .is_some_and(|e| e.generation == generation && e.state != State::Waiting)
-                {
+                let Some(entry) = self.entries.get(&handle) else {
+                    return;
+                };
+                if entry.state == State::Waiting {
+                    // Taken from a full window: it may have room to open now.
+                    if self.session.is_some() {
+                        self.send_open(handle);
+                    }
+                } else if entry.generation == generation {
                     self.send(SessionRequest::Credit(pb::SessionCredit { handle, messages }));
                 }
             }
@@ -390,16 +432,24 @@ impl SessionTask {
         }
     }
 
+    /// Opens a waiting subscription on the session with the room its
+    /// window has (`WINDOW` less what the application still holds); with
+    /// none, it waits for the application to take one (a credit of 0 would
+    /// mean no limit).
     fn send_open(&mut self, handle: u32) {
         let Some(entry) = self.entries.get_mut(&handle) else {
             return;
         };
+        let room = CREDIT_WINDOW.saturating_sub(entry.held.load(Ordering::Acquire));
+        if room == 0 {
+            return;
+        }
         entry.generation += 1;
         entry.state = State::Opening;
         let open = SessionRequest::Open(pb::SessionOpen {
             handle,
             subscription: Some(entry.request.clone()),
-            credit: CREDIT_WINDOW,
+            credit: room,
         });
         self.send(open);
     }
@@ -419,6 +469,7 @@ impl SessionTask {
     fn started(&mut self, live: Live) {
         self.session = Some(live);
         self.retry_at = None;
+        self.backoff.reset();
         let waiting: Vec<u32> = self
             .entries
             .iter()
@@ -444,6 +495,7 @@ impl SessionTask {
             .map_err(|_| Status::deadline_exceeded("the broker did not accept a session within 10 s"))??;
         Ok(Live {
             requests,
+            space: SequenceSpace::of(response.metadata()),
             events: response.into_inner().boxed(),
         })
     }
@@ -467,12 +519,13 @@ impl SessionTask {
                 let Some(entry) = self.entries.get_mut(&opened.handle) else {
                     return;
                 };
-                self.backoff.reset();
                 entry.state = State::Open;
                 entry.subscription_id = opened.subscription_id.clone();
+                let space = self.session.as_ref().map(|s| s.space.clone()).unwrap_or_default();
                 let _ = entry.events.send(HandleEvent::Opened {
                     subscription_id: opened.subscription_id,
                     generation: entry.generation,
+                    space,
                 });
             }
             Event::Delivery(delivery) => {
@@ -492,7 +545,9 @@ impl SessionTask {
                     if copy.subscription_id.is_empty() {
                         copy.subscription_id = entry.subscription_id.clone();
                     }
-                    let _ = entry.events.send(HandleEvent::Delivery(copy));
+                    if entry.events.send(HandleEvent::Delivery(copy)).is_ok() {
+                        entry.held.fetch_add(1, Ordering::AcqRel);
+                    }
                 }
             }
             Event::Ended(ended) => {
@@ -619,6 +674,7 @@ mod tests {
                     subscription_id: format!("sub-{handle}"),
                     generation: 1,
                     closing: false,
+                    held: Arc::default(),
                 };
                 (handle, entry)
             })
@@ -628,11 +684,12 @@ mod tests {
             authorization: None,
             session: Some(Live {
                 requests: requests_tx,
+                space: SequenceSpace::default(),
                 events: events_rx.boxed(),
             }),
             entries,
             retry_at: None,
-            backoff: Backoff::default(),
+            backoff: Backoff::connect(),
             publishes: VecDeque::new(),
             last_publish_id: 0,
             acks: None,
@@ -687,6 +744,40 @@ mod tests {
             .await
             .expect("an answer within 5 s")
             .expect("the task answers every publish")
+    }
+
+    /// docs/clients.md, "Room in the window": a subscription opened again
+    /// while the application still holds deliveries gets only the room
+    /// left, and none at all (not even 1) while it holds a whole window.
+    #[tokio::test]
+    async fn a_subscription_opens_with_the_room_its_window_has_and_waits_without_any() {
+        let (mut h, task) = harness(&[]);
+        let held = Arc::new(AtomicU32::new(CREDIT_WINDOW));
+        h.send(Command::Open {
+            handle: 5,
+            request: pb::OpenSubscriptionRequest::default(),
+            reconnect: true,
+            events: mpsc::unbounded_channel().0,
+            held: held.clone(),
+        });
+        // Commands are taken in order: an open would be written before this.
+        let _answer = h.publish(1);
+        tokio::spawn(task);
+        match h.request().await {
+            SessionRequest::Publish(_) => {}
+            other => panic!("with a full window it wrote {other:?}"),
+        }
+        // The application takes 56: its subscriber says so with credit.
+        held.store(CREDIT_WINDOW - 56, Ordering::Release);
+        h.send(Command::Credit {
+            handle: 5,
+            generation: 0,
+            messages: 56,
+        });
+        match h.request().await {
+            SessionRequest::Open(open) => assert_eq!((open.handle, open.credit), (5, 56)),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]
