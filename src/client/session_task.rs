@@ -750,7 +750,7 @@ mod tests {
     /// while the application still holds deliveries gets only the room
     /// left, and none at all (not even 1) while it holds a whole window.
     #[tokio::test]
-    async fn a_subscription_opens_with_the_room_its_window_has_and_waits_without_any() {
+    async fn window_holds_through_evictions() {
         let (mut h, task) = harness(&[]);
         let held = Arc::new(AtomicU32::new(CREDIT_WINDOW));
         h.send(Command::Open {
@@ -781,7 +781,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn acks_queued_together_for_one_handle_go_out_as_one_request() {
+    async fn acks_are_coalesced() {
         let (mut h, task) = harness(&[1, 2]);
         for command in [
             ack(1, &[1], false),
