@@ -4,11 +4,17 @@
 //! subscription of a [`Client`] (and of its clones) is opened on one
 //! `Session` stream ([`session_task`]), with credit given back as the
 //! application takes messages and acks sent in-band; the session asks for
-//! batched deliveries. Batches of messages are published on that same
-//! session ([`Client::publish_batch`], and the buffered [`Publisher`]).
-//! Sends `authorization: Bearer <token>` when a token is set (by default
-//! from `TINYBROKER_AUTH_TOKEN`).
+//! batched deliveries. Messages are published on that same session: one
+//! at a time into the client's bounded buffer ([`Client::publish`], then
+//! [`Client::flush`]), or in batches of the application's own
+//! ([`Client::publish_batch`], the [`Publisher`] the CLI uses);
+//! [`Client::publish_confirmed`] is the unary `Publish`. The client follows
+//! docs/clients.md: its constants, gaps, connection events
+//! ([`Client::connection_events`]), counters ([`Client::stats`]) and
+//! [`Client::close`]. Sends `authorization: Bearer <token>` when a token is
+//! set (by default from `TINYBROKER_AUTH_TOKEN`).
 
+mod buffer;
 mod publisher;
 mod session_task;
 
@@ -20,7 +26,7 @@ use session_task::{CREDIT_BATCH, Command, HandleEvent, PublishAnswer, SequenceSp
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tonic::metadata::{Ascii, MetadataValue};
@@ -28,6 +34,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
 pub use crate::pb::Message;
+pub use buffer::{BUFFER_BYTES, FlushReport};
 pub use publisher::{DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, FailedBatch, PublishSummary, Publisher, Rejection};
 
 /// The address the CLI uses when none is given.
@@ -53,6 +60,101 @@ struct SessionLink {
     /// The last handle given out; handles are never reused while the
     /// client lives (u32 wraps after four billion opens).
     last_handle: AtomicU32,
+    /// What the task and the client both see.
+    shared: Arc<Shared>,
+}
+
+/// What the session task shares with its client: the publish buffer's
+/// bound, the counters and the connection events.
+pub(crate) struct Shared {
+    /// Bytes of room in the publish buffer (docs/clients.md `BUFFER_BYTES`):
+    /// a message takes its bytes before it is buffered and gives them back
+    /// once written; closed when the client is closed.
+    room: tokio::sync::Semaphore,
+    events: tokio::sync::broadcast::Sender<ConnectionEvent>,
+    closed: std::sync::atomic::AtomicBool,
+    messages_in: AtomicU64,
+    bytes_in: AtomicU64,
+    messages_out: AtomicU64,
+    bytes_out: AtomicU64,
+    reconnects: AtomicU64,
+    pending_messages: AtomicU64,
+    pending_bytes: AtomicU64,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            room: tokio::sync::Semaphore::new(BUFFER_BYTES),
+            events: tokio::sync::broadcast::channel(CONNECTION_EVENTS).0,
+            closed: Default::default(),
+            messages_in: Default::default(),
+            bytes_in: Default::default(),
+            messages_out: Default::default(),
+            bytes_out: Default::default(),
+            reconnects: Default::default(),
+            pending_messages: Default::default(),
+            pending_bytes: Default::default(),
+        }
+    }
+}
+
+impl Shared {
+    fn count_in(&self, payload_bytes: usize) {
+        self.messages_in.fetch_add(1, Ordering::Relaxed);
+        self.bytes_in.fetch_add(payload_bytes as u64, Ordering::Relaxed);
+    }
+
+    fn count_out(&self, messages: &[pb::PublishRequest]) {
+        let bytes: usize = messages.iter().map(|m| m.payload.len()).sum();
+        self.messages_out.fetch_add(messages.len() as u64, Ordering::Relaxed);
+        self.bytes_out.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// `messages` of `bytes` left the buffer (written, or dropped at close).
+    fn unpend(&self, messages: usize, bytes: usize) {
+        self.pending_messages.fetch_sub(messages as u64, Ordering::Relaxed);
+        self.pending_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// Connection events a receiver that falls behind may miss (it then hears
+/// `Lagged` from tokio's broadcast channel).
+const CONNECTION_EVENTS: usize = 64;
+
+/// A change of the client's connection (docs/clients.md, "Connection events
+/// and counters"): one per change, whatever the number of subscriptions.
+#[derive(Debug, Clone)]
+pub enum ConnectionEvent {
+    /// The first session is open, on this broker instance.
+    Connected { instance: Option<String> },
+    /// An open session was lost.
+    Disconnected { reason: Status },
+    /// A session is open again; on another instance (a restarted broker,
+    /// another replica) when `instance_changed`.
+    Reconnected {
+        instance: Option<String>,
+        instance_changed: bool,
+    },
+    /// [`Client::close`] finished.
+    Closed,
+}
+
+/// The client's counters (docs/clients.md), as [`Client::stats`] reads them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Deliveries handed to subscriptions, and their payload bytes.
+    pub messages_in: u64,
+    pub bytes_in: u64,
+    /// Messages written in batches on the session, and their payload bytes.
+    pub messages_out: u64,
+    pub bytes_out: u64,
+    /// Sessions opened again after a lost one.
+    pub reconnects: u64,
+    /// Published with [`Client::publish`] and not yet written: messages and
+    /// encoded bytes.
+    pub pending_messages: u64,
+    pub pending_bytes: u64,
 }
 
 /// How to reach a broker beyond its address.
@@ -131,17 +233,30 @@ impl Client {
         })
     }
 
-    /// The session task's commands, starting the task if it is not running.
+    /// The session task's commands, starting the task if it is not running
+    /// (a closed client's go nowhere).
     fn session(&self) -> mpsc::UnboundedSender<Command> {
         let mut commands = self.session.commands.lock();
+        if self.session.shared.closed.load(Ordering::Acquire) {
+            return mpsc::unbounded_channel().0;
+        }
         match &*commands {
             Some(sender) if !sender.is_closed() => sender.clone(),
             _ => {
-                let sender = session_task::spawn(self.broker.clone(), self.authorization.clone());
+                let sender = session_task::spawn(
+                    self.broker.clone(),
+                    self.admin.clone(),
+                    self.authorization.clone(),
+                    self.session.shared.clone(),
+                );
                 *commands = Some(sender.clone());
                 sender
             }
         }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.session.shared.closed.load(Ordering::Acquire)
     }
 
     fn next_handle(&self) -> u32 {
@@ -161,19 +276,120 @@ impl Client {
         request
     }
 
-    /// Publishes one message.
-    pub async fn publish(
+    /// Publishes one message with the unary `Publish` and returns its
+    /// sequence and matched counts (it does not go through the publish
+    /// buffer, so it may overtake messages buffered before it).
+    pub async fn publish_confirmed(
         &mut self,
         topic: impl Into<String>,
         payload: impl Into<Bytes>,
         headers: HashMap<String, String>,
     ) -> Result<pb::PublishResponse, Status> {
+        if self.is_closed() {
+            return Err(closed());
+        }
         let request = self.request(pb::PublishRequest {
             topic: topic.into(),
             payload: payload.into(),
             headers,
         });
         Ok(self.broker.publish(request).await?.into_inner())
+    }
+
+    /// Puts a message in the client's publish buffer and returns
+    /// (docs/clients.md, "Publishing"): it goes out in a `SessionPublish`
+    /// batch on the client's session as soon as the session task's turn
+    /// ends, and [`Client::flush`] says what became of it. Waits only while
+    /// the buffer holds [`BUFFER_BYTES`] (backpressure); while the
+    /// connection is down, messages wait there and go out once a session
+    /// is open again. CANCELLED once the client is closed.
+    pub async fn publish(
+        &self,
+        topic: impl Into<String>,
+        payload: impl Into<Bytes>,
+        headers: HashMap<String, String>,
+    ) -> Result<(), Status> {
+        let message = pb::PublishRequest {
+            topic: topic.into(),
+            payload: payload.into(),
+            headers,
+        };
+        let bytes = buffer::message_bytes(&message);
+        let permits = bytes.min(BUFFER_BYTES) as u32;
+        let shared = &self.session.shared;
+        let room = shared.room.acquire_many(permits).await.map_err(|_| closed())?;
+        room.forget();
+        // Counted before the task can write it (and uncount it).
+        shared.pending_messages.fetch_add(1, Ordering::Relaxed);
+        shared.pending_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        if self.session().send(Command::Buffer { message, permits }).is_err() {
+            shared.unpend(1, bytes);
+            shared.room.add_permits(permits as usize);
+            return Err(closed());
+        }
+        Ok(())
+    }
+
+    /// Waits until every message [`Client::publish`]ed before it has an
+    /// outcome, and returns what became of those published since the
+    /// previous flush. With `timeout`, DEADLINE_EXCEEDED after it (nothing
+    /// is lost: the next flush reports them).
+    pub async fn flush(&self, timeout: Option<Duration>) -> Result<FlushReport, Status> {
+        let (answer, report) = oneshot::channel();
+        if self.is_closed() || self.session().send(Command::Flush { answer }).is_err() {
+            return Err(closed());
+        }
+        let report = async { report.await.map_err(|_| closed()) };
+        match timeout {
+            None => report.await,
+            Some(limit) => tokio::time::timeout(limit, report).await.unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(format!(
+                    "flush: not every message published before it had an outcome within {} ms; the next flush reports them",
+                    limit.as_millis()
+                )))
+            }),
+        }
+    }
+
+    /// Closes the client (every clone of it): what is buffered gets up to
+    /// 5 s to be answered, then every subscription ends, the session is
+    /// closed and [`ConnectionEvent::Closed`] is sent. Returns how many
+    /// buffered messages were never sent. After it, every call fails with
+    /// CANCELLED, "the client is closed".
+    pub async fn close(&self) -> u64 {
+        let commands = self.session.commands.lock().take();
+        self.session.shared.closed.store(true, Ordering::Release);
+        let Some(commands) = commands else {
+            self.session.shared.room.close();
+            let _ = self.session.shared.events.send(ConnectionEvent::Closed);
+            return 0;
+        };
+        let (done, not_sent) = oneshot::channel();
+        if commands.send(Command::Shutdown { done }).is_err() {
+            self.session.shared.room.close();
+            return 0;
+        }
+        not_sent.await.unwrap_or(0)
+    }
+
+    /// The client's connection events, from now on.
+    pub fn connection_events(&self) -> tokio::sync::broadcast::Receiver<ConnectionEvent> {
+        self.session.shared.events.subscribe()
+    }
+
+    /// The client's counters now.
+    pub fn stats(&self) -> ClientStats {
+        let shared = &self.session.shared;
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        ClientStats {
+            messages_in: read(&shared.messages_in),
+            bytes_in: read(&shared.bytes_in),
+            messages_out: read(&shared.messages_out),
+            bytes_out: read(&shared.bytes_out),
+            reconnects: read(&shared.reconnects),
+            pending_messages: read(&shared.pending_messages),
+            pending_bytes: read(&shared.pending_bytes),
+        }
     }
 
     /// Publishes `messages` as one batch (`SessionPublish`) on this
@@ -706,7 +922,12 @@ impl Drop for Live {
 }
 
 fn session_gone() -> Status {
-    Status::cancelled("the client's session task has ended")
+    Status::cancelled("the client's session task has ended (the client was closed)")
+}
+
+/// What every call of a closed client fails with.
+pub(crate) fn closed() -> Status {
+    Status::cancelled("the client is closed")
 }
 
 /// The status an `open` would have failed with, from a rejected one.

@@ -23,7 +23,7 @@ use tinybroker::server::{self, Listeners};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tonic::Code;
+use tonic::{Code, Status};
 
 type Publisher = pb::broker_client::BrokerClient<tonic::transport::Channel>;
 
@@ -290,6 +290,8 @@ struct Proxy {
     connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
     /// While true, what the broker sends is read and held, not forwarded.
     hold: watch::Sender<bool>,
+    /// While true, new connections are closed as soon as they come.
+    refuse: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -299,9 +301,13 @@ impl Proxy {
         let addr = listener.local_addr().unwrap();
         let connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let (hold, held) = watch::channel(false);
+        let (refuse, refusing) = watch::channel(false);
         let tasks = connections.clone();
         let accept = tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
+                if *refusing.borrow() {
+                    continue;
+                }
                 let mut held = held.clone();
                 let task = tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(to).await else {
@@ -332,8 +338,15 @@ impl Proxy {
             addr,
             connections,
             hold,
+            refuse,
             accept,
         }
+    }
+
+    /// Closes every new connection from now on, or (`false`) forwards them
+    /// again.
+    fn refuse(&self, refuse: bool) {
+        self.refuse.send_replace(refuse);
     }
 
     fn url(&self) -> String {
@@ -945,6 +958,253 @@ async fn unanswered_batches_are_unconfirmed() {
         assert_eq!(summary.failed.len(), 1);
         assert_eq!(summary.failed[0].first_index, 0);
         assert!(!summary.all_accepted());
+    })
+    .await
+}
+
+// === the client's publish buffer, connection events and close (issue 44,
+// docs/clients.md's scenarios) ===
+
+/// A client of `addr` whose channel connects when first used, so that it
+/// can be made before the broker is up.
+fn lazy_client(addr: SocketAddr) -> Client {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    Client::from_channel(channel, None).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_returns_at_once_and_flush_reports() {
+    timeout(async {
+        let broker = start().await;
+        let client = Client::connect(&broker.url()).await.unwrap();
+        let mut s = client.subscriber(subscribe_request(&["buf.>"]), false);
+        s.open().await.unwrap();
+        // Within the subscription's queue (1024 by default), so that none
+        // is evicted before the test reads.
+        for i in 0..1000 {
+            client
+                .publish("buf.x", i.to_string(), Default::default())
+                .await
+                .unwrap();
+        }
+        let report = client.flush(Some(Duration::from_secs(20))).await.unwrap();
+        assert_eq!(
+            (report.accepted, report.rejected.len(), report.unconfirmed_count()),
+            (1000, 0, 0)
+        );
+        for i in 0..1000 {
+            assert_eq!(next(&mut s).await.payload, i.to_string().as_bytes());
+        }
+        // Fewer requests than messages: they went in batches.
+        let batches = publish_batches(broker.metrics_addr).await;
+        assert!((1.0..1000.0).contains(&batches), "{batches} batches");
+        // Nothing more to report.
+        assert_eq!(client.flush(None).await.unwrap(), Default::default());
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_publishes_go_out_after_a_restart() {
+    // The connection goes away and comes back (through a proxy, so that the
+    // subscription the test reads is opened on the new session before the
+    // buffer is written, as docs/clients.md orders them; a restarted broker
+    // would end it instead, and it would come back on its own schedule).
+    timeout(async {
+        let broker = start().await;
+        let proxy = Proxy::start(broker.grpc_addr).await;
+        let client = Client::connect(&proxy.url()).await.unwrap();
+        let mut events = client.connection_events();
+        let mut s = client.subscriber(subscribe_request(&["early.>"]), true);
+        s.open().await.unwrap();
+        client.publish("early.x", "0", Default::default()).await.unwrap();
+        assert_eq!(client.flush(None).await.unwrap().accepted, 1);
+        assert_eq!(next(&mut s).await.payload, "0".as_bytes());
+        proxy.refuse(true);
+        proxy.cut();
+        wait_until("the session to be gone", || async {
+            sessions(broker.metrics_addr).await == 0.0
+        })
+        .await;
+        // Published while the connection is down: they wait in the buffer.
+        for i in 1..=100 {
+            client
+                .publish("early.x", i.to_string(), Default::default())
+                .await
+                .unwrap();
+        }
+        assert_eq!(client.stats().pending_messages, 100);
+        proxy.refuse(false);
+        let report = client.flush(Some(Duration::from_secs(20))).await.unwrap();
+        assert_eq!((report.accepted, report.unconfirmed_count()), (100, 0), "{report:?}");
+        for i in 1..=100 {
+            assert_eq!(
+                next(&mut s).await.payload,
+                i.to_string().as_bytes(),
+                "once each, in order"
+            );
+        }
+        let mut seen = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            seen.push(event);
+        }
+        assert!(
+            matches!(
+                &seen[..],
+                [
+                    tinybroker::client::ConnectionEvent::Connected { .. },
+                    tinybroker::client::ConnectionEvent::Disconnected { .. },
+                    tinybroker::client::ConnectionEvent::Reconnected {
+                        instance_changed: false,
+                        ..
+                    },
+                ]
+            ),
+            "{seen:#?}"
+        );
+        assert_eq!(client.stats().reconnects, 1);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_waits_when_the_buffer_is_full() {
+    timeout(async {
+        // Nothing listens yet: everything published waits in the buffer.
+        let port = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let client = lazy_client(port);
+        let payload = bytes::Bytes::from(vec![b'x'; 1_000_000]);
+        for _ in 0..8 {
+            client
+                .publish("big.x", payload.clone(), Default::default())
+                .await
+                .unwrap();
+        }
+        // 8 MB held: the ninth does not fit the 8 MiB bound.
+        let ninth = tokio::spawn({
+            let client = client.clone();
+            let payload = payload.clone();
+            async move { client.publish("big.x", payload, Default::default()).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!ninth.is_finished(), "publish did not wait for room");
+        assert_eq!(client.stats().pending_messages, 8);
+        let broker = Embedded::start(port).await;
+        ninth.await.unwrap().unwrap();
+        let report = client.flush(Some(Duration::from_secs(20))).await.unwrap();
+        assert_eq!(report.accepted, 9, "{report:?}");
+        broker.stop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_events_once_per_connection() {
+    timeout(async {
+        let first = Embedded::start("127.0.0.1:0".parse().unwrap()).await;
+        let addr = first.grpc_addr;
+        let client = Client::connect(&first.url()).await.unwrap();
+        let mut events = client.connection_events();
+        for i in 0..50 {
+            let mut s = client.subscriber(subscribe_request(&[&format!("many.{i}")]), true);
+            s.open().await.unwrap();
+            // The application reads: a subscription ended by the shutdown
+            // is opened again by its reader.
+            tokio::spawn(async move { while let Ok(Some(_)) = s.next().await {} });
+        }
+        first.stop().await;
+        let second = Embedded::start(addr).await;
+        wait_until("the 50 subscriptions open again", || async {
+            common::subscriptions(&second.url()).await.len() == 50
+        })
+        .await;
+        let mut seen = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            seen.push(format!("{event:?}"));
+        }
+        let names: Vec<&str> = seen.iter().map(|e| e.split([' ', '{']).next().unwrap()).collect();
+        assert_eq!(names, ["Connected", "Disconnected", "Reconnected"], "{seen:#?}");
+        second.stop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_count_what_went_in_and_out() {
+    timeout(async {
+        let broker = start().await;
+        let client = Client::connect(&broker.url()).await.unwrap();
+        let mut s = client.subscriber(subscribe_request(&["stats.>"]), false);
+        s.open().await.unwrap();
+        for _ in 0..10 {
+            client.publish("stats.x", "12345", Default::default()).await.unwrap();
+        }
+        client.flush(None).await.unwrap();
+        for _ in 0..10 {
+            next(&mut s).await;
+        }
+        let stats = client.stats();
+        assert_eq!(
+            (stats.messages_out, stats.bytes_out, stats.messages_in, stats.bytes_in),
+            (10, 50, 10, 50)
+        );
+        assert_eq!(
+            (stats.pending_messages, stats.pending_bytes, stats.reconnects),
+            (0, 0, 0)
+        );
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_means_closed() {
+    timeout(async {
+        let broker = start().await;
+        let mut client = Client::connect(&broker.url()).await.unwrap();
+        let mut events = client.connection_events();
+        let mut s = client.subscriber(subscribe_request(&["closed.>"]), true);
+        s.open().await.unwrap();
+        client.publish("closed.x", "last", Default::default()).await.unwrap();
+        // Close flushes first: the message buffered before it is published.
+        assert_eq!(client.close().await, 0);
+        let is_closed = |status: Status| {
+            assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+            assert!(status.message().contains("closed"), "{status:?}");
+        };
+        is_closed(
+            client
+                .publish("closed.x", "after", Default::default())
+                .await
+                .unwrap_err(),
+        );
+        is_closed(client.flush(None).await.unwrap_err());
+        is_closed(
+            client
+                .publish_confirmed("closed.x", "after", Default::default())
+                .await
+                .unwrap_err(),
+        );
+        // The subscription ends (after what it was sent), and does not come back.
+        let mut taken = Vec::new();
+        let end = loop {
+            match tokio::time::timeout(Duration::from_secs(10), s.next()).await.unwrap() {
+                Ok(Some(m)) => taken.push(m.payload),
+                other => break other,
+            }
+        };
+        assert!(taken.len() <= 1, "{taken:?}");
+        is_closed(end.unwrap_err());
+        wait_until("the broker to see no subscription", || async {
+            broker.subscriptions().await.is_empty()
+        })
+        .await;
+        let mut seen = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            seen.push(format!("{event:?}"));
+        }
+        assert_eq!(seen.last().map(String::as_str), Some("Closed"), "{seen:#?}");
     })
     .await
 }

@@ -345,7 +345,7 @@ async fn publish(args: PublishArgs) -> anyhow::Result<()> {
     let mut client = args.connection.connect().await?;
     let headers: HashMap<String, String> = args.headers.into_iter().collect();
     let response = client
-        .publish(args.topic, payload, headers)
+        .publish_confirmed(args.topic, payload, headers)
         .await
         .map_err(|s| failed("publish", &args.connection.addr, s))?;
     out(format_args!(

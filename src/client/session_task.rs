@@ -34,9 +34,11 @@
 //!   together, consecutive acks (or nacks) of one handle merged into one
 //!   request.
 
-use super::{Backoff, PublishError};
+use super::buffer::{FlushReport, PublishBuffer};
+use super::{Backoff, ConnectionEvent, PublishError, Shared};
 use crate::grpc::services::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 use crate::pb;
+use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use crate::pb::session_event::Event;
 use crate::pb::session_request::Request as SessionRequest;
@@ -64,6 +66,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most commands already queued that the task writes in one turn (their
 /// acks merged) before it looks at the session's events again.
 const COMMANDS_PER_TURN: usize = 1024;
+/// docs/clients.md `CLOSE_TIMEOUT`: how long closing waits for the publish
+/// buffer to be answered.
+pub(crate) const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where the sequences of a session's deliveries come from, as its
 /// response headers say (docs/clients.md, "Gaps").
@@ -126,6 +131,15 @@ pub(crate) enum Command {
         messages: Vec<pb::PublishRequest>,
         answer: oneshot::Sender<PublishAnswer>,
     },
+    /// Put a message in the publish buffer; it holds `permits` of the
+    /// client's buffer bound until it is written.
+    Buffer { message: pb::PublishRequest, permits: u32 },
+    /// Answer once everything buffered before it has an outcome.
+    Flush { answer: oneshot::Sender<FlushReport> },
+    /// Close the client: flush (for at most [`CLOSE_TIMEOUT`]), end the
+    /// session and the task; `done` hears how many buffered messages were
+    /// not sent.
+    Shutdown { done: oneshot::Sender<u64> },
 }
 
 /// What the session task tells one subscriber, in order.
@@ -159,12 +173,20 @@ pub(crate) enum HandleEvent {
 /// commands is dropped (then the session is half-closed by dropping it).
 pub(crate) fn spawn(
     broker: BrokerClient<Channel>,
+    admin: AdminClient<Channel>,
     authorization: Option<MetadataValue<Ascii>>,
+    shared: Arc<Shared>,
 ) -> mpsc::UnboundedSender<Command> {
     let (commands, receiver) = mpsc::unbounded_channel();
     let task = SessionTask {
         broker,
+        admin: Some(admin),
         authorization,
+        shared,
+        buffer: PublishBuffer::default(),
+        connected_once: false,
+        instance: None,
+        closing: None,
         session: None,
         entries: HashMap::new(),
         retry_at: None,
@@ -180,7 +202,20 @@ pub(crate) fn spawn(
 /// The task's state: nothing else holds it.
 struct SessionTask {
     broker: BrokerClient<Channel>,
+    /// Asked for the broker's `max_batch_messages` once, at the first
+    /// session; None after.
+    admin: Option<AdminClient<Channel>>,
     authorization: Option<MetadataValue<Ascii>>,
+    /// The buffer bound, counters and connection events the client reads.
+    shared: Arc<Shared>,
+    /// What `Client::publish` put in and was not answered yet.
+    buffer: PublishBuffer,
+    /// A session was open once: the next one is a reconnection.
+    connected_once: bool,
+    /// The instance the last session was on.
+    instance: Option<String>,
+    /// The client is closing: by when, and who hears how many were not sent.
+    closing: Option<(Instant, oneshot::Sender<u64>)>,
     /// The current session; None before the first open, and between a lost
     /// session and the next.
     session: Option<Live>,
@@ -254,6 +289,8 @@ enum Step {
     Command(Option<Command>),
     Event(Result<Option<pb::SessionEvent>, Status>),
     Retry,
+    /// Closing waited [`CLOSE_TIMEOUT`].
+    CloseNow,
 }
 
 impl SessionTask {
@@ -263,13 +300,15 @@ impl SessionTask {
                 command = commands.recv() => Step::Command(command),
                 event = next_event(&mut self.session) => Step::Event(event),
                 () = sleep_until(self.retry_at) => Step::Retry,
+                () = sleep_until(self.closing.as_ref().map(|(at, _)| *at)) => Step::CloseNow,
             };
             match step {
                 Step::Command(None) => return,
                 Step::Command(Some(command)) => {
                     self.command(command).await;
                     // What is queued behind it is written with it, so that
-                    // consecutive acks of one handle go out as one request.
+                    // consecutive acks of one handle go out as one request
+                    // and buffered messages as few batches.
                     for _ in 1..COMMANDS_PER_TURN {
                         let Ok(command) = commands.try_recv() else {
                             break;
@@ -277,14 +316,62 @@ impl SessionTask {
                         self.command(command).await;
                     }
                     self.send_acks();
+                    if self.session.is_none() && self.retry_at.is_none() && self.buffer.has_queued() {
+                        self.start().await;
+                    }
                 }
                 Step::Event(event) => self.event(event),
                 Step::Retry => {
                     self.retry_at = None;
                     self.start().await;
                 }
+                Step::CloseNow => {}
+            }
+            self.write_buffer();
+            if let Some((at, _)) = &self.closing
+                && (!self.buffer.outstanding() || Instant::now() >= *at)
+            {
+                self.close();
+                return;
             }
         }
+    }
+
+    /// Writes what the buffer holds, in batches, while the session is open
+    /// and fewer than `BATCHES_IN_FLIGHT` are unanswered.
+    fn write_buffer(&mut self) {
+        if self.session.is_none() {
+            return;
+        }
+        while let Some(batch) = self.buffer.next_batch() {
+            self.last_publish_id += 1;
+            let id = self.last_publish_id;
+            self.shared.count_out(&batch.messages);
+            self.shared.unpend(batch.messages.len(), batch.bytes);
+            self.buffer.written(id, batch.first_index, batch.topics);
+            self.send(SessionRequest::Publish(pb::SessionPublish {
+                id,
+                messages: batch.messages,
+            }));
+            self.shared.room.add_permits(batch.permits as usize);
+        }
+    }
+
+    /// Ends the client: what is still buffered is not sent, the session is
+    /// half-closed (the broker ends its subscriptions), every subscriber's
+    /// channel is dropped.
+    fn close(&mut self) {
+        let (not_sent, bytes) = self.buffer.drop_queued();
+        self.shared.unpend(not_sent, bytes);
+        self.buffer.lost();
+        self.shared.room.close();
+        self.session = None;
+        self.entries.clear();
+        self.unconfirmed(&super::closed());
+        if let Some((_, done)) = self.closing.take() {
+            let _ = done.send(not_sent as u64);
+        }
+        let _ = self.shared.events.send(ConnectionEvent::Closed);
     }
 
     async fn command(&mut self, command: Command) {
@@ -359,6 +446,17 @@ impl SessionTask {
                 }
             }
             Command::Publish { messages, answer } => self.publish(messages, answer).await,
+            Command::Buffer { message, permits } => self.buffer.push(message, permits),
+            Command::Flush { answer } => self.buffer.flush(answer),
+            Command::Shutdown { done } => {
+                // Subscriptions end now; the buffer has CLOSE_TIMEOUT.
+                let handles: Vec<u32> = self.entries.keys().copied().collect();
+                for handle in handles {
+                    self.send(SessionRequest::Close(pb::SessionClose { handle }));
+                }
+                self.entries.clear();
+                self.closing = Some((Instant::now() + CLOSE_TIMEOUT, done));
+            }
         }
     }
 
@@ -420,6 +518,7 @@ impl SessionTask {
             messages: count,
             answer,
         });
+        self.shared.count_out(&messages);
         self.send(SessionRequest::Publish(pb::SessionPublish { id, messages }));
     }
 
@@ -454,9 +553,10 @@ impl SessionTask {
         self.send(open);
     }
 
-    /// Starts a session and opens every waiting subscription on it.
+    /// Starts a session and opens every waiting subscription on it, if a
+    /// subscription or the publish buffer needs one.
     async fn start(&mut self) {
-        if !self.entries.values().any(|e| e.state == State::Waiting) {
+        if !self.entries.values().any(|e| e.state == State::Waiting) && !self.buffer.has_queued() {
             return;
         }
         match self.connect().await {
@@ -467,6 +567,22 @@ impl SessionTask {
 
     /// A new session is up: every waiting subscription is opened on it.
     fn started(&mut self, live: Live) {
+        let instance = live.space.instance.clone();
+        let event = match self.connected_once {
+            false => ConnectionEvent::Connected {
+                instance: instance.clone(),
+            },
+            true => {
+                self.shared.reconnects.fetch_add(1, Ordering::Relaxed);
+                ConnectionEvent::Reconnected {
+                    instance_changed: instance.is_none() || instance != self.instance,
+                    instance: instance.clone(),
+                }
+            }
+        };
+        self.connected_once = true;
+        self.instance = instance;
+        let _ = self.shared.events.send(event);
         self.session = Some(live);
         self.retry_at = None;
         self.backoff.reset();
@@ -493,6 +609,20 @@ impl SessionTask {
         let response = tokio::time::timeout(START_TIMEOUT, self.broker.session(request))
             .await
             .map_err(|_| Status::deadline_exceeded("the broker did not accept a session within 10 s"))??;
+        if let Some(mut admin) = self.admin.take() {
+            // Batches no larger than the broker takes (a token without
+            // Admin access keeps the default, the broker's own).
+            let mut info = tonic::Request::new(pb::GetBrokerInfoRequest {});
+            if let Some(auth) = &self.authorization {
+                info.metadata_mut().insert("authorization", auth.clone());
+            }
+            if let Ok(Ok(info)) = tokio::time::timeout(START_TIMEOUT, admin.get_broker_info(info)).await
+                && let Some(limits) = info.into_inner().limits
+                && limits.max_batch_messages > 0
+            {
+                self.buffer.batch_messages = limits.max_batch_messages as usize;
+            }
+        }
         Ok(Live {
             requests,
             space: SequenceSpace::of(response.metadata()),
@@ -504,9 +634,12 @@ impl SessionTask {
         match event {
             Ok(Some(pb::SessionEvent { event: Some(event) })) => self.forward(event),
             Ok(Some(_)) => {}
-            Ok(None) if self.entries.is_empty() => {
+            Ok(None) if self.entries.is_empty() && !self.buffer.outstanding() => {
                 self.session = None;
                 self.unconfirmed(&Status::unavailable("the broker ended the session"));
+                let _ = self.shared.events.send(ConnectionEvent::Disconnected {
+                    reason: Status::unavailable("the broker ended the session"),
+                });
             }
             Ok(None) => self.lost(Status::unavailable("the broker ended the session"), false),
             Err(status) => self.lost(status, false),
@@ -545,8 +678,11 @@ impl SessionTask {
                     if copy.subscription_id.is_empty() {
                         copy.subscription_id = entry.subscription_id.clone();
                     }
-                    if entry.events.send(HandleEvent::Delivery(copy)).is_ok() {
-                        entry.held.fetch_add(1, Ordering::AcqRel);
+                    // Counted before it can be taken (and uncounted).
+                    entry.held.fetch_add(1, Ordering::AcqRel);
+                    self.shared.count_in(copy.payload.len());
+                    if entry.events.send(HandleEvent::Delivery(copy)).is_err() {
+                        entry.held.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             }
@@ -561,6 +697,12 @@ impl SessionTask {
                 }
             }
             Event::Published(published) => {
+                if self.publishes.iter().all(|p| p.id != published.id) {
+                    if !self.buffer.answered(published) {
+                        tracing::debug!("an answer to no publish of this session");
+                    }
+                    return;
+                }
                 // Answers come in the order of the requests: the one
                 // answered is the oldest, unless the broker skipped one.
                 let Some(at) = self.publishes.iter().position(|p| p.id == published.id) else {
@@ -588,8 +730,14 @@ impl SessionTask {
     /// the subscriptions that reconnect wait for the next try, the others
     /// are told and forgotten.
     fn lost(&mut self, status: Status, starting: bool) {
-        self.session = None;
+        if self.session.take().is_some() {
+            let _ = self
+                .shared
+                .events
+                .send(ConnectionEvent::Disconnected { reason: status.clone() });
+        }
         self.unconfirmed(&status);
+        self.buffer.lost();
         let retry = retryable(&status);
         self.entries.retain(|_, entry| {
             let keep = retry && entry.reconnect && !entry.closing;
@@ -603,7 +751,7 @@ impl SessionTask {
             entry.state = State::Waiting;
             keep
         });
-        if self.entries.is_empty() {
+        if self.entries.is_empty() && !self.buffer.has_queued() {
             return;
         }
         let delay = self.backoff.next_delay();
@@ -681,7 +829,13 @@ mod tests {
             .collect();
         let task = SessionTask {
             broker: BrokerClient::new(channel),
+            admin: None,
             authorization: None,
+            shared: Arc::default(),
+            buffer: PublishBuffer::default(),
+            connected_once: true,
+            instance: None,
+            closing: None,
             session: Some(Live {
                 requests: requests_tx,
                 space: SequenceSpace::default(),
