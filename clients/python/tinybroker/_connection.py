@@ -24,7 +24,7 @@ CHANNEL_OPTIONS: List[Tuple[str, object]] = [
     ("grpc.max_send_message_length", -1),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 250),
     ("grpc.keepalive_time_ms", 20000),
     ("grpc.keepalive_timeout_ms", 10000),
     ("grpc.http2.max_pings_without_data", 0),
