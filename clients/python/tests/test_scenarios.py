@@ -34,6 +34,12 @@ def metrics(port):
     return values
 
 
+def stopped(pid):
+    """Whether the process is stopped (SIGSTOP), as /proc says."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def with_metrics(env=None):
     port = free_port()
     return dict(env or {}, TINYBROKER_METRICS_ADDR=f"127.0.0.1:{port}"), port
@@ -166,6 +172,7 @@ def test_unanswered_batches_are_unconfirmed(start_broker):
             await client.publish("un.a", b"first")
             assert (await client.flush(timeout=5)).accepted == 1
             broker.proc.send_signal(signal.SIGSTOP)  # it answers nothing now
+            await until(lambda: stopped(broker.proc.pid), 5, "the broker to stop")
             try:
                 for i in range(10):
                     await client.publish("un.a", str(i))
