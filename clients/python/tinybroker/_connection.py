@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import grpc
 import grpc.aio
 
-from ._pb import admin_pb2_grpc, broker_pb2_grpc
+from ._pb import admin_pb2_grpc, broker_pb2, broker_pb2_grpc
 from .errors import TinybrokerError
 
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -31,6 +31,12 @@ CHANNEL_OPTIONS: List[Tuple[str, object]] = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
 ]
+
+
+def _serialize(request: object) -> bytes:
+    if type(request) is bytes:
+        return request  # type: ignore[return-value]
+    return request.SerializeToString()  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class Connection:
         self.channel: Optional[grpc.aio.Channel] = None
         self.broker: broker_pb2_grpc.BrokerStub
         self.admin: admin_pb2_grpc.AdminStub
+        self.session: grpc.aio.StreamStreamMultiCallable
         self.failovers = 0
 
     @property
@@ -110,6 +117,13 @@ class Connection:
             self.channel = grpc.aio.insecure_channel(target.address, options=self._options)
         self.broker = broker_pb2_grpc.BrokerStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        # Broker/Session, taking requests already in wire bytes too (the
+        # publish batches, encoded as they fill).
+        self.session = self.channel.stream_stream(
+            "/tinybroker.v1.Broker/Session",
+            request_serializer=_serialize,
+            response_deserializer=broker_pb2.SessionEvent.FromString,
+        )
 
     async def connect(self, timeout: float) -> None:
         """Tries each address in turn until one completes its handshake
@@ -152,7 +166,7 @@ class Connection:
         if self.channel is not None:
             await self.channel.close()
             self.channel = None
-        self.broker = self.admin = None  # type: ignore[assignment]
+        self.broker = self.admin = self.session = None  # type: ignore[assignment]
 
 
 async def _ready(channel: grpc.aio.Channel, timeout: float) -> Optional[str]:

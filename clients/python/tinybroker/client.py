@@ -198,8 +198,16 @@ class Client:
         Raises:
             ClientClosed: the client is closed.
         """
-        session = self._session_or_raise()
-        await session.publish(topic, _as_bytes(payload), self._headers(headers))
+        session = self._session
+        if session is None or self._closed:
+            session = self._session_or_raise()
+        if type(payload) is not bytes:
+            payload = _as_bytes(payload)
+        if self._tracing:
+            headers = self._headers(headers)
+        if session.pending_bytes >= session.buffer_bytes:
+            await session.wait_room()
+        session.append(topic, payload, headers)  # type: ignore[arg-type]
 
     async def flush(self, timeout: Optional[float] = None) -> FlushResult:
         """Waits until every message published before the call has an

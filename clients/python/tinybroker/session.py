@@ -95,10 +95,6 @@ _FINAL_START_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION,
 }
 _BATCH_METADATA = ("tinybroker-batch", "1")
-# What a PublishRequest costs in the batch beyond its topic, payload and
-# headers (tags and lengths), counted generously.
-_MESSAGE_OVERHEAD = 16
-_HEADER_OVERHEAD = 8
 
 
 class Backoff:
@@ -157,19 +153,62 @@ class _Requests:
         return self._items.popleft()
 
 
-class _Batch:
-    """One ``SessionPublish`` being filled, waiting, or written."""
+def _encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 128:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
-    __slots__ = ("request", "messages", "first", "count", "nbytes", "payload_bytes", "oversize")
+
+# The varints of the lengths most messages have, made once.
+_VARINTS = [_encode_varint(i) for i in range(4096)]
+
+
+def _varint(n: int) -> bytes:
+    return _VARINTS[n] if n < 4096 else _encode_varint(n)
+
+
+def encode_message(topic: str, payload: bytes, headers: Optional[Mapping[str, str]]) -> Tuple[bytes, int]:
+    """One ``PublishRequest`` as an element of ``SessionPublish.messages``
+    (field 2), in wire bytes, and its size."""
+    if headers:
+        body = pb.PublishRequest(topic=topic, payload=payload, headers=headers).SerializeToString()
+    else:
+        t = topic.encode()
+        lt, lp = len(t), len(payload)
+        varints = _VARINTS
+        if lt < 4096 and lp < 3072:
+            body = b"\n" + varints[lt] + t + b"\x12" + varints[lp] + payload
+            n = len(body)
+            part = b"\x12" + varints[n] + body
+            return part, len(part)
+        body = b"\n" + _varint(lt) + t + b"\x12" + _varint(lp) + payload
+    part = b"\x12" + _varint(len(body)) + body
+    return part, len(part)
+
+
+class _Batch:
+    """One ``SessionPublish`` being filled, waiting, or written: its
+    messages as wire bytes (one join when written) and their topics (to name
+    a rejected one)."""
+
+    __slots__ = ("parts", "topics", "first", "count", "nbytes", "payload_bytes", "oversize")
 
     def __init__(self, first: int) -> None:
-        self.request = pb.SessionRequest()
-        self.messages = self.request.publish.messages
+        self.parts: List[bytes] = []
+        self.topics: List[str] = []
         self.first = first  # index of its first message
         self.count = 0
         self.nbytes = 0
         self.payload_bytes = 0
         self.oversize = False
+
+    def request(self, batch_id: int) -> bytes:
+        """The ``SessionRequest`` (``publish``, field 6) in wire bytes."""
+        body = b"\x08" + _varint(batch_id) + b"".join(self.parts)
+        return b"2" + _varint(len(body)) + body
 
 
 class _StartFailed(Exception):
@@ -260,7 +299,8 @@ class Session:
         self.buffer_bytes = buffer_bytes
         self.batch_messages = max(1, batch_messages)
         self.batch_bytes = BATCH_BYTES
-        self._request_limit: Optional[int] = None
+        # The largest request the broker reads (no bound known: none).
+        self._request_limit = 1 << 62
         if max_message_bytes:
             self._request_limit = max_message_bytes + REQUEST_SLACK
             self.batch_bytes = min(BATCH_BYTES, self._request_limit)
@@ -270,7 +310,7 @@ class Session:
         self._batch_id = 0
         self._next_index = 0
         self._settled = 0  # every index below it has an outcome
-        self.pending_messages = 0
+        self._written = 0  # messages written (or refused here), from index 0
         self.pending_bytes = 0
         self._room_waiters: Deque[asyncio.Future] = collections.deque()
         self._flush_waiters: List[Tuple[int, asyncio.Future]] = []
@@ -344,43 +384,37 @@ class Session:
     # === the publish buffer ===
 
     def append(self, topic: str, payload: bytes, headers: Optional[Mapping[str, str]]) -> int:
-        """Appends one message to the buffer (never waits: :meth:`publish`
-        and the blocking facade bound it) and returns its index."""
-        size = len(topic) + len(payload) + _MESSAGE_OVERHEAD
-        if headers:
-            for k, v in headers.items():
-                size += len(k) + len(v) + _HEADER_OVERHEAD
+        """Appends one message to the buffer (never waits: the callers bound
+        the buffer) and returns its index."""
+        part, size = encode_message(topic, payload, headers)
         batch = self._filling
         if batch is None:
             batch = self._filling = _Batch(self._next_index)
         elif batch.nbytes + size > self.batch_bytes:
-            self._seal()
+            self._sealed.append(batch)
             batch = self._filling = _Batch(self._next_index)
-        if headers:
-            batch.messages.add(topic=topic, payload=payload, headers=headers)
-        else:
-            batch.messages.add(topic=topic, payload=payload)
-        batch.count += 1
-        batch.nbytes += size
+        parts = batch.parts
+        parts.append(part)
+        batch.topics.append(topic)
+        nbytes = batch.nbytes = batch.nbytes + size
         batch.payload_bytes += len(payload)
-        if self._request_limit is not None and size > self._request_limit:
+        if size > self._request_limit:
             batch.oversize = True
         index = self._next_index
         self._next_index = index + 1
-        self.pending_messages += 1
         self.pending_bytes += size
-        if batch.count >= self.batch_messages or batch.nbytes >= self.batch_bytes:
+        if len(parts) >= self.batch_messages or nbytes >= self.batch_bytes:
             self._seal()
             self._write_batches()
-        else:
-            self._schedule_pump()
-        if self.state == IDLE:
+        elif not self._pump_scheduled:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+        if self._task is None:
             self._need()
         return index
 
-    async def publish(self, topic: str, payload: bytes, headers: Optional[Mapping[str, str]]) -> int:
-        """Appends one message, first waiting while the buffer holds
-        ``buffer_bytes`` or more."""
+    async def wait_room(self) -> None:
+        """Waits while the buffer holds ``buffer_bytes`` or more."""
         while self.pending_bytes >= self.buffer_bytes:
             if self._closed:
                 raise ClientClosed()
@@ -389,7 +423,6 @@ class Session:
             await waiter
         if self._closed:
             raise ClientClosed()
-        return self.append(topic, payload, headers)
 
     def on_room(self, callback: Callable[[], None]) -> None:
         """``callback`` is called (on the loop) whenever the buffer drops
@@ -418,8 +451,7 @@ class Session:
                 continue
             sealed.popleft()
             self._batch_id += 1
-            batch.request.publish.id = self._batch_id
-            self._requests.put(batch.request)
+            self._requests.put(batch.request(self._batch_id))  # type: ignore[arg-type]
             in_flight.append((self._batch_id, batch))
             self._unbuffer(batch)
             self.msgs_out += batch.count
@@ -428,8 +460,14 @@ class Session:
         if wrote and self.pending_bytes < self.buffer_bytes:
             self._wake_room()
 
+    @property
+    def pending_messages(self) -> int:
+        """Messages in the buffer, not yet written."""
+        return self._next_index - self._written
+
     def _unbuffer(self, batch: _Batch) -> None:
-        self.pending_messages -= batch.count
+        batch.count = len(batch.parts)
+        self._written = batch.first + batch.count
         self.pending_bytes -= batch.nbytes
 
     def _wake_room(self) -> None:
@@ -444,14 +482,14 @@ class Session:
     def _reject_oversize(self, batch: _Batch) -> None:
         # The request could not be read by the broker (it would end the
         # session): each message is refused here, as the broker would.
-        for i, message in enumerate(batch.messages):
-            size = message.ByteSize()
-            if size > (self._request_limit or 0):
+        for i, part in enumerate(batch.parts):
+            size = len(part)
+            if size > self._request_limit:
                 self._rejected.append(
                     Rejection(
-                        batch.first + i, message.topic, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        batch.first + i, batch.topics[i], grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"message of {size} bytes exceeds max_message_bytes "
-                        f"({(self._request_limit or 0) - REQUEST_SLACK})",
+                        f"({self._request_limit - REQUEST_SLACK})",
                     )
                 )
             else:  # pragma: no cover - a large message is a batch of its own
@@ -464,9 +502,9 @@ class Session:
             return
         _, batch = self._in_flight.popleft()
         self._accepted += published.accepted
-        messages = batch.messages
+        topics = batch.topics
         for r in published.rejected:
-            topic = messages[r.index].topic if r.index < len(messages) else ""
+            topic = topics[r.index] if r.index < len(topics) else ""
             code = _code_from_int(r.code)
             self._rejected.append(
                 Rejection(batch.first + r.index, topic, code, r.message or f"rejected with {code.name}")
@@ -629,7 +667,7 @@ class Session:
         # One address: the call waits for the channel, whose own reconnect
         # backoff (100 to 250 ms) finds a broker that is back; with a list a
         # broker that does not answer is passed over.
-        call = conn.broker.Session(requests, metadata=metadata, wait_for_ready=len(conn.targets) == 1)
+        call = conn.session(requests, metadata=metadata, wait_for_ready=len(conn.targets) == 1)
         self._call = call
         try:
             headers = await asyncio.wait_for(call.initial_metadata(), START_TIMEOUT)
