@@ -696,16 +696,19 @@ class Session:
                 return
             kind = event.WhichOneof("event")
             if kind == "deliveries":
-                for delivery in event.deliveries.deliveries:
+                deliveries = event.deliveries.deliveries
+                self.msgs_in += len(deliveries)
+                nbytes = 0
+                for delivery in deliveries:
                     message = delivery.message
-                    self.msgs_in += 1
-                    self.bytes_in += len(message.payload)
+                    nbytes += len(message.payload)
                     for handle in delivery.handles:
                         sub = handles.get(handle)
                         if sub is None:
                             self.dropped_late += 1
                         else:
                             sub._deliver(message, handle)
+                self.bytes_in += nbytes
             elif kind == "published":
                 self._on_published(event.published)
             elif kind == "delivery":
@@ -891,8 +894,7 @@ class Subscription:
         self._message_class = message_class
         #: The id the broker gave it (the one the application named, if any).
         self.subscription_id: Optional[str] = request.subscription_id or None
-        #: Counters: received, ends, evictions, resubscribes, gaps, dropped.
-        self.stats = SubscriptionStats()
+        self._stats = SubscriptionStats()
         #: The last 100 events, oldest first.
         self.events: Deque[SubscriptionEvent] = collections.deque(maxlen=100)
         #: The last Gap reported, if any.
@@ -907,13 +909,19 @@ class Subscription:
         self._outside = 0
         self._told = 0
         self._waiter: Optional[asyncio.Future] = None
+        self._nexting = False  # a next() is running
         self._thread_waiter: Optional[threading.Event] = None
-        self._taken = 0
+        self._taken = 0  # since the last credit given back
+        self._received = 0  # taken by the application, in all
+        self._received_at_open = 0
         self._acks: List[int] = []
         self._nacks: List[int] = []
-        self._last_sequence = 0
+        # The last delivery, and the sequence space (instance) it came from:
+        # that of the open it came on, noted when the subscription leaves it.
+        self._last_raw: Optional[pb.Message] = None
+        self._raw_at_open: Optional[pb.Message] = None
+        self._open_instance: object = None
         self._last_instance: object = None
-        self._delivered_before = False
         self._away: Optional[Tuple[str, int]] = None  # (cause, dropped) until the next delivery
         self._final: Optional[BaseException] = None
         self._opened_once = False
@@ -926,6 +934,16 @@ class Subscription:
         self._last_cause: Optional[TinybrokerError] = None
 
     # --- what the application sees ---
+
+    @property
+    def stats(self) -> SubscriptionStats:
+        """Counters: received, ends, evictions, resubscribes, gaps, dropped."""
+        self._stats.received = self._received
+        return self._stats
+
+    @property
+    def _last_sequence(self) -> int:
+        return self._last_raw.sequence if self._last_raw is not None else 0
 
     @property
     def patterns(self) -> List[str]:
@@ -964,6 +982,8 @@ class Subscription:
         return self
 
     async def __anext__(self) -> Message:
+        if self._buffer and not self._nexting:
+            return self._take()
         try:
             return await self._next(None)
         except ClientClosed:
@@ -978,23 +998,26 @@ class Subscription:
             ClientClosed: the subscription or its client is closed.
             SubscriptionEnded: it ended for good, and what it held was taken.
         """
+        if self._buffer and not self._nexting:
+            return self._take()
         return await self._next(timeout)
 
     next_msg = next
 
     async def _next(self, timeout: Optional[float]) -> Message:
-        if self._waiter is not None or self._thread_waiter is not None:
+        if self._nexting or self._thread_waiter is not None:
             raise UsageError("another next() is already waiting on this subscription")
         buffer = self._buffer
         if buffer:
             return self._take()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if self._final is not None:
-                raise self._final
-            waiter = self._waiter = loop.create_future()
-            try:
+        self._nexting = True
+        try:
+            while True:
+                if self._final is not None:
+                    raise self._final
+                waiter = self._waiter = loop.create_future()
                 if deadline is None:
                     await waiter
                 else:
@@ -1005,25 +1028,29 @@ class Subscription:
                         await asyncio.wait_for(waiter, remaining)
                     except asyncio.TimeoutError:
                         raise Timeout(f"no message within {timeout:g} s") from None
-            finally:
-                self._waiter = None
-            if buffer:
-                return self._take()
+                if buffer:
+                    return self._take()
+        finally:
+            self._waiter = None
+            self._nexting = False
 
     def _take(self) -> Message:
         message = self._buffer.popleft()
-        self._count_taken(1, message._generation)
+        self._received += 1
+        taken = self._taken = self._taken + 1
+        if taken >= self._top_up or self._state is SUB_WAITING:
+            self._after_take()
         return message
 
-    def _count_taken(self, n: int, generation: int) -> None:
-        """The application took ``n`` (from the buffer, or the blocking
-        facade counting back what it took)."""
-        self.stats.received += n
+    def _count_taken(self, n: int) -> None:
+        """The blocking facade counts back ``n`` it took from the buffer."""
+        self._received += n
+        self._taken += n
+        self._after_take()
+
+    def _after_take(self) -> None:
         state = self._state
         if state is SUB_OPEN or state is SUB_OPENING:
-            if generation == self._opens:
-                self._backoff.reset()
-            self._taken += n
             if self._taken >= self._top_up:
                 self._session.send(
                     pb.SessionRequest(credit=pb.SessionCredit(handle=self._handle, messages=self._taken))
@@ -1083,21 +1110,28 @@ class Subscription:
         self._state = SUB_OPENING
         self._opens += 1
         self._taken = 0
+        self._received_at_open = self._received
+        self._raw_at_open = self._last_raw
+        self._open_instance = self._session._instance_key
         self._acks, self._nacks = [], []
 
     def _deliver(self, raw: pb.Message, handle: int) -> None:
         if self._away is not None:
             self._report_gap(raw.sequence)
-        self._last_sequence = raw.sequence
-        self._last_instance = self._session._instance_key
-        self._delivered_before = True
+        self._last_raw = raw
         self._buffer.append(self._message_class(raw, self, handle, self._opens))
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        thread_waiter = self._thread_waiter
-        if thread_waiter is not None:
-            thread_waiter.set()
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        elif self._thread_waiter is not None:
+            self._thread_waiter.set()
+
+    def _leaving(self) -> None:
+        """Out of OPENING/OPEN: what came on that open came from its instance."""
+        if self._last_raw is not self._raw_at_open:
+            self._last_instance = self._open_instance
 
     def _report_gap(self, first: int) -> None:
         """docs/clients.md "Gaps": the first delivery after being away."""
@@ -1106,7 +1140,7 @@ class Subscription:
         last = self._last_sequence
         missed: Optional[Tuple[int, int]] = None
         reason: Optional[str] = None
-        if not self._delivered_before:
+        if self._last_raw is None:
             reason = "nothing_before"
         elif self._last_instance is not session._instance_key:
             reason = "instance_changed"
@@ -1120,7 +1154,7 @@ class Subscription:
             reason = "instance_changed"
         gap = Gap(self.subscription_id, missed, reason, dropped, cause, last, first)
         self.last_gap = gap
-        self.stats.gaps += 1
+        self._stats.gaps += 1
         self._emit(gap)
 
     def _on_opened(self, subscription_id: str) -> None:
@@ -1133,17 +1167,17 @@ class Subscription:
                 self._opened.set_result(None)
             self._emit(Opened(subscription_id))
         else:
-            self.stats.resubscribes += 1
+            self._stats.resubscribes += 1
             if self._after_end:
                 self._after_end = False
                 self._emit(Resubscribed(subscription_id))
 
     def _count_end(self, ended: Ended) -> None:
-        self.stats.ends += 1
-        self.stats.dropped += ended.dropped
-        self.stats.by_reason[ended.reason] = self.stats.by_reason.get(ended.reason, 0) + 1
+        self._stats.ends += 1
+        self._stats.dropped += ended.dropped
+        self._stats.by_reason[ended.reason] = self._stats.by_reason.get(ended.reason, 0) + 1
         if ended.reason == "evicted":
-            self.stats.evictions += 1
+            self._stats.evictions += 1
 
     def _on_ended(self, ended: pb.SessionEnded) -> None:
         reason = ended.reason
@@ -1151,6 +1185,7 @@ class Subscription:
             self._finish(ClientClosed("the subscription is closed"))
             self._session.forget(self)
             return
+        self._leaving()
         self._state = SUB_WAITING
         code = _code_from_int(ended.code)
         if reason == "rejected":
@@ -1204,11 +1239,14 @@ class Subscription:
     def _on_lost(self) -> None:
         """The session was lost: WAITING, to be opened on the next one."""
         if self._state in (SUB_OPENING, SUB_OPEN):
+            self._leaving()
             self._state = SUB_WAITING
             if self._opened_once and self._away is None:
                 self._away = ("connection_lost", 0)
 
     def _backoff_then_reopen(self, cause: Optional[str]) -> None:
+        if self._received > self._received_at_open:
+            self._backoff.reset()  # the application took one since the last open
         self._state = SUB_BACKOFF
         delay = self._backoff.next_delay()
         self._emit(Resubscribing(self.subscription_id, delay, cause))

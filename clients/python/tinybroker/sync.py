@@ -127,7 +127,6 @@ class Subscription:
         self._busy = threading.Lock()
         self._event = threading.Event()
         self._untold = 0
-        self._untold_generation = 0
 
     def __getattr__(self, name: str) -> Any:
         # stats, events, last_gap, subscription_id, is_open, done, pending, ...
@@ -194,7 +193,6 @@ class Subscription:
         sub = self._sub
         sub._outside += 1  # only this thread (under _busy) writes it
         self._untold += 1
-        self._untold_generation = message._generation
         if self._untold >= sub._top_up or sub._state is SUB_WAITING:
             self._tell()
 
@@ -202,12 +200,12 @@ class Subscription:
         n = self._untold
         if n and not self._loop.closed:
             self._untold = 0
-            self._loop.post(self._told, n, self._untold_generation)
+            self._loop.post(self._told, n)
 
-    def _told(self, n: int, generation: int) -> None:
+    def _told(self, n: int) -> None:
         sub = self._sub
         sub._told += n
-        sub._count_taken(n, generation)
+        sub._count_taken(n)
 
     def close(self) -> None:
         """Closes the subscription (see :meth:`tinybroker.Subscription.close`)."""
