@@ -773,13 +773,7 @@ class Session:
         if was_open:
             self._disconnected = True
             self.emit(Disconnected(reason))
-        # Written without an answer: unconfirmed, never written again.
-        if self._in_flight:
-            for _, batch in self._in_flight:
-                self._unconfirmed_range(batch.first, batch.count)
-            last = self._in_flight[-1][1]
-            self._in_flight.clear()
-            self._settle_to(last.first + last.count)
+        self._unconfirm_in_flight()
         handles, self._handles = self._handles, {}
         self._dirty.clear()
         for sub in handles.values():
@@ -790,6 +784,16 @@ class Session:
             if final and not sub._opened_once:
                 sub._finish(None, failure)
                 self._subs.pop(sub, None)
+
+    def _unconfirm_in_flight(self) -> None:
+        """Batches written to a session that is gone, without an answer:
+        unconfirmed, never written again."""
+        if self._in_flight:
+            for _, batch in self._in_flight:
+                self._unconfirmed_range(batch.first, batch.count)
+            last = self._in_flight[-1][1]
+            self._in_flight.clear()
+            self._settle_to(last.first + last.count)
 
     def request_move_on(self, error: TinybrokerError) -> None:
         """Ends the session after the current event, to go to the next address."""
@@ -822,6 +826,7 @@ class Session:
             except BaseException:
                 pass
         self._end_call()
+        self._unconfirm_in_flight()
         self.state = CLOSED
         for sub in list(self._subs):
             sub._finish(ClientClosed())
