@@ -47,7 +47,6 @@ from .constants import (
 from .errors import ClientClosed, SubscriptionEnded, Timeout, TinybrokerError, UsageError, _code_from_int
 from .types import (
     ClientStats,
-    Closed,
     Connected,
     ConnectionEvent,
     Disconnected,
@@ -284,11 +283,9 @@ class Session:
         # What a delivery's sequence space is compared by: the instance, or a
         # new object per session when the broker names none.
         self._instance_key: object = None
-        self._session_id = 0
         self._was_connected = False
         self._disconnected = False
         self._move_on: Optional[TinybrokerError] = None
-        self._last_failure: Optional[TinybrokerError] = None
         # Subscriptions: all that are not DONE, and those open by handle.
         self._subs: Dict["Subscription", None] = {}
         self._handles: Dict[int, "Subscription"] = {}
@@ -347,7 +344,7 @@ class Session:
             return  # opened once the application takes one
         self._last_handle += 1
         handle = self._last_handle
-        sub._opening(handle, self._session_id)
+        sub._opening(handle)
         self._handles[handle] = sub
         assert self._requests is not None
         self._requests.put(
@@ -748,11 +745,9 @@ class Session:
         self.instance, self.scope = instance, scope
         self._instance_key = instance if instance is not None else object()
         self._requests = requests
-        self._session_id += 1
         self._batch_id = 0
         self.state = OPEN
         self._backoff.reset()
-        self._last_failure = None
         if not self._was_connected:
             self._was_connected = True
             self.emit(Connected(str(conn.target), instance))
@@ -769,7 +764,6 @@ class Session:
         """The session ended (OPEN or STARTING -> WAITING)."""
         was_open = self.state == OPEN
         self.state = WAITING
-        self._last_failure = failure
         if was_open:
             self._disconnected = True
             self.emit(Disconnected(reason))
@@ -906,7 +900,6 @@ class Subscription:
         self.last_gap: Optional[Gap] = None
         self._handle = 0
         self._state = SUB_WAITING
-        self._opens = 0
         self._buffer: Deque[Message] = collections.deque()
         # Messages the blocking facade took out of the buffer (counted by its
         # thread) and those it has counted back (by the loop): the client
@@ -1110,10 +1103,9 @@ class Subscription:
             except Exception:  # pragma: no cover - the application's bug
                 log.exception("tinybroker on_event callback failed")
 
-    def _opening(self, handle: int, session_id: int) -> None:
+    def _opening(self, handle: int) -> None:
         self._handle = handle
         self._state = SUB_OPENING
-        self._opens += 1
         self._taken = 0
         self._received_at_open = self._received
         self._raw_at_open = self._last_raw
@@ -1124,7 +1116,7 @@ class Subscription:
         if self._away is not None:
             self._report_gap(raw.sequence)
         self._last_raw = raw
-        self._buffer.append(self._message_class(raw, self, handle, self._opens))
+        self._buffer.append(self._message_class(raw, self, handle))
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None

@@ -81,13 +81,12 @@ class Message:
     subscriptions they do nothing.
     """
 
-    __slots__ = ("raw", "_sub", "_handle", "_generation", "_headers")
+    __slots__ = ("raw", "_sub", "_handle", "_headers")
 
-    def __init__(self, raw: Any, sub: "Subscription", handle: int, generation: int) -> None:
+    def __init__(self, raw: Any, sub: "Subscription", handle: int) -> None:
         self.raw = raw
         self._sub = sub
-        self._handle = handle
-        self._generation = generation
+        self._handle = handle  # of the open it came on: ack() checks it
         self._headers: Optional[Dict[str, str]] = None
 
     @property
