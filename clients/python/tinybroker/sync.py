@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Coroutine, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import client as _client
+from ._pb import broker_pb2 as pb
 from .admin import BrokerInfo, EvictionInfo, GroupInfo, SubscriptionInfo
 from .constants import BUFFER_BYTES, CLOSE_TIMEOUT, WINDOW
 from .errors import ClientClosed, Timeout, UsageError
@@ -109,8 +110,12 @@ class Message(_AsyncMessage):
 
     def _post_settle(self, nack: bool) -> bool:
         sub = self._sub
-        if sub._request.ack_mode != 2 or self._handle != sub._handle or sub._state not in (SUB_OPENING, SUB_OPEN):
-            return False  # ACK_MODE_MANUAL is 2
+        if (
+            sub._request.ack_mode != pb.ACK_MODE_MANUAL
+            or self._handle != sub._handle
+            or sub._state not in (SUB_OPENING, SUB_OPEN)
+        ):
+            return False
         sub._sync_loop.post(sub._settle, self, nack)  # type: ignore[attr-defined]
         return True
 
