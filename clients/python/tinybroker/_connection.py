@@ -29,7 +29,6 @@ CHANNEL_OPTIONS: List[Tuple[str, object]] = [
     ("grpc.keepalive_time_ms", 20000),
     ("grpc.keepalive_timeout_ms", 10000),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.enable_retries", 0),
 ]
 
 

@@ -90,20 +90,20 @@ class Publisher:
             self.published += 1
 
     async def _failed(self, call: grpc.aio.StreamUnaryCall, error: Exception) -> Exception:
+        # A write fails once the broker has ended the stream; its status (the
+        # code and message naming the bad message and the count accepted) is
+        # the call's, not the failed write's ("Internal error from Core").
         self._call = None
         self._check_open()
-        if isinstance(error, grpc.aio.AioRpcError):
-            code, details = error.code(), error.details() or ""
-        else:
-            try:
-                await call
-            except grpc.aio.AioRpcError as e:
-                code, details = e.code(), e.details() or ""
-            except asyncio.CancelledError:
-                raise ClientClosed("the publisher is closed") from None
-            else:  # pragma: no cover
-                code, details = grpc.StatusCode.UNKNOWN, f"the stream failed: {error!r}"
-        return PublishError.from_stream_error(code, details)
+        try:
+            await call
+        except grpc.aio.AioRpcError as e:
+            return PublishError.from_stream_error(e.code(), e.details() or "")
+        except asyncio.CancelledError:
+            raise ClientClosed("the publisher is closed") from None
+        if isinstance(error, grpc.aio.AioRpcError):  # pragma: no cover - the call ended OK
+            return PublishError.from_stream_error(error.code(), error.details() or "")
+        return PublishError(grpc.StatusCode.UNKNOWN, f"the stream failed: {error!r}", None)  # pragma: no cover
 
     async def end_stream(self) -> PublishStreamResult:
         """Ends the current stream and returns its counts (zeros when
@@ -115,10 +115,13 @@ class Publisher:
                 return PublishStreamResult(0, 0, 0)
             try:
                 await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                raise await self._failed(call, e) from None
+            try:
                 response = await call
             except grpc.aio.AioRpcError as e:
                 raise PublishError.from_stream_error(e.code(), e.details() or "") from None
-            except (asyncio.CancelledError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            except asyncio.CancelledError:
                 self._check_open()
                 raise
             return PublishStreamResult(response.accepted, response.first_sequence, response.last_sequence)
