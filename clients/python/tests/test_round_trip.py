@@ -56,6 +56,11 @@ def test_publisher_streams_with_counts_and_first_error_typed(broker):
             with pytest.raises(tinybroker.TinybrokerError) as caught:
                 await client.subscribe("bad pattern")
             assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            # A bad argument is the client's usage error, before any call.
+            with pytest.raises(tinybroker.UsageError):
+                await client.subscribe("a.>", ack_mode="sometimes")
+            with pytest.raises(tinybroker.UsageError):
+                await client.subscribe("a.>", window=-1)
 
     run(body())
 

@@ -378,7 +378,10 @@ class Client:
     ) -> pb.OpenSubscriptionRequest:
         if isinstance(patterns, str):
             patterns = [patterns]
-        mode = AckMode(ack_mode) if ack_mode is not None else None
+        try:
+            mode = AckMode(ack_mode) if ack_mode is not None else None
+        except ValueError:
+            raise UsageError(f"ack_mode must be 'auto' or 'manual', not {ack_mode!r}") from None
         if isinstance(ack_deadline, datetime.timedelta):
             ack_deadline = ack_deadline.total_seconds()
         return pb.OpenSubscriptionRequest(
