@@ -359,10 +359,14 @@ def test_back_within_half_a_second_of_a_restart(start_broker):
             sub = await client.subscribe("back.>")
             broker.kill()
             await until(lambda: client.session_state != "OPEN", 10, "the session to be lost")
-            await asyncio.sleep(1.0)  # down long enough for grpc's backoff to grow
+            await asyncio.sleep(3.0)  # down long enough for a slow reconnect backoff to grow past 1 s
             broker.start()  # returns once the broker answers
             await asyncio.sleep(0.5)
-            async with tinybroker.connect(broker.addr) as other:
+            # A connection of its own (grpc shares a subchannel between
+            # channels with the same arguments).
+            async with tinybroker.connect(
+                broker.addr, channel_options=[("grpc.primary_user_agent", "scenario-publisher")]
+            ) as other:
                 await other.publish_confirmed("back.a", b"in time")
             assert (await sub.next(timeout=5)).payload == b"in time"
 
