@@ -172,11 +172,12 @@ class Opened(SubscriptionEvent):
 
 @dataclass(frozen=True)
 class Ended(SubscriptionEvent):
-    """The subscription's stream ended.
+    """The broker ended the subscription.
 
-    ``reason`` is the broker's (``evicted``, ``closed_by_admin``,
-    ``shutdown``, ``rejected``) or ``connection_lost`` when the session
-    failed. ``resubscribing`` says whether the client opens it again."""
+    ``reason`` is the broker's: ``evicted``, ``closed_by_admin``,
+    ``shutdown`` or ``rejected`` (a re-open refused). A lost session is not
+    an end (the connection events report it). ``resubscribing`` says
+    whether the client opens it again."""
 
     reason: str
     dropped: int
@@ -197,8 +198,9 @@ class Resubscribing(SubscriptionEvent):
 
 @dataclass(frozen=True)
 class Resubscribed(SubscriptionEvent):
-    """Open again (``subscription_id`` is the new id; the same one when the
-    application named it)."""
+    """Open again after an end (``subscription_id`` is the new id; the same
+    one when the application named it). Re-opens after a lost session emit
+    no event of their own; ``stats.resubscribes`` counts every re-open."""
 
 
 @dataclass(frozen=True)
