@@ -1122,8 +1122,10 @@ class Subscription:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-        elif self._thread_waiter is not None:
-            self._thread_waiter.set()
+        else:
+            thread_waiter = self._thread_waiter  # read once: the thread may clear it
+            if thread_waiter is not None:
+                thread_waiter.set()
 
     def _leaving(self) -> None:
         """Out of OPENING/OPEN: what came on that open came from its instance."""
