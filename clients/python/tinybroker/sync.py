@@ -168,12 +168,15 @@ class Subscription:
         buffer = sub._buffer
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            # Counted as held outside the buffer before it leaves it, so the
+            # loop never sees the window with room it does not have.
+            sub._outside += 1  # only this thread (under _busy) writes it
             try:
                 message = buffer.popleft()
             except IndexError:
-                pass
+                sub._outside -= 1
             else:
-                self._taken(message)
+                self._taken()
                 return message  # type: ignore[return-value]
             if sub._final is not None and not buffer:
                 raise sub._final
@@ -192,11 +195,10 @@ class Subscription:
             finally:
                 sub._thread_waiter = None
 
-    def _taken(self, message: _AsyncMessage) -> None:
+    def _taken(self) -> None:
         # Taken out of the buffer in this thread: the loop still counts it as
         # held (``_outside``) until told, every TOP_UP messages.
         sub = self._sub
-        sub._outside += 1  # only this thread (under _busy) writes it
         self._untold += 1
         if self._untold >= sub._top_up or sub._state is SUB_WAITING:
             self._tell()
