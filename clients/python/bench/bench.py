@@ -4,17 +4,20 @@ Starts a tinybroker (the release binary) and a nats-server on 127.0.0.1,
 then measures, for each client:
 
 1. publish rate: one publisher, N messages of SIZE bytes, nobody
-   subscribed (tinybroker: a Publisher over PublishStream, `await
-   pub.publish()` each; nats-py: `await nc.publish()` each, then `flush()`);
+   subscribed (both: `await client.publish()` each, into the client's
+   buffer, then `await client.flush()`: the rate counts until the broker
+   has answered for the last one);
 2. receive rate on one subscription: a publisher in another process sends N
    messages as fast as it can, the measured process receives them on one
-   subscription (tinybroker: `async for msg in sub`; nats-py: a callback,
-   its fastest documented way); rate from the first message to the last,
-   and the receiving process's CPU per message;
+   subscription (tinybroker: `async for msg in sub`, deliveries arriving in
+   batches; nats-py: a callback, its fastest documented way); rate from the
+   first message to the last, and the receiving process's CPU per message;
 3. 1,000 subscriptions in one process at 200 msg/s in all: a publisher in
    another process sends 200 msg/s round-robin over the 1,000 topics for
    DURATION seconds; the holding process's CPU time (time.process_time:
-   every thread, gRPC's own included) per delivery.
+   every thread, gRPC's own included) per delivery, and the p99 of the
+   delivery latency (publish time in the payload to receipt, both
+   processes on this machine's clock).
 
 Usage (from the repository root, after `pip install ./clients/python nats-py`):
 
@@ -116,9 +119,11 @@ class Tinybroker:
     async def close(self) -> None:
         await self.client.close()
 
-    async def publish_many(self, topic_of, n: int, payload: bytes, rate: float = 0) -> None:
-        async with self.client.publisher() as pub:
-            await paced(n, rate, lambda i: pub.publish(topic_of(i), payload))
+    async def publish_many(self, topic_of, n: int, payload, rate: float = 0) -> None:
+        client = self.client
+        await paced(n, rate, lambda i: client.publish(topic_of(i), payload(i) if callable(payload) else payload))
+        result = await client.flush(timeout=120)
+        assert result.accepted == n, result
 
     async def subscribe(self, subject: str, on_message) -> object:
         sub = await self.client.subscribe(subject)
@@ -144,9 +149,9 @@ class Nats:
     async def close(self) -> None:
         await self.client.close()
 
-    async def publish_many(self, topic_of, n: int, payload: bytes, rate: float = 0) -> None:
+    async def publish_many(self, topic_of, n: int, payload, rate: float = 0) -> None:
         nc = self.client
-        await paced(n, rate, lambda i: nc.publish(topic_of(i), payload))
+        await paced(n, rate, lambda i: nc.publish(topic_of(i), payload(i) if callable(payload) else payload))
         await nc.flush()
 
     async def subscribe(self, subject: str, on_message) -> object:
@@ -226,9 +231,11 @@ async def receive_rate(kind: str, system, addr: str, n: int, size: int) -> dict:
 async def many_subscriptions(kind: str, system, addr: str, subs: int, rate: float, duration: float) -> dict:
     await system.connect()
     counts = {"n": 0}
+    latencies = []
 
-    def on_message(_msg) -> None:
+    def on_message(msg) -> None:
         counts["n"] += 1
+        latencies.append(time.time() - float(msg.data))
 
     t0 = time.perf_counter()
     for i in range(subs):
@@ -246,9 +253,12 @@ async def many_subscriptions(kind: str, system, addr: str, subs: int, rate: floa
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     pub.wait(60)
     await system.close()
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99)] if latencies else float("nan")
     return {
         "cpu_us": cpu / max(counts["n"], 1) * 1e6,
         "cpu_pct": cpu / wall * 100,
+        "p99_ms": p99 * 1000,
         "lost": total - counts["n"],
         "setup_s": setup,
     }
@@ -263,11 +273,16 @@ def publish_main(argv) -> None:
         topic_of = lambda i: pattern % (i % count)  # noqa: E731
     else:
         topic_of = lambda i: topics  # noqa: E731
+    if rate > 0:
+        # Paced: each payload is its publish time (for the latency).
+        payload = lambda i: (b"%.6f" % time.time()).ljust(size)  # noqa: E731
+    else:
+        payload = b"x" * size
 
     async def run() -> None:
         system = SYSTEMS[kind](addr)
         await system.connect()
-        await system.publish_many(topic_of, n, b"x" * size, rate)
+        await system.publish_many(topic_of, n, payload, rate)
         await system.close()
 
     asyncio.run(run())
@@ -294,7 +309,7 @@ def main() -> None:
         if args.profile:
             profile(args, tb_addr)
             return
-        rows = {k: {"pub": [], "rx": [], "rx_cpu": [], "fan": [], "fan_pct": [], "lost": 0} for k in SYSTEMS}
+        rows = {k: {"pub": [], "rx": [], "rx_cpu": [], "fan": [], "fan_pct": [], "p99": [], "lost": 0} for k in SYSTEMS}
         for run in range(args.runs):
             for kind in ("nats", "tinybroker") if run % 2 else ("tinybroker", "nats"):
                 cls, addr = SYSTEMS[kind], addrs[kind]
@@ -309,6 +324,7 @@ def main() -> None:
                 )
                 rows[kind]["fan"].append(r["cpu_us"])
                 rows[kind]["fan_pct"].append(r["cpu_pct"])
+                rows[kind]["p99"].append(r["p99_ms"])
                 rows[kind]["lost"] += r["lost"]
                 print(f"run {run + 1} {kind}: done", file=sys.stderr)
         from importlib.metadata import version
@@ -318,13 +334,13 @@ def main() -> None:
             f"{args.rate:g} msg/s for {args.duration:g} s; best of {args.runs} run(s); Python "
             f"{sys.version.split()[0]}, grpcio {version('grpcio')}, protobuf {version('protobuf')}, nats-py {version('nats-py')}\n"
         )
-        print("| client | publish (msg/s) | receive, 1 subscription (msg/s) | receive CPU (µs/msg) | 1,000 subs: CPU per delivery (µs) | 1,000 subs: CPU (% of a core) | lost |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| client | publish (msg/s) | receive, 1 subscription (msg/s) | receive CPU (µs/msg) | 1,000 subs: CPU per delivery (µs) | 1,000 subs: CPU (% of a core) | 1,000 subs: p99 latency (ms) | lost |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for kind in ("tinybroker", "nats"):
             r = rows[kind]
             print(
                 f"| {SYSTEMS[kind].name} | {max(r['pub']):,.0f} | {max(r['rx']):,.0f} | {min(r['rx_cpu']):.1f} "
-                f"| {min(r['fan']):.0f} | {min(r['fan_pct']):.1f} | {r['lost']} |"
+                f"| {min(r['fan']):.0f} | {min(r['fan_pct']):.1f} | {min(r['p99']):.2f} | {r['lost']} |"
             )
     finally:
         tb_proc.kill()

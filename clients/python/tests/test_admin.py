@@ -14,7 +14,7 @@ def test_admin_lists_subscriptions_groups_info_and_closes_one(broker):
         async with tinybroker.connect(broker.addr) as client:
             sub = await client.subscribe(["a.*", "b.>"], subscription_id="watched")
             member = await client.subscribe("jobs.>", group="workers", ack_mode="manual", max_in_flight=5)
-            await client.publish("a.x", b"1")
+            await client.publish_confirmed("a.x", b"1")
             await sub.next(timeout=5)
 
             subs = {s.subscription_id: s for s in await client.admin.subscriptions()}
@@ -23,7 +23,7 @@ def test_admin_lists_subscriptions_groups_info_and_closes_one(broker):
             assert subs[member.subscription_id].consumer_group == "workers"
             assert subs[member.subscription_id].ack_mode == "manual"
             # A member that takes a message and does not ack it: named by it.
-            await client.publish("jobs.1", b"job")
+            await client.publish_confirmed("jobs.1", b"job")
             await member.next(timeout=5)
             for _ in range(100):
                 held = {s.subscription_id: s for s in await client.admin.subscriptions()}[member.subscription_id]

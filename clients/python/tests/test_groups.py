@@ -11,7 +11,7 @@ def test_manual_group_ack_nack_and_redelivery(broker):
         async with tinybroker.connect(broker.addr) as client:
             a = await client.subscribe("jobs.>", group="workers", ack_mode="manual", ack_deadline=30)
             for i in range(3):
-                await client.publish("jobs.run", f"job-{i}")
+                await client.publish_confirmed("jobs.run", f"job-{i}")
             first = [await a.next(timeout=5) for _ in range(3)]
             assert [m.payload for m in first] == [b"job-0", b"job-1", b"job-2"]
             assert all(m.delivery_attempt == 1 and m.consumer_group == "workers" for m in first)

@@ -18,17 +18,17 @@ def test_token_good_bad_and_from_env(start_broker, monkeypatch):
     async def body():
         async with tinybroker.connect(broker.addr, token=TOKEN) as client:
             sub = await client.subscribe("s.>")
-            await client.publish("s.1", b"ok")
+            await client.publish_confirmed("s.1", b"ok")
             assert (await sub.next(timeout=5)).payload == b"ok"
             assert (await client.admin.info()).auth_enabled
         async with tinybroker.connect(broker.addr, token="wrong") as client:
-            for call in (client.publish("s.1", b"no"), client.subscribe("s.>", timeout=5), client.admin.info()):
+            for call in (client.publish_confirmed("s.1", b"no"), client.subscribe("s.>", timeout=5), client.admin.info()):
                 with pytest.raises(tinybroker.TinybrokerError) as caught:
                     await call
                 assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
         monkeypatch.setenv("TINYBROKER_AUTH_TOKEN", TOKEN)
         async with tinybroker.connect(broker.addr) as client:
-            await client.publish("s.1", b"env")
+            await client.publish_confirmed("s.1", b"env")
 
     run(body())
 
@@ -81,7 +81,7 @@ def test_tls_with_a_ca_file(start_broker, tmp_path):
     async def body():
         async with tinybroker.connect(f"https://{broker.addr}", ca_file=str(ca)) as client:
             sub = await client.subscribe("t.>")
-            await client.publish("t.1", b"secure")
+            await client.publish_confirmed("t.1", b"secure")
             assert (await sub.next(timeout=5)).payload == b"secure"
             assert (await client.admin.info()).tls_enabled
         # Without the CA (system roots) the handshake fails; plaintext too.

@@ -23,7 +23,7 @@ def test_publish_injects_and_delivery_extracts_trace_context(broker):
             sub = await client.subscribe("tr.>")
             token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
             try:
-                await client.publish("tr.1", b"x", headers={"tracestate": "k=v"})
+                await client.publish_confirmed("tr.1", b"x", headers={"tracestate": "k=v"})
                 async with client.publisher() as pub:
                     await pub.publish("tr.2", b"y")
             finally:
@@ -35,7 +35,7 @@ def test_publish_injects_and_delivery_extracts_trace_context(broker):
                 carried = trace.get_current_span(msg.trace_context).get_span_context()
                 assert carried.trace_id == span_context.trace_id
             # Without a current span nothing is added by the client.
-            await client.publish("tr.3", b"z")
+            await client.publish_confirmed("tr.3", b"z")
             assert "0af7651916cd43dd" not in (await sub.next(timeout=5)).headers.get("traceparent", "")
 
     run(body())

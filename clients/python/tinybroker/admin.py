@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import grpc.aio
 
 from ._pb import admin_pb2 as apb
-from .errors import TinybrokerError
+from .errors import ClientClosed, TinybrokerError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
@@ -114,12 +115,15 @@ class Admin:
         self._client = client
 
     async def _call(self, method: str, request: Any, timeout: Optional[float]) -> Any:
+        self._client._check_open()
         conn = self._client._conn
         try:
             return await getattr(conn.admin, method)(request, metadata=conn.metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             await self._client._after_failure(e)
-            raise TinybrokerError.from_rpc_error(e) from None
+            raise TinybrokerError.from_rpc_error(e, method) from None
+        except (grpc.aio.UsageError, asyncio.InvalidStateError):
+            raise ClientClosed() from None
 
     async def subscriptions(self, timeout: Optional[float] = 10.0) -> List[SubscriptionInfo]:
         """Every open subscription (of the whole cluster in cluster mode)."""

@@ -5,31 +5,35 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-from typing import Any, Generator, List, Mapping, Optional, Sequence, Tuple, Union
+import weakref
+from typing import Any, AsyncIterator, Callable, Generator, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
 
 from . import _tracing
 from ._connection import Connection, parse_targets
+from ._pb import admin_pb2 as apb
 from ._pb import broker_pb2 as pb
 from .admin import Admin
-from .errors import TinybrokerError
+from .constants import BATCH_MESSAGES, BUFFER_BYTES, CLOSE_TIMEOUT, WINDOW
+from .errors import ClientClosed, PublishError, Timeout, TinybrokerError, UsageError
 from .publisher import Publisher, _as_bytes
-from .session import EventCallback, Session, Subscription
-from .types import AckMode, Message, PublishResult
+from .session import ConnectionCallback, EventCallback, Session, Subscription
+from .types import AckMode, ClientStats, Closed, ConnectionEvent, FlushResult, Message, PublishResult
 
-#: Credit window per subscription when none is given.
-DEFAULT_WINDOW = 256
+#: Credit window per subscription when none is given (``WINDOW``).
+DEFAULT_WINDOW = WINDOW
 
 Address = Union[str, Sequence[str], None]
 
 
 class Client:
-    """A connection to a broker (one HTTP/2 connection, one Session stream
-    for all its subscriptions). Make one with :func:`connect`; share it
-    between the tasks of its event loop. Close it with :meth:`close` or
-    ``async with``.
+    """A connection to a broker: one HTTP/2 connection and, once anything
+    needs it, one Session stream that carries every subscription, ack,
+    credit and buffered publish of the client. Make one with
+    :func:`connect`; share it between the tasks of its event loop. Close it
+    with :meth:`close` or ``async with``.
 
     Attributes:
         admin: the Admin calls (:class:`~tinybroker.admin.Admin`).
@@ -41,19 +45,27 @@ class Client:
         *,
         token: Optional[str] = None,
         ca_file: Optional[str] = None,
-        window: int = DEFAULT_WINDOW,
+        window: int = WINDOW,
+        buffer_bytes: int = BUFFER_BYTES,
         resubscribe: bool = True,
         tracing: bool = True,
         channel_options: Optional[Sequence[Tuple[str, Any]]] = None,
     ) -> None:
+        if window < 1:
+            raise UsageError(f"window must be at least 1, not {window}")
+        if buffer_bytes < 1:
+            raise UsageError(f"buffer_bytes must be at least 1, not {buffer_bytes}")
         if token is None:
             token = os.environ.get("TINYBROKER_AUTH_TOKEN") or None
         self._conn = Connection(parse_targets(addr), token=token, ca_file=ca_file, options=channel_options)
         self.window = window
+        self.buffer_bytes = buffer_bytes
         self.resubscribe = resubscribe
         self._tracing = tracing and _tracing.AVAILABLE
         self._session: Optional[Session] = None
         self._closed = False
+        self._close_result: Optional[FlushResult] = None
+        self._publishers: "weakref.WeakSet[Publisher]" = weakref.WeakSet()
         self.admin = Admin(self)
 
     @property
@@ -63,7 +75,7 @@ class Client:
 
     @property
     def reconnects(self) -> int:
-        """How many times the session was started again after a loss."""
+        """Sessions opened again after a lost one."""
         return self._session.reconnects if self._session is not None else 0
 
     @property
@@ -71,21 +83,71 @@ class Client:
         """How many times the client moved to the next address of its list."""
         return self._conn.failovers
 
+    @property
+    def session_state(self) -> str:
+        """``IDLE``, ``STARTING``, ``OPEN``, ``WAITING`` or ``CLOSED``."""
+        if self._closed:
+            return "CLOSED"
+        return self._session.state if self._session is not None else "IDLE"
+
+    @property
+    def instance(self) -> Optional[str]:
+        """The broker's ``tinybroker-instance`` on the current session."""
+        return self._session.instance if self._session is not None else None
+
     async def connect(self, timeout: float = 5.0) -> "Client":
         """Connects to the first address that answers (each tried in turn
-        for up to ``timeout`` seconds); TinybrokerError(UNAVAILABLE) if none."""
+        for up to ``timeout`` seconds) and reads the broker's batch limits;
+        TinybrokerError(UNAVAILABLE) if none answers."""
+        self._check_open()
         await self._conn.connect(timeout)
-        self._session = Session(self._conn)
+        batch_messages, max_message_bytes = BATCH_MESSAGES, None
+        try:
+            info = await self._conn.admin.GetBrokerInfo(
+                apb.GetBrokerInfoRequest(), metadata=self._conn.metadata, timeout=timeout
+            )
+            batch_messages = info.limits.max_batch_messages or BATCH_MESSAGES
+            max_message_bytes = info.limits.max_message_bytes or None
+        except grpc.aio.AioRpcError:
+            pass  # an older broker, or Admin refused: the defaults
+        self._session = Session(
+            self._conn, buffer_bytes=self.buffer_bytes, batch_messages=batch_messages,
+            max_message_bytes=max_message_bytes,
+        )
         return self
 
-    async def close(self) -> None:
-        """Closes every subscription (their iteration stops) and the connection."""
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> FlushResult:
+        """Flushes (for at most ``timeout`` seconds), ends every subscription
+        and publisher, closes the connection and emits ``Closed``. Returns
+        the last flush's outcomes, with ``not_sent``: messages never written.
+        Every later call raises :class:`~tinybroker.ClientClosed`."""
         if self._closed:
-            return
+            return self._close_result or FlushResult()
         self._closed = True
-        if self._session is not None:
-            await self._session.close()
+        session = self._session
+        result = FlushResult()
+        if session is not None:
+            try:
+                await session.flush(timeout)
+            except Timeout:
+                pass
+            outcomes = session.take_outcomes()
+            not_sent = session.not_sent()
+            await session.close(2.0)
+            # What was written and is still unanswered is unconfirmed.
+            late = session.take_outcomes()
+            result = FlushResult(
+                outcomes.accepted + late.accepted, outcomes.rejected + late.rejected,
+                outcomes.unconfirmed + late.unconfirmed, outcomes.unconfirmed_ranges + late.unconfirmed_ranges,
+                not_sent,
+            )
+        for publisher in list(self._publishers):
+            publisher._abort()
         await self._conn.close()
+        self._close_result = result
+        if session is not None:
+            session.emit(Closed())
+        return result
 
     async def __aenter__(self) -> "Client":
         if self._session is None and not self._closed:
@@ -95,18 +157,73 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed()
+
     async def _after_failure(self, error: grpc.aio.AioRpcError) -> None:
         # A call found the broker gone: with a list, the next call goes on.
         if error.code() == grpc.StatusCode.UNAVAILABLE and len(self._conn.targets) > 1 and self._conn.down():
-            if self._session is None or self._session._requests is None:
+            if self._session is None or self._session.state != "OPEN":
                 await self._conn.failover()
 
     def _session_or_raise(self) -> Session:
-        if self._closed or self._session is None:
-            raise TinybrokerError(grpc.StatusCode.FAILED_PRECONDITION, "the client is not connected")
+        self._check_open()
+        if self._session is None:
+            raise UsageError("the client is not connected: await client.connect() first")
         return self._session
 
+    def _headers(self, headers: Optional[Mapping[str, str]]) -> Optional[Mapping[str, str]]:
+        if self._tracing:
+            headers = dict(headers or {})
+            _tracing.inject(headers)
+        return headers
+
+    # === publishing ===
+
     async def publish(
+        self,
+        topic: str,
+        payload: Union[bytes, str] = b"",
+        headers: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        """Appends one message to the client's buffer and returns at once;
+        it goes out in a ``SessionPublish`` batch on the client's session
+        (when the batch is full, or on the next turn of the event loop).
+        Waits only while the buffer holds ``buffer_bytes`` or more
+        (backpressure). :meth:`flush` reports what the broker did with it.
+        A ``str`` payload is sent as UTF-8; with the OpenTelemetry API
+        present the current span's ``traceparent``/``tracestate`` are added.
+
+        Raises:
+            ClientClosed: the client is closed.
+        """
+        session = self._session
+        if session is None or self._closed:
+            session = self._session_or_raise()
+        if type(payload) is not bytes:
+            payload = _as_bytes(payload)
+        if self._tracing:
+            headers = self._headers(headers)
+        if session.pending_bytes >= session.buffer_bytes:
+            await session.wait_room()
+        session.append(topic, payload, headers)  # type: ignore[arg-type]
+
+    async def flush(self, timeout: Optional[float] = None) -> FlushResult:
+        """Waits until every message published before the call has an
+        outcome and returns what happened to those published since the
+        previous flush: ``accepted``, ``rejected`` (index, topic, code,
+        message) and ``unconfirmed`` (written to a session lost before it
+        answered: never written again).
+
+        Raises:
+            Timeout: not all had an outcome within ``timeout`` seconds
+                (nothing is lost: the next flush reports them).
+            ClientClosed: the client is closed.
+        """
+        return await self._session_or_raise().flush(timeout)
+
+    async def publish_confirmed(
         self,
         topic: str,
         payload: Union[bytes, str] = b"",
@@ -114,24 +231,73 @@ class Client:
         *,
         timeout: Optional[float] = 10.0,
     ) -> PublishResult:
-        """Publishes one message and returns its sequence and how many
-        subscriptions and groups it matched. A ``str`` payload is sent as
-        UTF-8. With the OpenTelemetry API present, the current span's
-        ``traceparent``/``tracestate`` are added to the headers."""
-        if self._tracing:
-            headers = dict(headers or {})
-            _tracing.inject(headers)
-        request = pb.PublishRequest(topic=topic, payload=_as_bytes(payload), headers=headers)
+        """Publishes one message with the unary ``Publish`` (not through the
+        buffer, so it may overtake buffered messages) and returns its
+        sequence and how many subscriptions and groups it matched.
+
+        Raises:
+            PublishError: the broker refused it (its code and message).
+            TinybrokerError: no broker answered.
+            ClientClosed: the client is closed.
+        """
+        self._session_or_raise()
+        request = pb.PublishRequest(topic=topic, payload=_as_bytes(payload), headers=self._headers(headers))
         try:
             r = await self._conn.broker.Publish(request, metadata=self._conn.metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             await self._after_failure(e)
-            raise TinybrokerError.from_rpc_error(e) from None
+            error = TinybrokerError.from_rpc_error(e, "Publish")
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise error from None
+            raise PublishError(error.code, error.message, accepted=0) from None
+        except (grpc.aio.UsageError, asyncio.InvalidStateError):
+            raise ClientClosed() from None
+        session = self._session
+        if session is not None:
+            session.msgs_out += 1
+            session.bytes_out += len(request.payload)
         return PublishResult(r.sequence, r.matched_subscriptions, r.matched_groups)
 
     def publisher(self) -> Publisher:
-        """A :class:`~tinybroker.Publisher` for high rates over ``PublishStream``."""
-        return Publisher(self, self._tracing)
+        """A :class:`~tinybroker.Publisher` over ``PublishStream`` (one stream
+        of its own, counts at its end)."""
+        self._session_or_raise()
+        publisher = Publisher(self, self._tracing)
+        self._publishers.add(publisher)
+        return publisher
+
+    # === connection events and counters ===
+
+    def on_connection_event(self, callback: ConnectionCallback) -> Callable[[], None]:
+        """Calls ``callback`` (on the client's loop) with each
+        :class:`~tinybroker.ConnectionEvent`: ``Connected``,
+        ``Disconnected``, ``Reconnected``, ``Closed``, once per connection
+        change. Returns a function that stops it."""
+        return self._session_or_raise().add_callback(callback)
+
+    async def connection_events(self) -> AsyncIterator[ConnectionEvent]:
+        """The connection events from now on, as an async iterator that ends
+        after ``Closed``."""
+        session = self._session_or_raise()
+        queue: "asyncio.Queue[ConnectionEvent]" = asyncio.Queue()
+        remove = session.add_callback(queue.put_nowait)
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if isinstance(event, Closed):
+                    return
+        finally:
+            remove()
+
+    def stats(self) -> ClientStats:
+        """The counters: messages and payload bytes in and out, reconnects,
+        what is pending in the publish buffer, late deliveries dropped."""
+        if self._session is None:
+            return ClientStats(0, 0, 0, 0, 0, 0, 0, 0)
+        return self._session.stats()
+
+    # === subscribing ===
 
     async def subscribe(
         self,
@@ -161,9 +327,10 @@ class Client:
                 (0: the broker's default).
             ack_deadline: MANUAL: seconds (or a timedelta) before an unacked
                 message is redelivered (None: the broker's default).
-            window: credit window (default the client's, 256).
-            resubscribe: open it again after an eviction, a shutdown or a
-                lost connection (default the client's, True).
+            window: credit window (default the client's, ``WINDOW``).
+            resubscribe: open it again after an eviction or a shutdown
+                (default the client's, True). A lost session is not an end:
+                the subscription is always opened on the next one.
             on_event: called with every
                 :class:`~tinybroker.SubscriptionEvent` (ends, re-subscriptions,
                 gaps), on the client's loop.
@@ -171,8 +338,9 @@ class Client:
 
         Raises:
             TinybrokerError: the broker refused it (INVALID_ARGUMENT for a bad
-                pattern, ALREADY_EXISTS for an id in use, ...), or no broker
-                answered within ``timeout``.
+                pattern, ALREADY_EXISTS for an id in use, ...).
+            Timeout: it was not opened within ``timeout`` seconds.
+            ClientClosed: the client is closed.
         """
         session = self._session_or_raise()
         request = self._request(patterns, subscription_id, group, ack_mode, max_in_flight, ack_deadline)
@@ -184,16 +352,15 @@ class Client:
             on_event=on_event,
             message_class=self._message_class(),
         )
-        session.open(sub)
+        session.add(sub)
         try:
             await asyncio.wait_for(asyncio.shield(sub._opened), timeout)
         except asyncio.TimeoutError:
             cause = sub._last_cause
             await sub.close()
-            raise TinybrokerError(
-                cause.code if cause else grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise Timeout(
                 f"the subscription was not opened within {timeout:g} s"
-                + (f" (last attempt: {cause.code.name}: {cause.message})" if cause else ""),
+                + (f" (last attempt: {cause.code.name}: {cause.message})" if cause else "")
             ) from None
         return sub
 
@@ -211,7 +378,10 @@ class Client:
     ) -> pb.OpenSubscriptionRequest:
         if isinstance(patterns, str):
             patterns = [patterns]
-        mode = AckMode(ack_mode) if ack_mode is not None else None
+        try:
+            mode = AckMode(ack_mode) if ack_mode is not None else None
+        except ValueError:
+            raise UsageError(f"ack_mode must be 'auto' or 'manual', not {ack_mode!r}") from None
         if isinstance(ack_deadline, datetime.timedelta):
             ack_deadline = ack_deadline.total_seconds()
         return pb.OpenSubscriptionRequest(
@@ -249,7 +419,8 @@ def connect(
     *,
     token: Optional[str] = None,
     ca_file: Optional[str] = None,
-    window: int = DEFAULT_WINDOW,
+    window: int = WINDOW,
+    buffer_bytes: int = BUFFER_BYTES,
     resubscribe: bool = True,
     tracing: bool = True,
     connect_timeout: float = 5.0,
@@ -265,10 +436,11 @@ def connect(
         token: bearer token (default ``TINYBROKER_AUTH_TOKEN``).
         ca_file: PEM file of the CA that signed the broker's certificate
             (``https://``; default the system's roots).
-        window: credit window per subscription (messages the broker may
-            send it beyond what the application took).
-        resubscribe: re-subscribe after evictions, shutdowns and lost
-            connections (per subscription too).
+        window: credit window per subscription (deliveries the broker may
+            send it beyond what the application took; ``WINDOW``).
+        buffer_bytes: bound of the publish buffer (``BUFFER_BYTES``).
+        resubscribe: re-subscribe after evictions and shutdowns (per
+            subscription too).
         tracing: inject and extract W3C trace context when the OpenTelemetry
             API is installed.
         connect_timeout: seconds to wait for each address.
@@ -278,8 +450,8 @@ def connect(
         TinybrokerError: UNAVAILABLE when no address answers.
     """
     client = Client(
-        addr, token=token, ca_file=ca_file, window=window, resubscribe=resubscribe, tracing=tracing,
-        channel_options=channel_options,
+        addr, token=token, ca_file=ca_file, window=window, buffer_bytes=buffer_bytes, resubscribe=resubscribe,
+        tracing=tracing, channel_options=channel_options,
     )
     return _Connect(client, connect_timeout)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import _tracing
 
@@ -19,6 +19,14 @@ __all__ = [
     "Message",
     "PublishResult",
     "PublishStreamResult",
+    "Rejection",
+    "FlushResult",
+    "ConnectionEvent",
+    "Connected",
+    "Disconnected",
+    "Reconnected",
+    "Closed",
+    "ClientStats",
     "SubscriptionEvent",
     "Opened",
     "Ended",
@@ -69,17 +77,16 @@ class Message:
 
     In a MANUAL consumer group call ``await msg.ack()`` when done or
     ``await msg.nack()`` to hand it back for redelivery; both travel
-    in-band on the client's session. In AUTO mode and for broadcast
+    in-band on the client's session, coalesced per subscription. In AUTO mode and for broadcast
     subscriptions they do nothing.
     """
 
-    __slots__ = ("raw", "_sub", "_handle", "_generation", "_headers")
+    __slots__ = ("raw", "_sub", "_handle", "_headers")
 
-    def __init__(self, raw: Any, sub: "Subscription", handle: int, generation: int) -> None:
+    def __init__(self, raw: Any, sub: "Subscription", handle: int) -> None:
         self.raw = raw
         self._sub = sub
-        self._handle = handle
-        self._generation = generation
+        self._handle = handle  # of the open it came on: ack() checks it
         self._headers: Optional[Dict[str, str]] = None
 
     @property
@@ -130,11 +137,13 @@ class Message:
         return _tracing.extract(self.headers)
 
     async def ack(self) -> bool:
-        """Acknowledges this MANUAL-group message in-band (no reply).
+        """Acknowledges this MANUAL-group message in-band (no reply): the
+        sequence joins the subscription's pending acks, which go out as one
+        ``SessionAck`` on the next turn of the event loop.
 
-        Returns False when nothing was sent: not a MANUAL group, or the
-        subscription was re-opened since (the broker redelivers the message
-        anyway) or is closed."""
+        Returns False when nothing will be sent: not a MANUAL group, or the
+        message came before the subscription was opened again (on an earlier
+        session: the broker redelivers it anyway), or it is closed."""
         return self._sub._settle(self, nack=False)
 
     async def nack(self) -> bool:
@@ -163,11 +172,12 @@ class Opened(SubscriptionEvent):
 
 @dataclass(frozen=True)
 class Ended(SubscriptionEvent):
-    """The subscription's stream ended.
+    """The broker ended the subscription.
 
-    ``reason`` is the broker's (``evicted``, ``closed_by_admin``,
-    ``shutdown``, ``rejected``) or ``connection_lost`` when the session
-    failed. ``resubscribing`` says whether the client opens it again."""
+    ``reason`` is the broker's: ``evicted``, ``closed_by_admin``,
+    ``shutdown`` or ``rejected`` (a re-open refused). A lost session is not
+    an end (the connection events report it). ``resubscribing`` says
+    whether the client opens it again."""
 
     reason: str
     dropped: int
@@ -188,22 +198,35 @@ class Resubscribing(SubscriptionEvent):
 
 @dataclass(frozen=True)
 class Resubscribed(SubscriptionEvent):
-    """Open again (``subscription_id`` is the new id; the same one when the
-    application named it)."""
+    """Open again after an end (``subscription_id`` is the new id; the same
+    one when the application named it). Re-opens after a lost session emit
+    no event of their own; ``stats.resubscribes`` counts every re-open."""
 
 
 @dataclass(frozen=True)
 class Gap(SubscriptionEvent):
-    """The first message after a re-subscription: messages published with
-    sequences between ``last_before`` and ``first_after`` (exclusive) while
-    the subscription was away were not delivered to it. ``last_before`` is 0
-    when it had received nothing before. ``dropped`` is what the broker said
-    it dropped when it ended the old stream."""
+    """Reported with the first message after the subscription is open again
+    (after an end or a lost session), when messages may have been missed.
 
-    last_before: int
-    first_after: int
+    ``missed`` is the range of sequences (first, last, inclusive) that were
+    not delivered to it, known only when the deliveries before and after
+    came from the same broker instance with one sequence counter
+    (``tinybroker-sequence-scope: instance``); otherwise it is None and
+    ``reason`` says why: ``instance_changed`` (the broker restarted, or the
+    client is on another replica), ``sequence_scope`` (cluster mode: each
+    replica counts apart) or ``nothing_before`` (nothing was delivered
+    before). ``dropped`` is what the broker's ``ended`` said it dropped (0
+    after a lost session). ``cause`` is why it was away: ``evicted``,
+    ``shutdown``, ``rejected`` or ``connection_lost``."""
+
+    missed: Optional[Tuple[int, int]]
+    reason: Optional[str]
     dropped: int
-    reason: str
+    cause: str
+    last_before: int
+    """Sequence of the last message delivered before (0: none)."""
+    first_after: int
+    """Sequence of this first message after."""
 
 
 @dataclass
@@ -218,7 +241,95 @@ class SubscriptionStats:
     resubscribes: int = 0
     """Times it was opened again."""
     gaps: int = 0
-    """Re-subscriptions after which a message arrived (each a :class:`Gap`)."""
+    """Gap events reported (each a :class:`Gap`)."""
     dropped: int = 0
     """Sum of ``dropped`` over its ends."""
     by_reason: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A buffered message the broker did not publish, as its
+    ``PublishRejection`` said."""
+
+    index: int
+    """The message's index: its place among the client's ``publish()`` calls, from 0."""
+    topic: str
+    code: Any  # grpc.StatusCode
+    message: str
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    """What happened to the messages published since the previous
+    ``flush()`` (each message is reported by exactly one flush)."""
+
+    accepted: int = 0
+    """Messages the broker published."""
+    rejected: List[Rejection] = field(default_factory=list)
+    """Each message it refused, with its index, topic, code and message."""
+    unconfirmed: int = 0
+    """Messages written to a session lost before it answered: they may or
+    may not have been published; they are not written again."""
+    unconfirmed_ranges: List[Tuple[int, int]] = field(default_factory=list)
+    """Their indexes, as (first, last) inclusive ranges."""
+    not_sent: int = 0
+    """``close()`` only: messages still in the buffer, never written."""
+
+
+@dataclass(frozen=True)
+class ConnectionEvent:
+    """Base of the client's connection events (one per connection change,
+    whatever the number of subscriptions)."""
+
+
+@dataclass(frozen=True)
+class Connected(ConnectionEvent):
+    """The client's first session is open."""
+
+    address: str
+    instance: Optional[str]
+    """The broker's ``tinybroker-instance`` (None: the broker sent none)."""
+
+
+@dataclass(frozen=True)
+class Disconnected(ConnectionEvent):
+    """An open session was lost; the client starts one again on its own."""
+
+    reason: str
+    """The gRPC code and message, or ``"closed by the broker"`` for an OK end."""
+
+
+@dataclass(frozen=True)
+class Reconnected(ConnectionEvent):
+    """A session is open again after a :class:`Disconnected`."""
+
+    address: str
+    instance: Optional[str]
+    instance_changed: bool
+    """Whether the broker's instance differs from the one before (a restart,
+    another replica, or a broker that names none)."""
+
+
+@dataclass(frozen=True)
+class Closed(ConnectionEvent):
+    """``close()`` finished."""
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    """The client's counters (``client.stats()``; payload bytes)."""
+
+    msgs_in: int
+    bytes_in: int
+    msgs_out: int
+    """Messages written to a session, and those of ``publish_confirmed``."""
+    bytes_out: int
+    reconnects: int
+    """Sessions opened after a lost one."""
+    pending_messages: int
+    """Messages in the publish buffer (not yet written)."""
+    pending_bytes: int
+    """Their encoded bytes (what ``buffer_bytes`` bounds)."""
+    dropped_late: int
+    """Deliveries for a handle the client no longer has."""
