@@ -771,7 +771,7 @@ impl SessionTask {
 pub(crate) fn retryable(status: &Status) -> bool {
     matches!(
         status.code(),
-        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted | Code::DeadlineExceeded
+        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted | Code::DeadlineExceeded | Code::Internal
     )
 }
 
