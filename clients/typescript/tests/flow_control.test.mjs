@@ -52,7 +52,7 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   const sub = await client.subscribe("feed.>", { subscriptionId: "feed-reader", onEvent: (e) => events.push(e) });
   // Nobody reads while messages arrive: evicted (publishing stops there, so
   // the re-opened subscription gets none of them).
-  for (let i = 0; i < 1000 && sub.stats.evictions === 0; i++) await client.publish("feed.a", String(i));
+  for (let i = 0; i < 1000 && sub.stats.evictions === 0; i++) await client.publishConfirmed("feed.a", String(i));
   await until(() => sub.stats.resubscribes >= 1 && sub.isOpen, 10_000, "re-subscribed");
   const ended = events.find((e) => e.type === "ended");
   assert.equal(ended.reason, "evicted");
@@ -62,7 +62,7 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   // What it had taken in before the eviction, then the next message after the gap.
   const before = [];
   for (let i = 0; i < 8; i++) before.push(await sub.next({ timeout: 5000 }));
-  const result = await client.publish("feed.a", "after");
+  const result = await client.publishConfirmed("feed.a", "after");
   const msg = await sub.next({ timeout: 5000 });
   assert.equal(msg.string(), "after");
   const gap = sub.lastGap;
@@ -71,7 +71,8 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   assert.equal(gap.lastBefore, before.at(-1).sequence);
   assert.equal(gap.firstAfter, result.sequence);
   assert.ok(gap.firstAfter > gap.lastBefore + 1);
-  assert.equal(gap.reason, "evicted");
+  assert.equal(gap.cause, "evicted");
+  assert.deepEqual(gap.missed, { first: gap.lastBefore + 1, last: gap.firstAfter - 1 });
   assert.equal(gap.dropped, ended.dropped);
   assert.equal(events.at(-1).type, "gap");
 });
