@@ -41,6 +41,17 @@ export type SessionState = "IDLE" | "STARTING" | "OPEN" | "WAITING" | "CLOSED";
 /** The states of a subscription (docs/clients.md "A subscription's states"). */
 export type SubscriptionState = "WAITING" | "OPENING" | "OPEN" | "BACKOFF" | "DONE";
 
+/** Codes of a failed session start after which a first open is still awaited (another attempt may succeed). */
+const RETRYABLE = new Set<number>([
+  Status.UNAVAILABLE,
+  Status.DEADLINE_EXCEEDED,
+  Status.CANCELLED,
+  Status.UNKNOWN,
+  Status.INTERNAL,
+  Status.ABORTED,
+  Status.RESOURCE_EXHAUSTED,
+]);
+
 /** The session's response headers that say which sequence space its deliveries come from. */
 const INSTANCE_HEADER = "tinybroker-instance";
 const SCOPE_HEADER = "tinybroker-sequence-scope";
@@ -320,7 +331,11 @@ export class Session {
     const opened = [...this.byHandle.values()];
     this.byHandle.clear();
     for (const sub of opened) sub._onLost(code, reason);
-    // Subscriptions waiting for their first open that had no session: subscribe() keeps waiting.
+    if (!wasOpen) {
+      // The session could not start: a subscription never opened learns why
+      // (and subscribe() fails at once when retrying cannot help, e.g. a bad token).
+      for (const sub of [...this.subs]) sub._onStartFailed(code, reason);
+    }
     this.buffer.onLost();
     this.conn.failover(); // with a list, the next address (no-op with one)
     this.timer = setTimeout(() => {
@@ -779,6 +794,14 @@ export class Subscription implements AsyncIterable<Message> {
       return;
     }
     if (this.resuming === undefined) this.resuming = { cause: "connection_lost", dropped: undefined };
+  }
+
+  /** @internal The session could not start: a subscription never opened fails when the code says retrying cannot help. */
+  _onStartFailed(code: number, reason: string): void {
+    if (this.openedOnce || this._state === "DONE") return;
+    const error = new TinybrokerError(code || Status.UNAVAILABLE, reason);
+    this._lastCause = error;
+    if (!RETRYABLE.has(error.code)) this._finish(error, error);
   }
 
   /** @internal Queues an ack or nack of `message` for the next SessionAck/SessionNack; false when it will not be sent. */

@@ -53,6 +53,12 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   // Nobody reads while messages arrive: evicted (publishing stops there, so
   // the re-opened subscription gets none of them).
   for (let i = 0; i < 1000 && sub.stats.evictions === 0; i++) await client.publishConfirmed("feed.a", String(i));
+  // It holds its whole window: not opened again until the application takes one.
+  await until(() => sub.state === "WAITING", 10_000, "waiting for room in its window");
+  assert.equal(sub.pending, 8);
+  assert.equal(sub.stats.resubscribes, 0);
+  const before = [];
+  for (let i = 0; i < 8; i++) before.push(await sub.next({ timeout: 5000 }));
   await until(() => sub.stats.resubscribes >= 1 && sub.isOpen, 10_000, "re-subscribed");
   const ended = events.find((e) => e.type === "ended");
   assert.equal(ended.reason, "evicted");
@@ -60,8 +66,6 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   assert.equal(sub.subscriptionId, "feed-reader"); // the id it named is kept
   assert.ok(events.some((e) => e.type === "resubscribed"));
   // What it had taken in before the eviction, then the next message after the gap.
-  const before = [];
-  for (let i = 0; i < 8; i++) before.push(await sub.next({ timeout: 5000 }));
   const result = await client.publishConfirmed("feed.a", "after");
   const msg = await sub.next({ timeout: 5000 });
   assert.equal(msg.string(), "after");
