@@ -3,7 +3,9 @@ import { Backoff, CONNECT_DELAY_CAP, CONNECT_DELAY_FIRST, RESUBSCRIBE_DELAY_CAP,
 import { targetString } from "./connection.js";
 import { ClientClosed, Status, SubscriptionEnded, TimeoutError, TinybrokerError, UsageError } from "./errors.js";
 import { AckMode as PbAckMode } from "./gen/tinybroker/v1/broker.js";
+import { SessionEvent as SessionEventCodec, SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
 import { Message } from "./types.js";
+import { encodePublish } from "./wire.js";
 /** Codes of a failed session start after which a first open is still awaited (another attempt may succeed). */
 const RETRYABLE = new Set([
     Status.UNAVAILABLE,
@@ -14,6 +16,16 @@ const RETRYABLE = new Set([
     Status.ABORTED,
     Status.RESOURCE_EXHAUSTED,
 ]);
+const SESSION_PATH = "/tinybroker.v1.Broker/Session";
+function serialize(request) {
+    if (Buffer.isBuffer(request))
+        return request;
+    const bytes = SessionRequestCodec.encode(request).finish();
+    return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+}
+function deserialize(bytes) {
+    return SessionEventCodec.decode(bytes);
+}
 /** The session's response headers that say which sequence space its deliveries come from. */
 const INSTANCE_HEADER = "tinybroker-instance";
 const SCOPE_HEADER = "tinybroker-sequence-scope";
@@ -52,7 +64,10 @@ export class Session {
         this.emit = emit;
         this.buffer = new PublishBuffer({
             writable: () => this.state === "OPEN",
-            writePublish: (id, messages) => this.write({ request: { $case: "publish", value: { id, messages } } }),
+            writePublish: (id, messages) => {
+                if (this.state === "OPEN" && this.call !== undefined)
+                    this.call.write(encodePublish(id, messages));
+            },
         }, bufferBytes, batchMessages, batchBytes);
     }
     // === what the client and the subscriptions call ===
@@ -159,7 +174,7 @@ export class Session {
         const conn = this.conn;
         const metadata = conn.metadata.clone();
         metadata.set("tinybroker-batch", "1");
-        const call = conn.broker.session(metadata);
+        const call = conn.broker.makeBidiStreamRequest(SESSION_PATH, serialize, deserialize, metadata);
         this.call = call;
         this.timer = setTimeout(() => {
             this.lost(call, Status.DEADLINE_EXCEEDED, `${targetString(conn.target)} did not accept a session within ${START_TIMEOUT / 1000} s`);

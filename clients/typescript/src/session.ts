@@ -32,7 +32,9 @@ import type {
   SessionRequest,
 } from "./gen/tinybroker/v1/broker.js";
 import { AckMode as PbAckMode } from "./gen/tinybroker/v1/broker.js";
+import { SessionEvent as SessionEventCodec, SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
 import { Message } from "./types.js";
+import { encodePublish } from "./wire.js";
 import type { ConnectionEvent, EndedEvent, GapEvent, SubscriptionEvent, SubscriptionStats } from "./types.js";
 
 /** The states of the client's session (docs/clients.md "The session's states"). */
@@ -51,6 +53,18 @@ const RETRYABLE = new Set<number>([
   Status.ABORTED,
   Status.RESOURCE_EXHAUSTED,
 ]);
+
+/** The Session call: requests as the generated codec encodes them, or a batch encoded by hand. */
+type Call = ClientDuplexStream<SessionRequest | Buffer, SessionEvent>;
+const SESSION_PATH = "/tinybroker.v1.Broker/Session";
+function serialize(request: SessionRequest | Buffer): Buffer {
+  if (Buffer.isBuffer(request)) return request;
+  const bytes = SessionRequestCodec.encode(request).finish();
+  return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+}
+function deserialize(bytes: Buffer): SessionEvent {
+  return SessionEventCodec.decode(bytes);
+}
 
 /** The session's response headers that say which sequence space its deliveries come from. */
 const INSTANCE_HEADER = "tinybroker-instance";
@@ -71,7 +85,7 @@ export class Session {
   private readonly byHandle = new Map<number, Subscription>();
   /** Handles are never reused while the client lives. */
   private lastHandle = 0;
-  private call: ClientDuplexStream<SessionRequest, SessionEvent> | undefined;
+  private call: Call | undefined;
   private timer: NodeJS.Timeout | undefined;
   private readonly delay = new Backoff(CONNECT_DELAY_FIRST, CONNECT_DELAY_CAP);
   /** The current session's instance and scope (once OPEN). */
@@ -102,8 +116,9 @@ export class Session {
     this.buffer = new PublishBuffer(
       {
         writable: () => this.state === "OPEN",
-        writePublish: (id: number, messages: PublishRequest[]) =>
-          this.write({ request: { $case: "publish", value: { id, messages } } }),
+        writePublish: (id: number, messages: PublishRequest[]) => {
+          if (this.state === "OPEN" && this.call !== undefined) this.call.write(encodePublish(id, messages));
+        },
       },
       bufferBytes,
       batchMessages,
@@ -216,7 +231,7 @@ export class Session {
     const conn = this.conn;
     const metadata: Metadata = conn.metadata.clone();
     metadata.set("tinybroker-batch", "1");
-    const call = conn.broker.session(metadata);
+    const call: Call = conn.broker.makeBidiStreamRequest(SESSION_PATH, serialize, deserialize, metadata);
     this.call = call;
     this.timer = setTimeout(() => {
       this.lost(
@@ -239,7 +254,7 @@ export class Session {
   }
 
   /** STARTING → OPEN: the response headers came. */
-  private opened(call: ClientDuplexStream<SessionRequest, SessionEvent>, headers: Metadata): void {
+  private opened(call: Call, headers: Metadata): void {
     if (this.call !== call || this.state !== "STARTING") return;
     clearTimeout(this.timer);
     this.timer = undefined;
@@ -312,7 +327,7 @@ export class Session {
   }
 
   /** The call failed or ended (status OK included) without close(): WAITING, then STARTING again. */
-  private lost(call: ClientDuplexStream<SessionRequest, SessionEvent>, code: number, reason: string): void {
+  private lost(call: Call, code: number, reason: string): void {
     if (this.call !== call) return;
     this.call = undefined;
     if (this.ended !== undefined) {

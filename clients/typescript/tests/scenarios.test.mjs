@@ -50,6 +50,7 @@ function countRequests(client) {
   const counts = {};
   const write = session.write.bind(session);
   session.write = (request) => {
+    // (Publish batches are written by hand-encoded bytes, not through write().)
     counts[request.request.$case] = (counts[request.request.$case] ?? 0) + 1;
     counts[`${request.request.$case}:items`] =
       (counts[`${request.request.$case}:items`] ?? 0) + (request.request.value.sequences?.length ?? 1);
