@@ -3,9 +3,9 @@ import { Backoff, CONNECT_DELAY_CAP, CONNECT_DELAY_FIRST, RESUBSCRIBE_DELAY_CAP,
 import { targetString } from "./connection.js";
 import { ClientClosed, Status, SubscriptionEnded, TimeoutError, TinybrokerError, UsageError } from "./errors.js";
 import { AckMode as PbAckMode } from "./gen/tinybroker/v1/broker.js";
-import { SessionEvent as SessionEventCodec, SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
+import { SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
 import { Message } from "./types.js";
-import { encodePublish } from "./wire.js";
+import { decodeEvent, encodePublish } from "./wire.js";
 /** Codes of a failed session start after which a first open is still awaited (another attempt may succeed). */
 const RETRYABLE = new Set([
     Status.UNAVAILABLE,
@@ -24,7 +24,7 @@ function serialize(request) {
     return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
 }
 function deserialize(bytes) {
-    return SessionEventCodec.decode(bytes);
+    return decodeEvent(bytes);
 }
 /** The session's response headers that say which sequence space its deliveries come from. */
 const INSTANCE_HEADER = "tinybroker-instance";

@@ -32,9 +32,9 @@ import type {
   SessionRequest,
 } from "./gen/tinybroker/v1/broker.js";
 import { AckMode as PbAckMode } from "./gen/tinybroker/v1/broker.js";
-import { SessionEvent as SessionEventCodec, SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
+import { SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
 import { Message } from "./types.js";
-import { encodePublish } from "./wire.js";
+import { decodeEvent, encodePublish } from "./wire.js";
 import type { ConnectionEvent, EndedEvent, GapEvent, SubscriptionEvent, SubscriptionStats } from "./types.js";
 
 /** The states of the client's session (docs/clients.md "The session's states"). */
@@ -63,7 +63,7 @@ function serialize(request: SessionRequest | Buffer): Buffer {
   return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
 }
 function deserialize(bytes: Buffer): SessionEvent {
-  return SessionEventCodec.decode(bytes);
+  return decodeEvent(bytes);
 }
 
 /** The session's response headers that say which sequence space its deliveries come from. */

@@ -88,19 +88,22 @@ test("flush_reports_each_rejection", { timeout: 30_000 }, async (t) => {
   const client = await connect(broker.addr);
   t.after(() => client.close());
   const big = Buffer.alloc(2000, 120);
-  client.publish("good.1", "a"); // index 0
-  client.publish("bad topic", "b"); // 1
-  client.publish("good.2", "c"); // 2
-  client.publish("good.big", big); // 3
-  client.publish("good.3", "d"); // 4
+  // Indexes count over the client's life, not per batch: ten before.
+  for (let i = 0; i < 10; i++) client.publish("good.0", String(i));
+  assert.equal((await client.flush({ timeout: 10_000 })).accepted, 10);
+  client.publish("good.1", "a"); // index 10
+  client.publish("bad topic", "b"); // 11
+  client.publish("good.2", "c"); // 12
+  client.publish("good.big", big); // 13
+  client.publish("good.3", "d"); // 14
   const result = await client.flush({ timeout: 10_000 });
   assert.equal(result.accepted, 3);
   assert.equal(result.unconfirmed, 0);
   // Each as the unary Publish refuses it: same code, the broker's message.
   const expected = [];
   for (const [index, topic, payload] of [
-    [1, "bad topic", "b"],
-    [3, "good.big", big],
+    [11, "bad topic", "b"],
+    [13, "good.big", big],
   ]) {
     const e = await client.publishConfirmed(topic, payload).then(assert.fail, (e) => e);
     assert.ok(e instanceof TinybrokerError && e.code !== Status.OK);
