@@ -96,8 +96,8 @@ const breaks = [
   ["stats: reconnects not counted", "session.ts",
     "      this.reconnects += 1;\n", "",
     S, "stats_count_what_went_in_and_out"],
-  ["close: the channel is left open", "client.ts",
-    "    this.conn.close();\n    this.emit({ type: \"closed\" });", "    this.emit({ type: \"closed\" });",
+  ["close: publishers are left open (the old bug: 20 s more on their socket)", "client.ts",
+    "      ...[...this.publishers].map((p) => p._end(Math.min(left, 2000))),\n", "",
     S, "closed_means_closed"],
   ["close: admin calls after close reach grpc-js", "admin.ts",
     "if (this.isClosed()) return Promise.reject(new ClientClosed());", "",
@@ -175,7 +175,7 @@ for (const [what, file, from, to, testFile, name] of breaks) {
     build();
     const args = ["--test", "--test-reporter=tap", ...(name ? ["--test-name-pattern", name] : []), testFile];
     const r = spawnSync(process.execPath, args, { cwd: pkg, encoding: "utf8", timeout: 180_000 });
-    const ran = /^# (pass|fail) [1-9]/m.test(r.stdout ?? "");
+    const ran = /^# (pass|fail|cancelled) [1-9]/m.test(r.stdout ?? ""); // a test that times out is "cancelled"
     const failed = r.status !== 0;
     console.log(`${!ran ? "TEST NOT RUN      " : failed ? "fails as it should" : "STILL PASSES     "}: ${what}`);
     if (!failed || !ran) failures += 1;

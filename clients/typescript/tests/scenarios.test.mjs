@@ -314,9 +314,10 @@ test("back_within_half_a_second_of_a_restart", { timeout: 60_000 }, async (t) =>
   t.after(() => client.close());
   const sub = await client.subscribe("b.>");
   await broker.kill();
-  // Long enough for the channel's and the session's delays to reach their caps.
+  // Down long enough for the channel's and the session's delays to reach
+  // their caps (with grpc's defaults the channel would then wait seconds).
   await until(() => client.state === "WAITING", 10_000, "the session lost");
-  await new Promise((r) => setTimeout(r, 1500));
+  await new Promise((r) => setTimeout(r, 4000));
   await broker.start(); // resolves once the broker logs that it serves
   const answered = Date.now();
   const other = await connect(broker.addr);

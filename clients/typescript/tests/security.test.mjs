@@ -12,7 +12,10 @@ const TOKEN = "s3cret-token";
 
 test("token: good, bad, and from the environment", { timeout: 45_000 }, async (t) => {
   const broker = await starter(t)({ TINYBROKER_AUTH_TOKEN: TOKEN });
+  const clients = [];
+  t.after(() => Promise.all(clients.map((c) => c.close()))); // a client not closed keeps trying its session
   let client = await connect(broker.addr, { token: TOKEN });
+  clients.push(client);
   const sub = await client.subscribe("s.>");
   await client.publishConfirmed("s.1", "ok");
   assert.equal((await sub.next({ timeout: 5000 })).string(), "ok");
@@ -20,6 +23,7 @@ test("token: good, bad, and from the environment", { timeout: 45_000 }, async (t
   await client.close();
 
   client = await connect(broker.addr, { token: "wrong" });
+  clients.push(client);
   for (const call of [
     () => client.publishConfirmed("s.1", "no"),
     () => client.subscribe("s.>", { timeout: 5000 }),
@@ -33,6 +37,7 @@ test("token: good, bad, and from the environment", { timeout: 45_000 }, async (t
   process.env.TINYBROKER_AUTH_TOKEN = TOKEN;
   try {
     client = await connect(broker.addr);
+    clients.push(client);
     await client.publishConfirmed("s.1", "env");
     await client.close();
   } finally {
