@@ -421,10 +421,17 @@ export class Subscription {
     }
     /** Iterates its messages: `for await (const msg of sub)`. */
     [Symbol.asyncIterator]() {
+        const result = (m) => m === undefined ? { done: true, value: undefined } : { done: false, value: m };
         return {
-            next: async () => {
-                const m = await this.take();
-                return m === undefined ? { done: true, value: undefined } : { done: false, value: m };
+            // A message already held is handed over without waiting a turn.
+            next: () => {
+                try {
+                    const m = this.take();
+                    return m instanceof Promise ? m.then(result) : Promise.resolve(result(m));
+                }
+                catch (e) {
+                    return Promise.reject(e);
+                }
             },
             // Leaving the loop does not close the subscription.
             return: async () => ({ done: true, value: undefined }),

@@ -498,10 +498,17 @@ export class Subscription implements AsyncIterable<Message> {
 
   /** Iterates its messages: `for await (const msg of sub)`. */
   [Symbol.asyncIterator](): AsyncIterator<Message> {
+    const result = (m: Message | undefined): IteratorResult<Message> =>
+      m === undefined ? { done: true, value: undefined } : { done: false, value: m };
     return {
-      next: async (): Promise<IteratorResult<Message>> => {
-        const m = await this.take();
-        return m === undefined ? { done: true, value: undefined } : { done: false, value: m };
+      // A message already held is handed over without waiting a turn.
+      next: (): Promise<IteratorResult<Message>> => {
+        try {
+          const m = this.take();
+          return m instanceof Promise ? m.then(result) : Promise.resolve(result(m));
+        } catch (e) {
+          return Promise.reject(e);
+        }
       },
       // Leaving the loop does not close the subscription.
       return: async (): Promise<IteratorResult<Message>> => ({ done: true, value: undefined }),
