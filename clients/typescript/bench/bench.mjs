@@ -5,17 +5,20 @@
 // then measures, for each client:
 //
 // 1. publish rate: one publisher, N messages of SIZE bytes, nobody
-//    subscribed (tinybroker: a Publisher over PublishStream, `await
-//    pub.publish()` each; nats.js: `nc.publish()` each, then `flush()`);
+//    subscribed (tinybroker: `await client.publish()` each, buffered and
+//    sent as SessionPublish batches, then `await client.flush()`; nats.js:
+//    `nc.publish()` each, then `flush()`), until the server has them all;
 // 2. receive rate on one subscription: a publisher in another process sends
 //    N messages as fast as it can, the measured process receives them on one
-//    subscription (tinybroker: `for await (const msg of sub)`; nats.js: a
-//    callback subscription, its fastest documented way); rate from the first
-//    message to the last, and the receiving process's CPU per message;
+//    subscription (tinybroker: `for await (const msg of sub)`, the session
+//    asking for batched deliveries; nats.js: a callback subscription, its
+//    fastest documented way); rate from the first message to the last, and
+//    the receiving process's CPU per message;
 // 3. 1,000 subscriptions in one process at 200 msg/s in all: a publisher in
 //    another process sends 200 msg/s round-robin over the 1,000 topics for
-//    DURATION seconds; the holding process's CPU time (process.cpuUsage(),
-//    user + system) per delivery.
+//    DURATION seconds, each payload carrying its send time; the holding
+//    process's CPU time (process.cpuUsage(), user + system) per delivery
+//    and the 99th percentile of send-to-receive latency.
 //
 // Usage (from clients/typescript, after `npm ci`):
 //
@@ -109,10 +112,11 @@ class Tinybroker {
   close() {
     return this.client.close();
   }
-  async publishMany(topicOf, n, payload, rate = 0) {
-    const pub = this.client.publisher();
-    await paced(n, rate, (i) => pub.publish(topicOf(i), payload));
-    await pub.close();
+  async publishMany(topicOf, n, payloadOf, rate = 0) {
+    const client = this.client;
+    await paced(n, rate, (i) => client.publish(topicOf(i), payloadOf(i)));
+    const r = await client.flush();
+    if (r.accepted !== n) throw new Error(`flush: ${JSON.stringify(r)}`);
   }
   async subscribe(subject, onMessage) {
     const sub = await this.client.subscribe(subject);
@@ -135,9 +139,9 @@ class Nats {
   close() {
     return this.client.close();
   }
-  async publishMany(topicOf, n, payload, rate = 0) {
+  async publishMany(topicOf, n, payloadOf, rate = 0) {
     const nc = this.client;
-    await paced(n, rate, (i) => nc.publish(topicOf(i), payload));
+    await paced(n, rate, (i) => nc.publish(topicOf(i), payloadOf(i)));
     await nc.flush();
   }
   async subscribe(subject, onMessage) {
@@ -178,7 +182,7 @@ async function publishRate(system, n, size) {
   const payload = Buffer.alloc(size, 120);
   const t0 = performance.now();
   const c0 = cpuUs();
-  await system.publishMany(() => "bench.pub", n, payload);
+  await system.publishMany(() => "bench.pub", n, () => payload);
   const wall = (performance.now() - t0) / 1000;
   const cpu = cpuUs() - c0;
   await system.close();
@@ -217,11 +221,16 @@ async function receiveRate(kind, system, addr, n, size) {
   return { rate: (n - 1) / wall, cpuUs: (got.cpu1 - got.cpu0) / (n - 1), lost: 0 };
 }
 
+const decoder = new TextDecoder();
+const nowMs = () => performance.timeOrigin + performance.now();
+
 async function manySubscriptions(kind, system, addr, subs, rate, duration) {
   await system.connect();
   const counts = { n: 0 };
-  const onMessage = () => {
+  const latencies = [];
+  const onMessage = (msg) => {
     counts.n += 1;
+    latencies.push(nowMs() - Number(decoder.decode(msg.data)));
   };
   const t0 = performance.now();
   for (let i = 0; i < subs; i++) await system.subscribe(`fan.${i}`, onMessage);
@@ -237,7 +246,9 @@ async function manySubscriptions(kind, system, addr, subs, rate, duration) {
   const wallS = (performance.now() - w0) / 1000;
   await pub;
   await system.close();
-  return { cpuUs: cpu / Math.max(counts.n, 1), cpuPct: (cpu / 1e6 / wallS) * 100, lost: total - counts.n, setup };
+  latencies.sort((a, b) => a - b);
+  const p99 = latencies.length ? latencies[Math.min(latencies.length - 1, Math.floor(latencies.length * 0.99))] : NaN;
+  return { cpuUs: cpu / Math.max(counts.n, 1), cpuPct: (cpu / 1e6 / wallS) * 100, p99, lost: total - counts.n, setup };
 }
 
 async function publishMain([kind, addr, topics, n, size, rate]) {
@@ -248,7 +259,10 @@ async function publishMain([kind, addr, topics, n, size, rate]) {
   }
   const system = new SYSTEMS[kind](addr);
   await system.connect();
-  await system.publishMany(topicOf, Number(n), Buffer.alloc(Number(size), 120), Number(rate));
+  // Paced runs carry their send time (ms) for the latency; others fixed bytes.
+  const fixed = Buffer.alloc(Number(size), 120);
+  const payloadOf = Number(rate) > 0 ? () => Buffer.from(nowMs().toFixed(3)) : () => fixed;
+  await system.publishMany(topicOf, Number(n), payloadOf, Number(rate));
   await system.close();
 }
 
@@ -272,7 +286,9 @@ async function main() {
   const addrs = { tinybroker: tb.addr, nats: nats.addr };
   const kinds = o.only ? [o.only] : ["tinybroker", "nats"];
   const want = (s) => !o.scenario || o.scenario === s;
-  const rows = Object.fromEntries(kinds.map((k) => [k, { pub: [], rx: [], rxCpu: [], fan: [], fanPct: [], lost: 0 }]));
+  const rows = Object.fromEntries(
+    kinds.map((k) => [k, { pub: [], rx: [], rxCpu: [], fan: [], fanPct: [], fanP99: [], lost: 0 }]),
+  );
   try {
     for (let run = 0; run < runs; run++) {
       for (const kind of run % 2 ? [...kinds].reverse() : kinds) {
@@ -290,6 +306,7 @@ async function main() {
           const r = await manySubscriptions(kind, new Cls(addr), addr, subs, rate, duration);
           row.fan.push(r.cpuUs);
           row.fanPct.push(r.cpuPct);
+          row.fanP99.push(r.p99);
           row.lost += r.lost;
         }
         console.error(`run ${run + 1} ${kind}: done`);
@@ -305,13 +322,13 @@ async function main() {
         `Node ${process.version}, @grpc/grpc-js ${v("@grpc/grpc-js")}, nats ${v("nats")}; ${tb.binary}\n`,
     );
     console.log(
-      "| client | publish (msg/s) | receive, 1 subscription (msg/s) | receive CPU (µs/msg) | 1,000 subs: CPU per delivery (µs) | 1,000 subs: CPU (% of a core) | lost |",
+      "| client | publish (msg/s) | receive, 1 subscription (msg/s) | receive CPU (µs/msg) | 1,000 subs: CPU per delivery (µs) | 1,000 subs: CPU (% of a core) | 1,000 subs: p99 latency (ms) | lost |",
     );
-    console.log("|---|---:|---:|---:|---:|---:|---:|");
+    console.log("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (const kind of kinds) {
       const r = rows[kind];
       console.log(
-        `| ${SYSTEMS[kind].label} | ${max(r.pub)} | ${max(r.rx)} | ${min(r.rxCpu, 1)} | ${min(r.fan, 0)} | ${min(r.fanPct, 1)} | ${r.lost} |`,
+        `| ${SYSTEMS[kind].label} | ${max(r.pub)} | ${max(r.rx)} | ${min(r.rxCpu, 1)} | ${min(r.fan, 0)} | ${min(r.fanPct, 1)} | ${min(r.fanP99, 2)} | ${r.lost} |`,
       );
     }
   } finally {

@@ -64,11 +64,13 @@ export interface BrokerInfo {
 /**
  * `client.admin`: the broker's Admin service (needs the token when the
  * broker has one). Each method rejects with a {@link TinybrokerError}
- * carrying the gRPC code on failure.
+ * carrying the gRPC code on failure, and with {@link ClientClosed} once the
+ * client is closed.
  */
 export declare class Admin {
     private readonly conn;
     private readonly onError;
+    private readonly isClosed;
     private call;
     /** Every open subscription (of the whole cluster in cluster mode). */
     subscriptions(opts?: CallOpts): Promise<SubscriptionInfo[]>;

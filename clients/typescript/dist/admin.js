@@ -1,4 +1,4 @@
-import { Status, TinybrokerError } from "./errors.js";
+import { ClientClosed, Status, TinybrokerError } from "./errors.js";
 function time(ts) {
     if (ts === undefined || (ts.seconds === 0 && ts.nanos === 0))
         return undefined;
@@ -35,17 +35,22 @@ export function unary(method, self, request, metadata, opts, onError) {
 /**
  * `client.admin`: the broker's Admin service (needs the token when the
  * broker has one). Each method rejects with a {@link TinybrokerError}
- * carrying the gRPC code on failure.
+ * carrying the gRPC code on failure, and with {@link ClientClosed} once the
+ * client is closed.
  */
 export class Admin {
     conn;
     onError;
+    isClosed;
     /** @internal */
-    constructor(conn, onError) {
+    constructor(conn, onError, isClosed) {
         this.conn = conn;
         this.onError = onError;
+        this.isClosed = isClosed;
     }
     call(name, request, opts) {
+        if (this.isClosed())
+            return Promise.reject(new ClientClosed());
         const conn = this.conn();
         const admin = conn.admin;
         return unary(admin[name], conn.admin, request, conn.metadata, opts, this.onError);

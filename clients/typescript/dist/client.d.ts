@@ -4,9 +4,9 @@ import type { CallOpts } from "./admin.js";
 import { Publisher } from "./publisher.js";
 import type { Payload } from "./publisher.js";
 import { Subscription } from "./session.js";
-import type { EventCallback } from "./session.js";
-import type { AckMode, PublishResult } from "./types.js";
-/** Credit window per subscription when none is given. */
+import type { EventCallback, SessionState } from "./session.js";
+import type { AckMode, ClientStats, CloseResult, ConnectionEvent, FlushResult, PublishResult } from "./types.js";
+/** Credit window per subscription when none is given (docs/clients.md `WINDOW`). */
 export declare const DEFAULT_WINDOW = 256;
 /** Options of {@link connect}. */
 export interface ConnectOptions {
@@ -26,6 +26,8 @@ export interface ConnectOptions {
     ca?: string | Buffer;
     /** Credit window per subscription (messages the broker may send it beyond what the application took; default 256). */
     window?: number;
+    /** Bytes of published messages buffered before `publish()` waits (default 8 MiB, {@link BUFFER_BYTES}). */
+    bufferBytes?: number;
     /** Re-subscribe after evictions, shutdowns and lost connections (default true; per subscription too). */
     resubscribe?: boolean;
     /** Milliseconds to wait for each address (default 5,000). */
@@ -42,9 +44,17 @@ export interface ConnectOptions {
     tracing?: boolean;
 }
 /** Options of {@link Client.publish}. */
-export interface PublishOptions extends CallOpts {
+export interface PublishOptions {
     /** Headers (string to string). */
     headers?: Record<string, string>;
+}
+/** Options of {@link Client.publishConfirmed}: headers, a deadline, a signal. */
+export interface PublishConfirmedOptions extends PublishOptions, CallOpts {
+}
+/** Options of {@link Client.flush}. */
+export interface FlushOptions {
+    /** Milliseconds to wait (default: no limit); then it rejects with {@link TimeoutError} and loses nothing. */
+    timeout?: number;
 }
 /** Options of {@link Client.subscribe}. */
 export interface SubscribeOptions {
@@ -69,10 +79,14 @@ export interface SubscribeOptions {
     /** Aborting it closes the subscription (and rejects subscribe() while it waits). */
     signal?: AbortSignal;
 }
+/** A callback for the client's {@link ConnectionEvent}s. */
+export type ConnectionListener = (event: ConnectionEvent) => void;
 /**
  * A connection to a broker: one HTTP/2 connection, one Session stream for
- * all its subscriptions. Make one with {@link connect}; share it across the
- * process. Close it with {@link Client.close}.
+ * all its subscriptions and buffered publishes. Make one with
+ * {@link connect}; share it across the process. Close it with
+ * {@link Client.close}: after that every call rejects with
+ * {@link ClientClosed}.
  */
 export declare class Client {
     /** The Admin calls. */
@@ -81,27 +95,92 @@ export declare class Client {
     readonly window: number;
     /** Default of `resubscribe` for its subscriptions. */
     readonly resubscribe: boolean;
+    private readonly bufferBytes;
     private readonly conn;
     private session;
     private closed_;
+    private closing;
+    private readonly publishers;
+    private readonly listeners;
+    private confirmedOut;
+    private confirmedBytesOut;
     /** The address in use (`http://…` or `https://…`). */
     get address(): string;
-    /** How many times the session was started again after a loss. */
+    /** The session's state: IDLE, STARTING, OPEN, WAITING or CLOSED (docs/clients.md). */
+    get state(): SessionState;
+    /** Sessions that opened after a `disconnected` (the connection was lost and found again). */
     get reconnects(): number;
     /** How many times the client moved to the next address of its list. */
     get failovers(): number;
     /** Whether {@link Client.close} was called. */
     get isClosed(): boolean;
-    /** Closes every subscription (their iteration ends) and the connection. */
-    close(): Promise<void>;
+    private emit;
+    /**
+     * Calls `listener` with every {@link ConnectionEvent} (`connected`,
+     * `disconnected`, `reconnected`, `closed`): once per change of the
+     * connection, whatever the number of subscriptions.
+     */
+    on(event: "connection", listener: ConnectionListener): this;
+    /** Removes a listener added with {@link Client.on}. */
+    off(event: "connection", listener: ConnectionListener): this;
+    /**
+     * The {@link ConnectionEvent}s from now on, as an async iterable:
+     * `for await (const e of client.connectionEvents())`. It ends after
+     * `closed`; leaving the loop stops listening.
+     */
+    connectionEvents(): AsyncIterable<ConnectionEvent>;
+    /** The client's counters: messages and bytes in and out, reconnects, what is pending in the publish buffer. */
+    stats(): ClientStats;
+    /**
+     * Flushes the publish buffer (for at most {@link CLOSE_TIMEOUT} ms),
+     * ends every subscription (their loops end, waiting `next()` calls reject
+     * with {@link ClientClosed}) and every {@link Publisher}, closes the
+     * connection and emits `closed`. Resolves to the last flush's outcomes
+     * and `notSent`: buffered messages never written. Nothing of the client
+     * keeps the process alive after it. A second call returns the first's
+     * result.
+     */
+    close(): Promise<CloseResult>;
+    private doClose;
     private afterFailure;
     private sessionOrThrow;
+    private request;
     /**
-     * Publishes one message and resolves to its sequence and how many
-     * subscriptions and groups it matched. A string payload is sent as UTF-8.
+     * Puts one message in the client's publish buffer and returns at once:
+     * the returned promise is already resolved while the buffer holds less
+     * than `bufferBytes`. When it holds more, the promise stays pending until
+     * batches written to the broker make room (backpressure: await it). A
+     * caller that does not await is bounded too: once the publishers waiting
+     * for room hold another `bufferBytes`, `publish()` rejects at once with
+     * RESOURCE_EXHAUSTED (nothing is dropped silently). Messages are sent as
+     * `SessionPublish` batches, full ones at once and the rest on the next turn
+     * of the event loop; {@link Client.flush} says what the broker did with
+     * them. A string payload is sent as UTF-8. Rejects with
+     * {@link ClientClosed} after close.
      */
-    publish(topic: string, payload?: Payload, opts?: PublishOptions): Promise<PublishResult>;
-    /** A {@link Publisher} for high rates over one `PublishStream`, with backpressure. */
+    publish(topic: string, payload?: Payload, opts?: PublishOptions): Promise<void>;
+    /**
+     * Resolves once every message published before the call has an outcome,
+     * to what happened to the messages published since the previous flush:
+     * `accepted`, `rejected` (index, topic, code, message each) and
+     * `unconfirmed` (written to a session lost before it answered; never
+     * written again). Rejects with {@link TimeoutError} after `timeout` ms,
+     * losing nothing (the outcomes go to the next flush).
+     */
+    flush(opts?: FlushOptions): Promise<FlushResult>;
+    /**
+     * Publishes one message with the unary `Publish` (not through the buffer:
+     * it may overtake buffered messages) and resolves to its sequence and how
+     * many subscriptions and groups it matched; rejects with the broker's code
+     * and message.
+     */
+    publishConfirmed(topic: string, payload?: Payload, opts?: PublishConfirmedOptions): Promise<PublishResult>;
+    /**
+     * A {@link Publisher} over its own `PublishStream` (HTTP/2 flow control as
+     * backpressure; the first bad message ends the stream). {@link Client.publish}
+     * is the faster way; this one stays for code written against it. The
+     * client's close ends it.
+     */
     publisher(): Publisher;
     /**
      * Opens a subscription on the client's session and resolves once the

@@ -26,14 +26,41 @@ export declare class TinybrokerError extends Error {
     constructor(code: number, details: string);
 }
 /**
+ * The client is closed ({@link Client.close} was called): every call made
+ * after it, and every `next()` or `publish()` waiting when it was called,
+ * ends with this error (code CANCELLED).
+ */
+export declare class ClientClosed extends TinybrokerError {
+    /** @param what what is closed (default "the client"). */
+    constructor(what?: string);
+}
+/**
+ * The application used the client wrongly: a second `next()` on a
+ * subscription while one is waiting, a bad argument. Code
+ * FAILED_PRECONDITION or INVALID_ARGUMENT.
+ */
+export declare class UsageError extends TinybrokerError {
+    /** @param details what was wrong; @param code FAILED_PRECONDITION (default) or INVALID_ARGUMENT. */
+    constructor(details: string, code?: number);
+}
+/** A wait of the client's own ran out (`next({timeout})`, `flush({timeout})`, `subscribe({timeout})`): code DEADLINE_EXCEEDED. */
+export declare class TimeoutError extends TinybrokerError {
+    /** @param details what did not happen in time. */
+    constructor(details: string);
+}
+/**
  * A {@link Publisher}'s stream ended with an error: the first bad message
- * ends it, and the messages written before it stay published.
+ * ends it, and the messages the broker accepted before it stay published.
  */
 export declare class PublishError extends TinybrokerError {
-    /** Messages this client wrote on the stream before the error (the broker's message says how many it accepted). */
-    readonly accepted: number;
-    /** @param code gRPC status; @param details the broker's message; @param accepted messages written before. */
-    constructor(code: number, details: string, accepted: number);
+    /**
+     * Messages the broker accepted on the stream before the error, as its
+     * message says; undefined when no broker said (the connection was lost:
+     * then they may or may not have been published).
+     */
+    readonly accepted: number | undefined;
+    /** @param code gRPC status; @param details the broker's message, which says how many it accepted. */
+    constructor(code: number, details: string);
 }
 /**
  * A subscription ended for good and will not be opened again: thrown from

@@ -1,4 +1,4 @@
-import { PublishError, Status, TinybrokerError } from "./errors.js";
+import { ClientClosed, PublishError } from "./errors.js";
 import { inject } from "./tracing.js";
 /** @internal */
 export function asBytes(payload) {
@@ -9,41 +9,45 @@ export function asBytes(payload) {
     return Buffer.isBuffer(payload) ? payload : Buffer.from(payload.buffer, payload.byteOffset, payload.byteLength);
 }
 /**
- * Publishes a long run of messages on one `PublishStream`.
+ * Publishes a long run of messages on one `PublishStream` of its own.
+ * (`client.publish()` with `client.flush()` is the faster way, on the
+ * client's session; this stays for code written against it.)
  *
  * `await pub.publish(...)` resolves once the message is handed to the
  * stream, and waits (for 'drain') while the stream's HTTP/2 flow-control
  * window is full, i.e. the broker is behind: nothing is buffered without
- * bound as long as each publish is awaited. {@link Publisher.flush} ends the
- * stream and resolves to what it carried (a later publish starts a new one);
- * {@link Publisher.close} does the same and ends the publisher. The first bad
- * message ends the stream: that publish (or the next, or flush) rejects with
- * a {@link PublishError} carrying the gRPC code, the broker's message and how
- * many messages were written before it.
+ * bound as long as each publish is awaited. {@link Publisher.end} ends the
+ * stream and resolves to what the broker accepted on it (a later publish
+ * starts a new one); {@link Publisher.close} does the same and ends the
+ * publisher, as the client's close does. The first bad message ends the
+ * stream: that publish (or the next, or end) rejects with a
+ * {@link PublishError} carrying the gRPC code, the broker's message and
+ * `accepted`, the count the broker says it accepted before it.
  */
 export class Publisher {
     conn;
     tracing;
+    onClosed;
     /** Messages written on all of this publisher's streams. */
     published = 0;
     stream;
     closed = false;
     /** @internal */
-    constructor(conn, tracing = false) {
+    constructor(conn, tracing, onClosed) {
         this.conn = conn;
         this.tracing = tracing;
+        this.onClosed = onClosed;
     }
     start() {
         const conn = this.conn();
         const s = {};
-        s.written = 0;
         s.error = undefined;
         s.response = undefined;
         s.wakeDrain = undefined;
         s.done = new Promise((resolve) => {
             s.call = conn.broker.publishStream(conn.metadata, (err, response) => {
                 if (err)
-                    s.error = new PublishError(err.code, err.details ?? err.message, s.written);
+                    s.error = new PublishError(err.code, err.details || err.message || `the stream ended with code ${err.code}`);
                 else
                     s.response = response;
                 s.wakeDrain?.();
@@ -59,9 +63,8 @@ export class Publisher {
      * stream has ended with an error.
      */
     publish(topic, payload, opts) {
-        if (this.closed) {
-            return Promise.reject(new TinybrokerError(Status.FAILED_PRECONDITION, "the publisher is closed"));
-        }
+        if (this.closed)
+            return Promise.reject(new ClientClosed("the publisher"));
         let s = this.stream;
         if (s !== undefined && s.error !== undefined) {
             this.stream = undefined;
@@ -72,7 +75,6 @@ export class Publisher {
         const headers = this.tracing ? inject(opts?.headers) : (opts?.headers ?? {});
         const request = { topic, payload: asBytes(payload), headers };
         const room = s.call.write(request);
-        s.written += 1;
         this.published += 1;
         if (room)
             return Promise.resolve();
@@ -95,8 +97,12 @@ export class Publisher {
             s.call.once("drain", done);
         });
     }
-    /** Ends the current stream and resolves to its counts (zeros when nothing was published since the last flush). */
-    async flush() {
+    /**
+     * Ends the current stream and resolves to the broker's counts for it
+     * (zeros when nothing was published since the last end); a later publish
+     * starts a new stream.
+     */
+    async end() {
         const s = this.stream;
         this.stream = undefined;
         if (s === undefined)
@@ -108,16 +114,28 @@ export class Publisher {
         const r = s.response;
         return { accepted: r.accepted, firstSequence: r.firstSequence, lastSequence: r.lastSequence };
     }
-    /** Flushes and ends the publisher. */
+    /** Ends the stream ({@link Publisher.end}) and the publisher: later publishes reject with {@link ClientClosed}. */
     async close() {
-        const result = await this.flush();
         this.closed = true;
-        return result;
+        this.onClosed(this);
+        return this.end();
     }
     /** Cancels the current stream without waiting (what was written may or may not be published) and ends the publisher. */
     abort() {
         this.closed = true;
+        this.onClosed(this);
         this.stream?.call.cancel();
         this.stream = undefined;
+    }
+    /** @internal The client closes: the stream is ended, and cancelled if the broker has not answered within `timeout` ms. */
+    async _end(timeout) {
+        this.closed = true;
+        const s = this.stream;
+        if (s === undefined)
+            return;
+        let timer;
+        await Promise.race([this.end().catch(() => undefined), new Promise((r) => (timer = setTimeout(r, timeout)))]);
+        clearTimeout(timer);
+        s.call.cancel();
     }
 }

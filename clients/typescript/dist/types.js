@@ -8,14 +8,13 @@ const decoder = new TextDecoder();
 export class Message {
     /** @internal */ raw;
     /** @internal */ _sub;
-    /** @internal */ _handle;
-    /** @internal */ _generation;
+    /** @internal The handle it came under (handles are never reused: an old one means an earlier open). */
+    _handle;
     /** @internal */
-    constructor(raw, sub, handle, generation) {
+    constructor(raw, sub, handle) {
         this.raw = raw;
         this._sub = sub;
         this._handle = handle;
-        this._generation = generation;
     }
     /** The topic it was published to. */
     get topic() {
@@ -75,9 +74,12 @@ export class Message {
         return JSON.parse(this.string());
     }
     /**
-     * Acknowledges this MANUAL-group message (in-band, no reply). Returns
-     * false when nothing was sent: not a MANUAL group, or the subscription was
-     * re-opened since (the broker redelivers the message anyway) or closed.
+     * Acknowledges this MANUAL-group message. It is not sent at once: every
+     * ack of the subscription made before the client's next turn of the event
+     * loop goes in one `SessionAck`. Returns false when it will not be sent:
+     * not a MANUAL group, or the message came on an earlier open of the
+     * subscription (an earlier session: the broker redelivers it anyway) or
+     * the subscription is closed.
      */
     ack() {
         return this._sub.settle(this, false);

@@ -1,6 +1,6 @@
 import type { Metadata, ServiceError, ClientUnaryCall, CallOptions } from "@grpc/grpc-js";
 import type { Connection } from "./connection.js";
-import { Status, TinybrokerError } from "./errors.js";
+import { ClientClosed, Status, TinybrokerError } from "./errors.js";
 import type { BrokerLimits } from "./gen/tinybroker/v1/admin.js";
 import type { Duration } from "./gen/google/protobuf/duration.js";
 import type { Timestamp } from "./gen/google/protobuf/timestamp.js";
@@ -120,16 +120,19 @@ export function unary<Req, Res>(
 /**
  * `client.admin`: the broker's Admin service (needs the token when the
  * broker has one). Each method rejects with a {@link TinybrokerError}
- * carrying the gRPC code on failure.
+ * carrying the gRPC code on failure, and with {@link ClientClosed} once the
+ * client is closed.
  */
 export class Admin {
   /** @internal */
   constructor(
     private readonly conn: () => Connection,
     private readonly onError: (e: TinybrokerError) => void,
+    private readonly isClosed: () => boolean,
   ) {}
 
   private call<Req, Res>(name: string, request: Req, opts?: CallOpts): Promise<Res> {
+    if (this.isClosed()) return Promise.reject(new ClientClosed());
     const conn = this.conn();
     const admin = conn.admin as unknown as Record<string, Unary<Req, Res>>;
     return unary(admin[name]!, conn.admin, request, conn.metadata, opts, this.onError);

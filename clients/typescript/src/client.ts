@@ -1,19 +1,21 @@
 import type { ChannelOptions } from "@grpc/grpc-js";
 import { Admin, unary } from "./admin.js";
 import type { CallOpts } from "./admin.js";
+import { BATCH_BYTES, BATCH_MESSAGES, BUFFER_BYTES, CLOSE_TIMEOUT, WINDOW } from "./constants.js";
 import { Connection, parseTargets, targetString } from "./connection.js";
-import { Status, TinybrokerError } from "./errors.js";
+import { ClientClosed, Status, TimeoutError, TinybrokerError, UsageError } from "./errors.js";
 import { AckMode as PbAckMode, DeliveryMode } from "./gen/tinybroker/v1/broker.js";
+import type { GetBrokerInfoResponse } from "./gen/tinybroker/v1/admin.js";
 import type { OpenSubscriptionRequest, PublishRequest, PublishResponse } from "./gen/tinybroker/v1/broker.js";
 import { Publisher, asBytes } from "./publisher.js";
 import type { Payload } from "./publisher.js";
 import { Session, Subscription } from "./session.js";
+import type { EventCallback, SessionState } from "./session.js";
 import { inject, loadTracing } from "./tracing.js";
-import type { EventCallback } from "./session.js";
-import type { AckMode, PublishResult } from "./types.js";
+import type { AckMode, ClientStats, CloseResult, ConnectionEvent, FlushResult, PublishResult } from "./types.js";
 
-/** Credit window per subscription when none is given. */
-export const DEFAULT_WINDOW = 256;
+/** Credit window per subscription when none is given (docs/clients.md `WINDOW`). */
+export const DEFAULT_WINDOW = WINDOW;
 
 /** Options of {@link connect}. */
 export interface ConnectOptions {
@@ -33,6 +35,8 @@ export interface ConnectOptions {
   ca?: string | Buffer;
   /** Credit window per subscription (messages the broker may send it beyond what the application took; default 256). */
   window?: number;
+  /** Bytes of published messages buffered before `publish()` waits (default 8 MiB, {@link BUFFER_BYTES}). */
+  bufferBytes?: number;
   /** Re-subscribe after evictions, shutdowns and lost connections (default true; per subscription too). */
   resubscribe?: boolean;
   /** Milliseconds to wait for each address (default 5,000). */
@@ -50,9 +54,18 @@ export interface ConnectOptions {
 }
 
 /** Options of {@link Client.publish}. */
-export interface PublishOptions extends CallOpts {
+export interface PublishOptions {
   /** Headers (string to string). */
   headers?: Record<string, string>;
+}
+
+/** Options of {@link Client.publishConfirmed}: headers, a deadline, a signal. */
+export interface PublishConfirmedOptions extends PublishOptions, CallOpts {}
+
+/** Options of {@link Client.flush}. */
+export interface FlushOptions {
+  /** Milliseconds to wait (default: no limit); then it rejects with {@link TimeoutError} and loses nothing. */
+  timeout?: number;
 }
 
 /** Options of {@link Client.subscribe}. */
@@ -79,10 +92,15 @@ export interface SubscribeOptions {
   signal?: AbortSignal;
 }
 
+/** A callback for the client's {@link ConnectionEvent}s. */
+export type ConnectionListener = (event: ConnectionEvent) => void;
+
 /**
  * A connection to a broker: one HTTP/2 connection, one Session stream for
- * all its subscriptions. Make one with {@link connect}; share it across the
- * process. Close it with {@link Client.close}.
+ * all its subscriptions and buffered publishes. Make one with
+ * {@link connect}; share it across the process. Close it with
+ * {@link Client.close}: after that every call rejects with
+ * {@link ClientClosed}.
  */
 export class Client {
   /** The Admin calls. */
@@ -91,9 +109,15 @@ export class Client {
   readonly window: number;
   /** Default of `resubscribe` for its subscriptions. */
   readonly resubscribe: boolean;
+  private readonly bufferBytes: number;
   private readonly conn: Connection;
   private session: Session | undefined;
   private closed_ = false;
+  private closing: Promise<CloseResult> | undefined;
+  private readonly publishers = new Set<Publisher>();
+  private readonly listeners = new Set<ConnectionListener>();
+  private confirmedOut = 0;
+  private confirmedBytesOut = 0;
   /** @internal */ _tracing = false;
 
   /** @internal Use {@link connect}. */
@@ -106,15 +130,30 @@ export class Client {
       channelOptions: opts.channelOptions,
     });
     this.window = opts.window ?? DEFAULT_WINDOW;
+    if (!(Number.isInteger(this.window) && this.window >= 1)) {
+      throw new UsageError(`window must be an integer of at least 1, not ${opts.window}`, Status.INVALID_ARGUMENT);
+    }
+    this.bufferBytes = opts.bufferBytes ?? BUFFER_BYTES;
+    if (!(this.bufferBytes >= 1)) {
+      throw new UsageError(`bufferBytes must be at least 1, not ${opts.bufferBytes}`, Status.INVALID_ARGUMENT);
+    }
     this.resubscribe = opts.resubscribe ?? true;
-    this.admin = new Admin(() => this.conn, (e) => this.afterFailure(e));
+    this.admin = new Admin(
+      () => this.conn,
+      (e) => this.afterFailure(e),
+      () => this.closed_,
+    );
   }
 
   /** The address in use (`http://…` or `https://…`). */
   get address(): string {
     return targetString(this.conn.target);
   }
-  /** How many times the session was started again after a loss. */
+  /** The session's state: IDLE, STARTING, OPEN, WAITING or CLOSED (docs/clients.md). */
+  get state(): SessionState {
+    return this.closed_ ? "CLOSED" : (this.session?.state ?? "IDLE");
+  }
+  /** Sessions that opened after a `disconnected` (the connection was lost and found again). */
   get reconnects(): number {
     return this.session?.reconnects ?? 0;
   }
@@ -131,40 +170,227 @@ export class Client {
   async _connect(timeout: number, signal?: AbortSignal, tracing = true): Promise<this> {
     this._tracing = tracing && (await loadTracing());
     await this.conn.connect(timeout, signal);
-    this.session = new Session(this.conn);
+    // BATCH_MESSAGES is the broker's max_batch_messages when it says;
+    // BATCH_BYTES stays below what one request may carry.
+    let batchMessages = BATCH_MESSAGES;
+    let batchBytes = BATCH_BYTES;
+    try {
+      const conn = this.conn;
+      const info = await unary<object, GetBrokerInfoResponse>(
+        conn.admin.getBrokerInfo,
+        conn.admin,
+        {},
+        conn.metadata,
+        { timeout: Math.min(timeout, 5000) },
+      );
+      if (info.limits?.maxBatchMessages) batchMessages = info.limits.maxBatchMessages;
+      if (info.limits?.maxMessageBytes) {
+        batchBytes = Math.min(batchBytes, info.limits.maxMessageBytes + 64 * 1024 - 1024);
+      }
+    } catch {
+      // A broker that does not answer Admin (a token without admin rights, an older one): the defaults.
+    }
+    this.session = new Session(this.conn, this.bufferBytes, batchMessages, batchBytes, (e) => this.emit(e));
     return this;
   }
 
-  /** Closes every subscription (their iteration ends) and the connection. */
-  async close(): Promise<void> {
-    if (this.closed_) return;
+  private emit(event: ConnectionEvent): void {
+    for (const listener of [...this.listeners]) {
+      try {
+        listener(event);
+      } catch (e) {
+        console.error("tinybroker: a connection listener failed", e);
+      }
+    }
+  }
+
+  /**
+   * Calls `listener` with every {@link ConnectionEvent} (`connected`,
+   * `disconnected`, `reconnected`, `closed`): once per change of the
+   * connection, whatever the number of subscriptions.
+   */
+  on(event: "connection", listener: ConnectionListener): this {
+    if (event !== "connection") throw new UsageError(`no event ${JSON.stringify(event)}: "connection"`);
+    this.listeners.add(listener);
+    return this;
+  }
+
+  /** Removes a listener added with {@link Client.on}. */
+  off(event: "connection", listener: ConnectionListener): this {
+    if (event === "connection") this.listeners.delete(listener);
+    return this;
+  }
+
+  /**
+   * The {@link ConnectionEvent}s from now on, as an async iterable:
+   * `for await (const e of client.connectionEvents())`. It ends after
+   * `closed`; leaving the loop stops listening.
+   */
+  connectionEvents(): AsyncIterable<ConnectionEvent> {
+    const queue: ConnectionEvent[] = [];
+    let wake: (() => void) | undefined;
+    let done = this.closed_;
+    const listener: ConnectionListener = (e) => {
+      queue.push(e);
+      if (e.type === "closed") {
+        done = true;
+        this.off("connection", listener);
+      }
+      wake?.();
+    };
+    if (!done) this.on("connection", listener);
+    const stop = (): void => {
+      done = true;
+      queue.length = 0;
+      this.off("connection", listener);
+      wake?.();
+    };
+    return {
+      [Symbol.asyncIterator]: () => ({
+        next: async (): Promise<IteratorResult<ConnectionEvent>> => {
+          while (queue.length === 0 && !done) await new Promise<void>((r) => (wake = r));
+          wake = undefined;
+          const e = queue.shift();
+          return e === undefined ? { done: true, value: undefined } : { done: false, value: e };
+        },
+        return: async (): Promise<IteratorResult<ConnectionEvent>> => {
+          stop();
+          return { done: true, value: undefined };
+        },
+      }),
+    };
+  }
+
+  /** The client's counters: messages and bytes in and out, reconnects, what is pending in the publish buffer. */
+  stats(): ClientStats {
+    const s = this.session;
+    return {
+      messagesIn: s?.messagesIn ?? 0,
+      bytesIn: s?.bytesIn ?? 0,
+      messagesOut: (s?.buffer.messagesOut ?? 0) + this.confirmedOut,
+      bytesOut: (s?.buffer.bytesOut ?? 0) + this.confirmedBytesOut,
+      reconnects: s?.reconnects ?? 0,
+      pendingMessages: s?.buffer.pendingMessages ?? 0,
+      pendingBytes: s?.buffer.pendingBytes ?? 0,
+      droppedLate: s?.droppedLate ?? 0,
+    };
+  }
+
+  /**
+   * Flushes the publish buffer (for at most {@link CLOSE_TIMEOUT} ms),
+   * ends every subscription (their loops end, waiting `next()` calls reject
+   * with {@link ClientClosed}) and every {@link Publisher}, closes the
+   * connection and emits `closed`. Resolves to the last flush's outcomes
+   * and `notSent`: buffered messages never written. Nothing of the client
+   * keeps the process alive after it. A second call returns the first's
+   * result.
+   */
+  close(): Promise<CloseResult> {
+    if (this.closing === undefined) this.closing = this.doClose();
+    return this.closing;
+  }
+
+  private async doClose(): Promise<CloseResult> {
     this.closed_ = true;
-    await this.session?.close();
+    const session = this.session;
+    let last: FlushResult | undefined;
+    const started = Date.now();
+    if (session !== undefined) {
+      try {
+        last = await session.buffer.flush(CLOSE_TIMEOUT);
+      } catch {
+        // Not answered within CLOSE_TIMEOUT: what is left is counted below, and the client closes anyway.
+      }
+    }
+    const rest = session?.buffer.close() ?? { accepted: 0, rejected: [], unconfirmed: 0, unconfirmedIndexes: [], notSent: 0 };
+    const left = Math.max(100, CLOSE_TIMEOUT - (Date.now() - started));
+    await Promise.all([
+      session?.close(Math.min(left, 2000)),
+      ...[...this.publishers].map((p) => p._end(Math.min(left, 2000))),
+    ]);
     this.conn.close();
+    this.emit({ type: "closed" });
+    this.listeners.clear();
+    return {
+      accepted: (last?.accepted ?? 0) + rest.accepted,
+      rejected: [...(last?.rejected ?? []), ...rest.rejected],
+      unconfirmed: (last?.unconfirmed ?? 0) + rest.unconfirmed,
+      unconfirmedIndexes: [...(last?.unconfirmedIndexes ?? []), ...rest.unconfirmedIndexes],
+      notSent: rest.notSent,
+    };
   }
 
   private afterFailure(e: TinybrokerError): void {
     // A call found the broker gone: with a list, the next call goes on.
     if (e.code === Status.UNAVAILABLE && this.conn.targets.length > 1 && this.conn.down()) {
-      if (this.session === undefined || !this.session.live) this.conn.failover();
+      if (this.session === undefined || this.session.state !== "OPEN") this.conn.failover();
     }
   }
 
   private sessionOrThrow(): Session {
-    if (this.closed_ || this.session === undefined) {
-      throw new TinybrokerError(Status.FAILED_PRECONDITION, "the client is closed");
-    }
+    if (this.closed_ || this.session === undefined) throw new ClientClosed();
     return this.session;
   }
 
-  /**
-   * Publishes one message and resolves to its sequence and how many
-   * subscriptions and groups it matched. A string payload is sent as UTF-8.
-   */
-  async publish(topic: string, payload?: Payload, opts?: PublishOptions): Promise<PublishResult> {
-    this.sessionOrThrow();
+  private request(topic: string, payload: Payload | undefined, opts: PublishOptions | undefined): PublishRequest {
+    if (typeof topic !== "string") throw new UsageError(`topic must be a string, not ${typeof topic}`, Status.INVALID_ARGUMENT);
     const headers = this._tracing ? inject(opts?.headers) : (opts?.headers ?? {});
-    const request: PublishRequest = { topic, payload: asBytes(payload), headers };
+    return { topic, payload: asBytes(payload), headers };
+  }
+
+  /**
+   * Puts one message in the client's publish buffer and returns at once:
+   * the returned promise is already resolved while the buffer holds less
+   * than `bufferBytes`. When it holds more, the promise stays pending until
+   * batches written to the broker make room (backpressure: await it). A
+   * caller that does not await is bounded too: once the publishers waiting
+   * for room hold another `bufferBytes`, `publish()` rejects at once with
+   * RESOURCE_EXHAUSTED (nothing is dropped silently). Messages are sent as
+   * `SessionPublish` batches, full ones at once and the rest on the next turn
+   * of the event loop; {@link Client.flush} says what the broker did with
+   * them. A string payload is sent as UTF-8. Rejects with
+   * {@link ClientClosed} after close.
+   */
+  publish(topic: string, payload?: Payload, opts?: PublishOptions): Promise<void> {
+    let session: Session;
+    let request: PublishRequest;
+    try {
+      session = this.sessionOrThrow();
+      request = this.request(topic, payload, opts);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    session.need();
+    return session.buffer.publish(request);
+  }
+
+  /**
+   * Resolves once every message published before the call has an outcome,
+   * to what happened to the messages published since the previous flush:
+   * `accepted`, `rejected` (index, topic, code, message each) and
+   * `unconfirmed` (written to a session lost before it answered; never
+   * written again). Rejects with {@link TimeoutError} after `timeout` ms,
+   * losing nothing (the outcomes go to the next flush).
+   */
+  flush(opts: FlushOptions = {}): Promise<FlushResult> {
+    let session: Session;
+    try {
+      session = this.sessionOrThrow();
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    return session.buffer.flush(opts.timeout);
+  }
+
+  /**
+   * Publishes one message with the unary `Publish` (not through the buffer:
+   * it may overtake buffered messages) and resolves to its sequence and how
+   * many subscriptions and groups it matched; rejects with the broker's code
+   * and message.
+   */
+  async publishConfirmed(topic: string, payload?: Payload, opts?: PublishConfirmedOptions): Promise<PublishResult> {
+    this.sessionOrThrow();
+    const request = this.request(topic, payload, opts);
     const broker = this.conn.broker;
     const r = await unary<PublishRequest, PublishResponse>(
       broker.publish,
@@ -174,13 +400,26 @@ export class Client {
       opts,
       (e) => this.afterFailure(e),
     );
+    this.confirmedOut += 1;
+    this.confirmedBytesOut += request.payload.length;
     return { sequence: r.sequence, matchedSubscriptions: r.matchedSubscriptions, matchedGroups: r.matchedGroups };
   }
 
-  /** A {@link Publisher} for high rates over one `PublishStream`, with backpressure. */
+  /**
+   * A {@link Publisher} over its own `PublishStream` (HTTP/2 flow control as
+   * backpressure; the first bad message ends the stream). {@link Client.publish}
+   * is the faster way; this one stays for code written against it. The
+   * client's close ends it.
+   */
   publisher(): Publisher {
     this.sessionOrThrow();
-    return new Publisher(() => this.conn, this._tracing);
+    const publisher = new Publisher(
+      () => this.conn,
+      this._tracing,
+      (p) => this.publishers.delete(p),
+    );
+    this.publishers.add(publisher);
+    return publisher;
   }
 
   /**
@@ -205,7 +444,10 @@ export class Client {
             : opts.ackMode === "auto"
               ? PbAckMode.ACK_MODE_AUTO
               : (() => {
-                  throw new TypeError(`ackMode must be "auto" or "manual", not ${JSON.stringify(opts.ackMode)}`);
+                  throw new UsageError(
+                    `ackMode must be "auto" or "manual", not ${JSON.stringify(opts.ackMode)}`,
+                    Status.INVALID_ARGUMENT,
+                  );
                 })(),
       maxInFlight: opts.maxInFlight ?? 0,
       ackDeadlineMs: Math.round(opts.ackDeadline ?? 0),
@@ -217,7 +459,7 @@ export class Client {
     });
     const signal = opts.signal;
     signal?.throwIfAborted();
-    session.open(sub);
+    session.add(sub);
     const timeout = opts.timeout ?? 10_000;
     let timer: NodeJS.Timeout | undefined;
     let onAbort: (() => void) | undefined;
@@ -225,7 +467,7 @@ export class Client {
       await Promise.race([
         sub._opened,
         new Promise<void>((_, reject) => {
-          timer = setTimeout(() => reject(new Error("timeout")), timeout);
+          timer = setTimeout(() => reject(new TimeoutError("timeout")), timeout);
           if (signal !== undefined) {
             onAbort = () => reject(signal.reason);
             signal.addEventListener("abort", onAbort, { once: true });
@@ -233,7 +475,7 @@ export class Client {
         }),
       ]);
     } catch (e) {
-      if (e instanceof TinybrokerError) throw e;
+      if (!(e instanceof TimeoutError) && e instanceof TinybrokerError) throw e;
       const cause = sub._lastCause;
       await sub.close();
       if (signal?.aborted) throw e;

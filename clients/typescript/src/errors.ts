@@ -41,26 +41,78 @@ export class TinybrokerError extends Error {
   static from(error: unknown): TinybrokerError {
     if (error instanceof TinybrokerError) return error;
     const e = error as Partial<ServiceError>;
-    if (e && typeof e.code === "number") return new TinybrokerError(e.code, e.details ?? e.message ?? "");
-    return new TinybrokerError(Status.UNKNOWN, String((error as Error)?.message ?? error));
+    if (e && typeof e.code === "number") {
+      return new TinybrokerError(e.code, e.details || e.message || `the call ended with ${codeName(e.code)}`);
+    }
+    return new TinybrokerError(Status.UNKNOWN, String((error as Error)?.message || error || "unknown error"));
   }
 }
 
 /**
- * A {@link Publisher}'s stream ended with an error: the first bad message
- * ends it, and the messages written before it stay published.
+ * The client is closed ({@link Client.close} was called): every call made
+ * after it, and every `next()` or `publish()` waiting when it was called,
+ * ends with this error (code CANCELLED).
  */
-export class PublishError extends TinybrokerError {
-  /** Messages this client wrote on the stream before the error (the broker's message says how many it accepted). */
-  readonly accepted: number;
-
-  /** @param code gRPC status; @param details the broker's message; @param accepted messages written before. */
-  constructor(code: number, details: string, accepted: number) {
-    super(code, details);
-    this.name = "PublishError";
-    this.accepted = accepted;
+export class ClientClosed extends TinybrokerError {
+  /** @param what what is closed (default "the client"). */
+  constructor(what = "the client") {
+    super(Status.CANCELLED, `${what} is closed`);
+    this.name = "ClientClosed";
   }
 }
+
+/**
+ * The application used the client wrongly: a second `next()` on a
+ * subscription while one is waiting, a bad argument. Code
+ * FAILED_PRECONDITION or INVALID_ARGUMENT.
+ */
+export class UsageError extends TinybrokerError {
+  /** @param details what was wrong; @param code FAILED_PRECONDITION (default) or INVALID_ARGUMENT. */
+  constructor(details: string, code: number = Status.FAILED_PRECONDITION) {
+    super(code, details);
+    this.name = "UsageError";
+  }
+}
+
+/** A wait of the client's own ran out (`next({timeout})`, `flush({timeout})`, `subscribe({timeout})`): code DEADLINE_EXCEEDED. */
+export class TimeoutError extends TinybrokerError {
+  /** @param details what did not happen in time. */
+  constructor(details: string) {
+    super(Status.DEADLINE_EXCEEDED, details);
+    this.name = "TimeoutError";
+  }
+}
+
+const ACCEPTED = /(\d+) (?:earlier )?messages of this stream were accepted/;
+
+/**
+ * A {@link Publisher}'s stream ended with an error: the first bad message
+ * ends it, and the messages the broker accepted before it stay published.
+ */
+export class PublishError extends TinybrokerError {
+  /**
+   * Messages the broker accepted on the stream before the error, as its
+   * message says; undefined when no broker said (the connection was lost:
+   * then they may or may not have been published).
+   */
+  readonly accepted: number | undefined;
+
+  /** @param code gRPC status; @param details the broker's message, which says how many it accepted. */
+  constructor(code: number, details: string) {
+    super(code, details);
+    this.name = "PublishError";
+    const m = ACCEPTED.exec(details);
+    this.accepted = m ? Number(m[1]) : undefined;
+  }
+}
+
+/** The code of an end the broker sent with code 0: an error is never OK. */
+const END_CODES: Record<string, number> = {
+  evicted: Status.RESOURCE_EXHAUSTED,
+  shutdown: Status.UNAVAILABLE,
+  closed_by_admin: Status.CANCELLED,
+  connection_lost: Status.UNAVAILABLE,
+};
 
 /**
  * A subscription ended for good and will not be opened again: thrown from
@@ -83,7 +135,7 @@ export class SubscriptionEnded extends TinybrokerError {
     reason: string,
     opts: { dropped?: number; lastSequence?: number; code?: number; message?: string; subscriptionId?: string },
   ) {
-    super(opts.code ?? Status.OK, opts.message || reason);
+    super(opts.code || END_CODES[reason] || Status.ABORTED, opts.message || reason);
     this.name = "SubscriptionEnded";
     this.reason = reason;
     this.dropped = opts.dropped ?? 0;

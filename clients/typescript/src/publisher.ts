@@ -1,5 +1,5 @@
 import type { ClientWritableStream, ServiceError } from "@grpc/grpc-js";
-import { PublishError, Status, TinybrokerError } from "./errors.js";
+import { ClientClosed, PublishError } from "./errors.js";
 import type { PublishRequest, PublishStreamResponse } from "./gen/tinybroker/v1/broker.js";
 import type { Connection } from "./connection.js";
 import type { PublishStreamResult } from "./types.js";
@@ -17,7 +17,6 @@ export function asBytes(payload: Payload | undefined): Buffer {
 
 interface Stream {
   call: ClientWritableStream<PublishRequest>;
-  written: number;
   error: PublishError | undefined;
   response: PublishStreamResponse | undefined;
   done: Promise<void>;
@@ -26,17 +25,20 @@ interface Stream {
 }
 
 /**
- * Publishes a long run of messages on one `PublishStream`.
+ * Publishes a long run of messages on one `PublishStream` of its own.
+ * (`client.publish()` with `client.flush()` is the faster way, on the
+ * client's session; this stays for code written against it.)
  *
  * `await pub.publish(...)` resolves once the message is handed to the
  * stream, and waits (for 'drain') while the stream's HTTP/2 flow-control
  * window is full, i.e. the broker is behind: nothing is buffered without
- * bound as long as each publish is awaited. {@link Publisher.flush} ends the
- * stream and resolves to what it carried (a later publish starts a new one);
- * {@link Publisher.close} does the same and ends the publisher. The first bad
- * message ends the stream: that publish (or the next, or flush) rejects with
- * a {@link PublishError} carrying the gRPC code, the broker's message and how
- * many messages were written before it.
+ * bound as long as each publish is awaited. {@link Publisher.end} ends the
+ * stream and resolves to what the broker accepted on it (a later publish
+ * starts a new one); {@link Publisher.close} does the same and ends the
+ * publisher, as the client's close does. The first bad message ends the
+ * stream: that publish (or the next, or end) rejects with a
+ * {@link PublishError} carrying the gRPC code, the broker's message and
+ * `accepted`, the count the broker says it accepted before it.
  */
 export class Publisher {
   /** Messages written on all of this publisher's streams. */
@@ -47,19 +49,19 @@ export class Publisher {
   /** @internal */
   constructor(
     private readonly conn: () => Connection,
-    private readonly tracing = false,
+    private readonly tracing: boolean,
+    private readonly onClosed: (p: Publisher) => void,
   ) {}
 
   private start(): Stream {
     const conn = this.conn();
     const s = {} as Stream;
-    s.written = 0;
     s.error = undefined;
     s.response = undefined;
     s.wakeDrain = undefined;
     s.done = new Promise<void>((resolve) => {
       s.call = conn.broker.publishStream(conn.metadata, (err: ServiceError | null, response?: PublishStreamResponse) => {
-        if (err) s.error = new PublishError(err.code, err.details ?? err.message, s.written);
+        if (err) s.error = new PublishError(err.code, err.details || err.message || `the stream ended with code ${err.code}`);
         else s.response = response;
         s.wakeDrain?.();
         resolve();
@@ -75,9 +77,7 @@ export class Publisher {
    * stream has ended with an error.
    */
   publish(topic: string, payload?: Payload, opts?: { headers?: Record<string, string> }): Promise<void> {
-    if (this.closed) {
-      return Promise.reject(new TinybrokerError(Status.FAILED_PRECONDITION, "the publisher is closed"));
-    }
+    if (this.closed) return Promise.reject(new ClientClosed("the publisher"));
     let s = this.stream;
     if (s !== undefined && s.error !== undefined) {
       this.stream = undefined;
@@ -87,7 +87,6 @@ export class Publisher {
     const headers = this.tracing ? inject(opts?.headers) : (opts?.headers ?? {});
     const request: PublishRequest = { topic, payload: asBytes(payload), headers };
     const room = s.call.write(request);
-    s.written += 1;
     this.published += 1;
     if (room) return Promise.resolve();
     return this.drain(s);
@@ -108,8 +107,12 @@ export class Publisher {
     });
   }
 
-  /** Ends the current stream and resolves to its counts (zeros when nothing was published since the last flush). */
-  async flush(): Promise<PublishStreamResult> {
+  /**
+   * Ends the current stream and resolves to the broker's counts for it
+   * (zeros when nothing was published since the last end); a later publish
+   * starts a new stream.
+   */
+  async end(): Promise<PublishStreamResult> {
     const s = this.stream;
     this.stream = undefined;
     if (s === undefined) return { accepted: 0, firstSequence: 0, lastSequence: 0 };
@@ -120,17 +123,29 @@ export class Publisher {
     return { accepted: r.accepted, firstSequence: r.firstSequence, lastSequence: r.lastSequence };
   }
 
-  /** Flushes and ends the publisher. */
+  /** Ends the stream ({@link Publisher.end}) and the publisher: later publishes reject with {@link ClientClosed}. */
   async close(): Promise<PublishStreamResult> {
-    const result = await this.flush();
     this.closed = true;
-    return result;
+    this.onClosed(this);
+    return this.end();
   }
 
   /** Cancels the current stream without waiting (what was written may or may not be published) and ends the publisher. */
   abort(): void {
     this.closed = true;
+    this.onClosed(this);
     this.stream?.call.cancel();
     this.stream = undefined;
+  }
+
+  /** @internal The client closes: the stream is ended, and cancelled if the broker has not answered within `timeout` ms. */
+  async _end(timeout: number): Promise<void> {
+    this.closed = true;
+    const s = this.stream;
+    if (s === undefined) return;
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([this.end().catch(() => undefined), new Promise<void>((r) => (timer = setTimeout(r, timeout)))]);
+    clearTimeout(timer);
+    s.call.cancel();
   }
 }

@@ -1,336 +1,368 @@
-// The client's one Session stream and its subscriptions.
+// The client's one Session stream, its state machine, and its
+// subscriptions (docs/clients.md "One client, one connection, one session"
+// and "Subscriptions").
 //
-// One loop (Session.run) owns the stream: it starts it, opens every waiting
-// subscription on it, reads its events and hands each delivery to the
-// subscriptions its handles name. When the stream fails it tells every
-// subscription, waits a jittered backoff, moves to the next address of a
-// list, and starts a new session on which the subscriptions that
-// re-subscribe are opened again.
-//
-// A Subscription is opened with a credit window (256 by default) and gives
-// credit back as the application takes messages, so the broker never sends
-// it more than its window beyond what the application has taken, and one
-// the application stops reading stalls (and is evicted) alone.
-import type { ClientDuplexStream, ServiceError } from "@grpc/grpc-js";
+// The Session is driven by the stream's events and by timers, never by a
+// loop: IDLE until something needs it, STARTING while the call waits for
+// its response headers, OPEN once they came (every subscription that is to
+// be open is opened, then the publish buffer is written), WAITING for a
+// jittered delay after a loss (then the next address of a list is tried),
+// CLOSED after close().
+import type { ClientDuplexStream, Metadata, ServiceError, StatusObject } from "@grpc/grpc-js";
+import { PublishBuffer } from "./buffer.js";
+import {
+  Backoff,
+  CONNECT_DELAY_CAP,
+  CONNECT_DELAY_FIRST,
+  RESUBSCRIBE_DELAY_CAP,
+  RESUBSCRIBE_DELAY_FIRST,
+  START_TIMEOUT,
+  topUp,
+} from "./constants.js";
 import type { Connection } from "./connection.js";
 import { targetString } from "./connection.js";
-import { Status, SubscriptionEnded, TinybrokerError } from "./errors.js";
+import { ClientClosed, Status, SubscriptionEnded, TimeoutError, TinybrokerError, UsageError } from "./errors.js";
 import type {
   Message as PbMessage,
   OpenSubscriptionRequest,
+  PublishRequest,
+  SessionDelivery,
   SessionEnded,
   SessionEvent,
   SessionRequest,
 } from "./gen/tinybroker/v1/broker.js";
 import { AckMode as PbAckMode } from "./gen/tinybroker/v1/broker.js";
+import { SessionRequest as SessionRequestCodec } from "./gen/tinybroker/v1/broker.js";
 import { Message } from "./types.js";
-import type { EndedEvent, GapEvent, SubscriptionEvent, SubscriptionStats } from "./types.js";
+import { decodeEvent, encodePublish } from "./wire.js";
+import type { ConnectionEvent, EndedEvent, GapEvent, SubscriptionEvent, SubscriptionStats } from "./types.js";
 
-/** How long (ms) the broker has to accept a session (it answers at once). */
-const START_TIMEOUT = 10_000;
+/** The states of the client's session (docs/clients.md "The session's states"). */
+export type SessionState = "IDLE" | "STARTING" | "OPEN" | "WAITING" | "CLOSED";
 
-const enum State {
-  Waiting = 0, // not on the current session (none yet, or lost)
-  Opening = 1, // `open` sent, `opened` not yet received
-  Open = 2,
-  Done = 3, // ended for good
-}
+/** The states of a subscription (docs/clients.md "A subscription's states"). */
+export type SubscriptionState = "WAITING" | "OPENING" | "OPEN" | "BACKOFF" | "DONE";
 
+/** Codes of a failed session start after which a first open is still awaited (another attempt may succeed). */
 const RETRYABLE = new Set<number>([
   Status.UNAVAILABLE,
-  Status.UNKNOWN,
-  Status.CANCELLED,
-  Status.ABORTED,
   Status.DEADLINE_EXCEEDED,
+  Status.CANCELLED,
+  Status.UNKNOWN,
   Status.INTERNAL,
+  Status.ABORTED,
+  Status.RESOURCE_EXHAUSTED,
 ]);
 
-/** @internal Exponential backoff with jitter: 100 ms doubling to `cap` ms, each delay 0-25 % longer at random. */
-export class Backoff {
-  private next_: number;
-  constructor(
-    private readonly first = 100,
-    private readonly cap = 2000,
-  ) {
-    this.next_ = first;
-  }
-  reset(): void {
-    this.next_ = this.first;
-  }
-  next(): number {
-    const delay = this.next_ * (1 + Math.random() * 0.25);
-    this.next_ = Math.min(this.next_ * 2, this.cap);
-    return Math.round(delay);
-  }
+/** The Session call: requests as the generated codec encodes them, or a batch encoded by hand. */
+type Call = ClientDuplexStream<SessionRequest | Buffer, SessionEvent>;
+const SESSION_PATH = "/tinybroker.v1.Broker/Session";
+function serialize(request: SessionRequest | Buffer): Buffer {
+  if (Buffer.isBuffer(request)) return request;
+  const bytes = SessionRequestCodec.encode(request).finish();
+  return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+}
+function deserialize(bytes: Buffer): SessionEvent {
+  return decodeEvent(bytes);
 }
 
-class StartFailed extends Error {
-  constructor(readonly error: TinybrokerError) {
-    super(error.message);
-  }
+/** The session's response headers that say which sequence space its deliveries come from. */
+const INSTANCE_HEADER = "tinybroker-instance";
+const SCOPE_HEADER = "tinybroker-sequence-scope";
+
+/** Where a delivery's sequence comes from: the session's instance and scope. */
+interface Origin {
+  readonly instance: string;
+  readonly scope: string | undefined;
 }
 
-/** An open was refused UNAVAILABLE (a replica that lost NATS, a broker shutting down) while the client knows other addresses. */
-class ReplicaUnavailable extends Error {
-  constructor(readonly error: TinybrokerError) {
-    super(error.message);
-  }
-}
-
-/** @internal The one Session stream of a client, and its subscriptions by handle. */
+/** @internal The one Session stream of a client and its subscriptions. */
 export class Session {
-  readonly subs = new Map<number, Subscription>();
+  state: SessionState = "IDLE";
+  /** Every subscription that is not DONE. */
+  private readonly subs = new Set<Subscription>();
+  /** The subscriptions opened (OPENING or OPEN) on the current session, by handle. */
+  private readonly byHandle = new Map<number, Subscription>();
+  /** Handles are never reused while the client lives. */
   private lastHandle = 0;
-  private call: ClientDuplexStream<SessionRequest, SessionEvent> | undefined;
-  /** The stream is accepted: requests can be written. */
-  live = false;
-  private running: Promise<void> | undefined;
-  private wake: (() => void) | undefined;
-  private sleeping: { timer: NodeJS.Timeout; resolve: () => void } | undefined;
-  closed = false;
-  private readonly backoff = new Backoff();
-  /** Sessions started after the first (the connection was lost and found again). */
+  private call: Call | undefined;
+  private timer: NodeJS.Timeout | undefined;
+  private readonly delay = new Backoff(CONNECT_DELAY_FIRST, CONNECT_DELAY_CAP);
+  /** The current session's instance and scope (once OPEN). */
+  origin: Origin | undefined;
+  private previousInstance: string | undefined;
+  private unnamedInstances = 0;
+  private everOpen = false;
+  private disconnected = false;
+  /** Subscriptions with acks or nacks to send before the next turn of the event loop. */
+  private readonly acking = new Set<Subscription>();
+  private ackTimer: NodeJS.Immediate | undefined;
+  /** The end of the current call, while close() waits for it. */
+  private ended: (() => void) | undefined;
+
+  readonly buffer: PublishBuffer;
   reconnects = 0;
-  private started = 0;
+  messagesIn = 0;
+  bytesIn = 0;
+  droppedLate = 0;
 
-  constructor(private readonly conn: Connection) {}
+  constructor(
+    private readonly conn: Connection,
+    bufferBytes: number,
+    batchMessages: number,
+    batchBytes: number,
+    private readonly emit: (event: ConnectionEvent) => void,
+  ) {
+    this.buffer = new PublishBuffer(
+      {
+        writable: () => this.state === "OPEN",
+        writePublish: (id: number, messages: PublishRequest[]) => {
+          if (this.state === "OPEN" && this.call !== undefined) this.call.write(encodePublish(id, messages));
+        },
+      },
+      bufferBytes,
+      batchMessages,
+      batchBytes,
+    );
+  }
 
-  // === the application's side ===
+  // === what the client and the subscriptions call ===
 
-  /** Opens `sub` under a new handle, now or on the next session. */
-  open(sub: Subscription): void {
-    const handle = this.nextHandle();
+  /** IDLE → STARTING: something needs the session. */
+  need(): void {
+    if (this.state === "IDLE") this.start();
+  }
+
+  /** Adds a subscription (WAITING) and opens it now when the session is OPEN. */
+  add(sub: Subscription): void {
+    this.subs.add(sub);
+    this.need();
+    this.openIfRoom(sub);
+  }
+
+  /** Opens `sub` when it is WAITING, the session is OPEN and it has room in its window. */
+  openIfRoom(sub: Subscription): void {
+    if (this.state !== "OPEN" || sub._state !== "WAITING" || sub.pending >= sub.window) return;
+    const handle = ++this.lastHandle;
     sub._handle = handle;
-    sub._state = State.Waiting;
-    this.subs.set(handle, sub);
-    if (this.live) {
-      this.sendOpen(sub);
-    } else {
-      if (this.running === undefined) this.running = this.run();
-      this.wake?.();
+    sub._state = "OPENING";
+    sub._taken = 0;
+    this.byHandle.set(handle, sub);
+    // What it still holds counts against its window: never more than the window held.
+    const credit = sub.window - sub.pending;
+    this.write({ request: { $case: "open", value: { handle, subscription: sub._request, credit } } });
+  }
+
+  /** Forgets a subscription that is DONE. */
+  forget(sub: Subscription): void {
+    this.subs.delete(sub);
+    if (this.byHandle.get(sub._handle) === sub) this.byHandle.delete(sub._handle);
+    this.acking.delete(sub);
+  }
+
+  /** Writes a request when the session is OPEN (else it is not sent: it belonged to a lost session). */
+  write(request: SessionRequest): void {
+    if (this.state === "OPEN" && this.call !== undefined) this.call.write(request);
+  }
+
+  /** Sends `sub`'s pending acks and nacks with every other's before the next turn of the event loop. */
+  ackLater(sub: Subscription): void {
+    this.acking.add(sub);
+    if (this.ackTimer === undefined) {
+      this.ackTimer = setImmediate(() => {
+        this.ackTimer = undefined;
+        this.sendAcks();
+      });
     }
   }
 
-  send(request: SessionRequest): void {
-    if (this.live && this.call !== undefined) this.call.write(request);
+  /** One SessionAck and one SessionNack per handle with all it has pending. */
+  private sendAcks(): void {
+    for (const sub of this.acking) {
+      const { acks, nacks } = sub._takeSettles();
+      if (this.byHandle.get(sub._handle) !== sub) continue;
+      const handle = sub._handle;
+      if (acks.length > 0) this.write({ request: { $case: "ack", value: { handle, sequences: acks } } });
+      if (nacks.length > 0) this.write({ request: { $case: "nack", value: { handle, sequences: nacks } } });
+    }
+    this.acking.clear();
   }
 
-  forget(sub: Subscription): void {
-    if (this.subs.get(sub._handle) === sub) this.subs.delete(sub._handle);
-  }
-
-  /** Half-closes the session (the broker ends every subscription "closed" and then the stream) and ends the loop. */
-  async close(timeout = 2000): Promise<void> {
-    this.closed = true;
-    for (const sub of this.subs.values()) sub._closing = true;
-    this.wake?.();
-    if (this.sleeping) {
-      clearTimeout(this.sleeping.timer);
-      this.sleeping.resolve();
+  /**
+   * CLOSED: ends every subscription (SessionClose each, then half-closes),
+   * waits up to `timeout` ms for the broker's end, then cancels the call.
+   */
+  async close(timeout: number): Promise<void> {
+    if (this.state === "CLOSED") return;
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    if (this.ackTimer !== undefined) {
+      clearImmediate(this.ackTimer);
+      this.ackTimer = undefined;
+      this.sendAcks();
     }
     const call = this.call;
-    if (this.live && call !== undefined && this.running !== undefined) {
-      call.end();
+    if (this.state === "OPEN" && call !== undefined) {
+      for (const [handle, sub] of this.byHandle) {
+        sub._closing = true;
+        this.write({ request: { $case: "close", value: { handle } } });
+      }
       let timer: NodeJS.Timeout | undefined;
-      await Promise.race([
-        this.running.catch(() => undefined),
-        new Promise<void>((r) => (timer = setTimeout(r, timeout))),
-      ]);
+      await new Promise<void>((resolve) => {
+        this.ended = resolve;
+        timer = setTimeout(resolve, timeout);
+        call.end();
+      });
       clearTimeout(timer);
+      this.ended = undefined;
     }
-    if (this.call !== undefined) this.call.cancel();
-    await this.running?.catch(() => undefined);
-    for (const sub of [...this.subs.values()]) sub._finish(undefined);
+    this.state = "CLOSED";
+    this.call = undefined;
+    call?.cancel();
+    this.byHandle.clear();
+    for (const sub of [...this.subs]) sub._finish(new ClientClosed());
     this.subs.clear();
   }
 
-  // === the loop ===
+  // === the stream ===
 
-  private nextHandle(): number {
-    for (;;) {
-      this.lastHandle = (this.lastHandle % 0xffffffff) + 1;
-      if (!this.subs.has(this.lastHandle)) return this.lastHandle;
-    }
-  }
-
-  private sendOpen(sub: Subscription): void {
-    sub._generation += 1;
-    sub._state = State.Opening;
-    sub._taken = 0;
-    // What it still holds from before counts against its window: the client
-    // never holds more than the window (credit 0 would mean no limit).
-    const credit = Math.max(1, sub.window - sub.pending);
-    this.call!.write({
-      request: { $case: "open", value: { handle: sub._handle, subscription: sub._request, credit } },
+  private start(): void {
+    this.state = "STARTING";
+    const conn = this.conn;
+    const metadata: Metadata = conn.metadata.clone();
+    metadata.set("tinybroker-batch", "1");
+    const call: Call = conn.broker.makeBidiStreamRequest(SESSION_PATH, serialize, deserialize, metadata);
+    this.call = call;
+    this.timer = setTimeout(() => {
+      this.lost(
+        call,
+        Status.DEADLINE_EXCEEDED,
+        `${targetString(conn.target)} did not accept a session within ${START_TIMEOUT / 1000} s`,
+      );
+    }, START_TIMEOUT);
+    call.on("metadata", (headers: Metadata) => this.opened(call, headers));
+    call.on("data", (event: SessionEvent) => {
+      if (this.call === call) this.onEvent(event);
+    });
+    call.on("error", (err: ServiceError) => {
+      const e = TinybrokerError.from(err);
+      this.lost(call, e.code, `${targetString(conn.target)}: ${e.details}`);
+    });
+    call.on("status", (status: StatusObject) => {
+      if (status.code === Status.OK) this.lost(call, Status.OK, "closed by the broker");
     });
   }
 
-  private sleep(ms: number): Promise<void> {
-    return new Promise((resolve) => {
-      const timer = setTimeout(() => {
-        this.sleeping = undefined;
-        resolve();
-      }, ms);
-      this.sleeping = { timer, resolve };
-    });
+  /** STARTING → OPEN: the response headers came. */
+  private opened(call: Call, headers: Metadata): void {
+    if (this.call !== call || this.state !== "STARTING") return;
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    const named = headers.get(INSTANCE_HEADER)[0];
+    const scope = headers.get(SCOPE_HEADER)[0];
+    // A broker that does not say is a new instance at every session.
+    const instance = named !== undefined && named !== "" ? String(named) : `unnamed-${++this.unnamedInstances}`;
+    this.origin = { instance, scope: scope === undefined ? undefined : String(scope) };
+    this.state = "OPEN";
+    this.delay.reset();
+    const address = targetString(this.conn.target);
+    if (!this.everOpen) {
+      this.everOpen = true;
+      this.emit({ type: "connected", address, instance });
+    } else if (this.disconnected) {
+      this.disconnected = false;
+      this.reconnects += 1;
+      this.emit({ type: "reconnected", address, instance, instanceChanged: instance !== this.previousInstance });
+    }
+    this.previousInstance = instance;
+    for (const sub of this.subs) this.openIfRoom(sub);
+    this.buffer.onOpen();
   }
 
-  private async run(): Promise<void> {
-    while (!this.closed) {
-      let waiting = false;
-      for (const s of this.subs.values()) if (s._state === State.Waiting) waiting = true;
-      if (!waiting) {
-        await new Promise<void>((r) => (this.wake = r));
-        this.wake = undefined;
-        continue;
-      }
-      let failure: TinybrokerError;
-      let starting = false;
-      let moving = false;
-      try {
-        await this.serve();
-        if (this.closed) return;
-        failure = new TinybrokerError(Status.UNAVAILABLE, "the broker ended the session");
-      } catch (e) {
-        if (e instanceof StartFailed) {
-          failure = e.error;
-          starting = true;
-        } else if (e instanceof ReplicaUnavailable) {
-          failure = e.error;
-          moving = true;
-        } else {
-          failure = TinybrokerError.from(e);
+  private onEvent(event: SessionEvent): void {
+    const e = event.event;
+    if (e === undefined) return;
+    switch (e.$case) {
+      case "deliveries":
+        for (const d of e.value.deliveries) this.deliver(d);
+        return;
+      case "delivery":
+        this.deliver(e.value);
+        return;
+      case "published":
+        this.buffer.onPublished(e.value);
+        return;
+      case "opened":
+        this.byHandle.get(e.value.handle)?._onOpened(e.value.subscriptionId);
+        return;
+      case "ended": {
+        const ended = e.value;
+        const sub = this.byHandle.get(ended.handle);
+        if (sub === undefined) return;
+        this.byHandle.delete(ended.handle);
+        sub._onEnded(ended, this.conn.targets.length > 1);
+        if (ended.reason === "rejected" && ended.code === Status.UNAVAILABLE && this.conn.targets.length > 1) {
+          // This replica cannot serve now: the session moves to the next address.
+          const call = this.call;
+          if (call !== undefined) {
+            this.lost(call, Status.UNAVAILABLE, `${targetString(this.conn.target)}: ${ended.message}`);
+          }
         }
-      } finally {
-        this.live = false;
-        const call = this.call;
-        this.call = undefined;
-        call?.cancel();
-      }
-      if (this.closed) return;
-      if (moving) this.conn.failover();
-      if (this.subs.size === 0) continue; // every subscription had ended before (a shutdown)
-      this.lost(failure, starting);
-      if (this.subs.size === 0) continue;
-      const delay = this.backoff.next();
-      for (const sub of [...this.subs.values()]) {
-        sub._emit({
-          type: "resubscribing",
-          subscriptionId: sub.subscriptionId,
-          delay,
-          cause: starting ? failure.message : undefined,
-        });
-      }
-      await this.sleep(delay);
-      if (
-        !moving &&
-        RETRYABLE.has(failure.code) &&
-        (this.conn.down() || starting || this.conn.targets.length > 1)
-      ) {
-        this.conn.failover();
+        return;
       }
     }
   }
 
-  private serve(): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      const conn = this.conn;
-      const call = conn.broker.session(conn.metadata);
-      this.call = call;
-      let accepted = false;
-      let settled = false;
-      const fail = (e: Error): void => {
-        if (settled) return;
-        settled = true;
-        clearTimeout(timer);
-        reject(e);
-      };
-      const timer = setTimeout(() => {
-        fail(
-          new StartFailed(
-            new TinybrokerError(
-              Status.DEADLINE_EXCEEDED,
-              `${targetString(conn.target)} did not accept a session within ${START_TIMEOUT / 1000} s`,
-            ),
-          ),
-        );
-      }, START_TIMEOUT);
-      call.on("metadata", () => {
-        if (settled || accepted) return;
-        clearTimeout(timer);
-        accepted = true;
-        this.live = true;
-        this.started += 1;
-        if (this.started > 1) this.reconnects += 1;
-        for (const sub of this.subs.values()) if (sub._state === State.Waiting) this.sendOpen(sub);
-      });
-      const subs = this.subs;
-      call.on("data", (event: SessionEvent) => {
-        if (settled) return;
-        const e = event.event;
-        if (e === undefined) return;
-        switch (e.$case) {
-          case "delivery": {
-            const message = e.value.message;
-            if (message === undefined) return;
-            for (const handle of e.value.handles) subs.get(handle)?._deliver(message, handle);
-            return;
-          }
-          case "opened": {
-            const sub = subs.get(e.value.handle);
-            if (sub !== undefined) {
-              this.backoff.reset();
-              sub._onOpened(e.value.subscriptionId);
-            }
-            return;
-          }
-          case "ended": {
-            const ended = e.value;
-            const sub = subs.get(ended.handle);
-            if (sub !== undefined) {
-              subs.delete(ended.handle);
-              sub._onEnded(ended);
-            }
-            if (ended.reason === "rejected" && ended.code === Status.UNAVAILABLE && conn.targets.length > 1) {
-              // This replica cannot serve now: try the next address.
-              fail(
-                new ReplicaUnavailable(
-                  new TinybrokerError(Status.UNAVAILABLE, `${targetString(conn.target)}: ${ended.message}`),
-                ),
-              );
-            }
-            return;
-          }
-        }
-      });
-      call.on("error", (err: ServiceError) => {
-        const error = TinybrokerError.from(err);
-        if (!accepted) {
-          fail(new StartFailed(new TinybrokerError(error.code, `${targetString(conn.target)}: ${error.details}`)));
-        } else {
-          fail(error);
-        }
-      });
-      call.on("status", (s: { code: number }) => {
-        if (s.code === Status.OK && !settled) {
-          settled = true;
-          clearTimeout(timer);
-          resolve();
-        }
-      });
-    });
+  private deliver(d: SessionDelivery): void {
+    const message = d.message;
+    if (message === undefined) return;
+    this.messagesIn += 1;
+    this.bytesIn += message.payload.length;
+    const origin = this.origin!;
+    for (const handle of d.handles) {
+      const sub = this.byHandle.get(handle);
+      if (sub === undefined) this.droppedLate += 1;
+      else sub._deliver(message, handle, origin);
+    }
   }
 
-  private lost(failure: TinybrokerError, starting: boolean): void {
-    for (const [handle, sub] of [...this.subs]) {
-      if (!sub._onLost(failure, starting)) this.subs.delete(handle);
+  /** The call failed or ended (status OK included) without close(): WAITING, then STARTING again. */
+  private lost(call: Call, code: number, reason: string): void {
+    if (this.call !== call) return;
+    this.call = undefined;
+    if (this.ended !== undefined) {
+      this.ended(); // close() was waiting for this end
+      return;
     }
+    call.cancel();
+    if (this.state === "CLOSED") return;
+    clearTimeout(this.timer);
+    const wasOpen = this.state === "OPEN";
+    this.state = "WAITING";
+    if (wasOpen) {
+      this.disconnected = true;
+      this.emit({ type: "disconnected", reason, code });
+    }
+    const opened = [...this.byHandle.values()];
+    this.byHandle.clear();
+    for (const sub of opened) sub._onLost(code, reason);
+    if (!wasOpen) {
+      // The session could not start: a subscription never opened learns why
+      // (and subscribe() fails at once when retrying cannot help, e.g. a bad token).
+      for (const sub of [...this.subs]) sub._onStartFailed(code, reason);
+    }
+    this.buffer.onLost();
+    this.conn.failover(); // with a list, the next address (no-op with one)
+    this.timer = setTimeout(() => {
+      this.timer = undefined;
+      if (this.state === "WAITING") this.start();
+    }, this.delay.next());
   }
 }
 
 /** Options of {@link Subscription.next}. */
 export interface NextOptions {
-  /** Milliseconds to wait: then it rejects with a TinybrokerError(DEADLINE_EXCEEDED). */
+  /** Milliseconds to wait: then it rejects with a {@link TimeoutError} (DEADLINE_EXCEEDED). */
   timeout?: number;
   /** Stops waiting (rejects with the signal's reason). */
   signal?: AbortSignal;
@@ -339,25 +371,30 @@ export interface NextOptions {
 /** A callback for a subscription's events. */
 export type EventCallback = (event: SubscriptionEvent) => void;
 
-const CLOSED = Symbol("closed");
+/** How the subscription was last ended or lost, until its next delivery reports the gap. */
+interface Resuming {
+  readonly cause: string;
+  readonly dropped: number | undefined;
+}
 
 /**
  * A subscription on its client's session: an `AsyncIterable` of
  * {@link Message}s (`for await (const msg of sub) { ... }`).
  *
- * The broker sends it at most `window` messages beyond what the iteration
- * has taken. When the broker ends it (eviction, shutdown) or the connection
- * is lost, the client opens it again after a jittered backoff (unless
- * `resubscribe: false`), with the same id when the application named one,
- * and reports each step as a {@link SubscriptionEvent} (to `onEvent`, in
- * {@link Subscription.events}, counted in {@link Subscription.stats}), with
- * a `gap` event when messages arrive again. Iteration stops after
- * {@link Subscription.close}; it throws {@link SubscriptionEnded} when the
- * subscription ended for good otherwise (an admin closed it, or it ended and
- * does not re-subscribe). Leaving a `for await` loop does not close it.
+ * The broker sends it at most `window` messages beyond what the application
+ * has taken, and the client holds at most `window` for it. When the broker
+ * ends it (eviction, shutdown) the client opens it again after a jittered
+ * backoff (unless `resubscribe: false`); when the session is lost it is
+ * opened again on the next session. Each step is a
+ * {@link SubscriptionEvent} (to `onEvent`, in {@link Subscription.events},
+ * counted in {@link Subscription.stats}), with a `gap` event when the first
+ * message after does not follow the last one before. Iteration stops after
+ * {@link Subscription.close} or the client's close; it throws
+ * {@link SubscriptionEnded} when the subscription ended for good otherwise.
+ * Leaving a `for await` loop does not close it.
  */
 export class Subscription implements AsyncIterable<Message> {
-  /** Credit window: deliveries the broker may send beyond what was taken. */
+  /** Credit window: deliveries the broker may send beyond what was taken, and the most the client holds. */
   readonly window: number;
   /** Whether it is opened again after an eviction, a shutdown or a lost connection. */
   readonly resubscribe: boolean;
@@ -379,31 +416,34 @@ export class Subscription implements AsyncIterable<Message> {
   lastGap: GapEvent | undefined;
 
   /** @internal */ readonly _request: OpenSubscriptionRequest;
-  /** @internal */ _handle = 0;
-  /** @internal */ _state: State = State.Waiting;
-  /** @internal */ _generation = 0;
-  /** @internal */ _taken = 0;
+  /** @internal The handle of its latest open (0: never opened). */ _handle = 0;
+  /** @internal */ _state: SubscriptionState = "WAITING";
+  /** @internal Messages taken since the last credit top-up of this open. */ _taken = 0;
   /** @internal */ _closing = false;
-  /** @internal */ _lastCause: TinybrokerError | undefined;
+  /** @internal Why the last attempt to open it failed, if one did. */ _lastCause: TinybrokerError | undefined;
   /** @internal */ readonly _opened: Promise<void>;
 
   private readonly session: Session;
-  private readonly batch: number;
+  private readonly topUp: number;
   private readonly onEvent: EventCallback | undefined;
   private buffer: Message[] = [];
   private head = 0;
   private waiter: (() => void) | undefined;
   private lastSequence = 0;
-  private resuming: EndedEvent | undefined;
-  private final: SubscriptionEnded | TinybrokerError | typeof CLOSED | undefined;
+  private lastOrigin: Origin | undefined;
+  private resuming: Resuming | undefined;
+  private final: Error | undefined;
   private openedOnce = false;
   private resolveOpened!: () => void;
   private rejectOpened!: (e: Error) => void;
   private openSettled = false;
   private closedWaiter: (() => void) | undefined;
   private retry: NodeJS.Timeout | undefined;
-  private readonly backoff = new Backoff();
+  private readonly backoff = new Backoff(RESUBSCRIBE_DELAY_FIRST, RESUBSCRIBE_DELAY_CAP);
+  private takenSinceOpen = false;
   private readonly manual: boolean;
+  private acks: number[] = [];
+  private nacks: number[] = [];
 
   /** @internal */
   constructor(
@@ -411,11 +451,13 @@ export class Subscription implements AsyncIterable<Message> {
     request: OpenSubscriptionRequest,
     opts: { window: number; resubscribe: boolean; onEvent?: EventCallback | undefined },
   ) {
-    if (!(opts.window >= 1)) throw new RangeError("window must be at least 1");
+    if (!(Number.isInteger(opts.window) && opts.window >= 1)) {
+      throw new UsageError(`window must be an integer of at least 1, not ${opts.window}`, Status.INVALID_ARGUMENT);
+    }
     this.session = session;
     this._request = request;
     this.window = opts.window;
-    this.batch = Math.max(1, Math.floor(opts.window / 4));
+    this.topUp = topUp(opts.window);
     this.resubscribe = opts.resubscribe;
     this.onEvent = opts.onEvent;
     this.subscriptionId = request.subscriptionId || undefined;
@@ -437,13 +479,17 @@ export class Subscription implements AsyncIterable<Message> {
   get group(): string | undefined {
     return this._request.consumerGroup || undefined;
   }
-  /** Open on the broker right now (not between an end and a re-open). */
-  get isOpen(): boolean {
-    return this._state === State.Open;
+  /** Its state: WAITING, OPENING, OPEN, BACKOFF or DONE (docs/clients.md). */
+  get state(): SubscriptionState {
+    return this._state;
   }
-  /** Ended for good: iteration stops or throws once the buffer is empty. */
+  /** Open on the broker right now. */
+  get isOpen(): boolean {
+    return this._state === "OPEN";
+  }
+  /** Ended for good: iteration stops or throws once the messages held are taken. */
   get done(): boolean {
-    return this._state === State.Done;
+    return this._state === "DONE";
   }
   /** Messages received and not yet taken (never more than the window). */
   get pending(): number {
@@ -452,10 +498,17 @@ export class Subscription implements AsyncIterable<Message> {
 
   /** Iterates its messages: `for await (const msg of sub)`. */
   [Symbol.asyncIterator](): AsyncIterator<Message> {
+    const result = (m: Message | undefined): IteratorResult<Message> =>
+      m === undefined ? { done: true, value: undefined } : { done: false, value: m };
     return {
-      next: async (): Promise<IteratorResult<Message>> => {
-        const m = await this.take();
-        return m === undefined ? { done: true, value: undefined } : { done: false, value: m };
+      // A message already held is handed over without waiting a turn.
+      next: (): Promise<IteratorResult<Message>> => {
+        try {
+          const m = this.take();
+          return m instanceof Promise ? m.then(result) : Promise.resolve(result(m));
+        } catch (e) {
+          return Promise.reject(e);
+        }
       },
       // Leaving the loop does not close the subscription.
       return: async (): Promise<IteratorResult<Message>> => ({ done: true, value: undefined }),
@@ -463,30 +516,33 @@ export class Subscription implements AsyncIterable<Message> {
   }
 
   /**
-   * The next message. Rejects with TinybrokerError(DEADLINE_EXCEEDED) after
-   * `timeout` ms, with {@link SubscriptionEnded} when it ended for good, and
-   * with TinybrokerError(CANCELLED) after {@link Subscription.close}.
+   * The next message. One at a time: a second call while one waits rejects
+   * at once with {@link UsageError} (the first keeps waiting). Rejects with
+   * {@link TimeoutError} after `timeout` ms, with {@link SubscriptionEnded}
+   * when it ended for good, and with {@link ClientClosed} after
+   * {@link Subscription.close} or the client's close.
    */
   async next(opts: NextOptions = {}): Promise<Message> {
     const m = await this.take(opts.timeout, opts.signal);
-    if (m === undefined) throw new TinybrokerError(Status.CANCELLED, "the subscription is closed");
+    if (m === undefined) throw this.final ?? new ClientClosed("the subscription");
     return m;
   }
 
+  /** A message, or undefined at the end of the iteration (closed). */
   private take(timeout?: number, signal?: AbortSignal): Promise<Message | undefined> | Message | undefined {
-    if (this.head < this.buffer.length) return this.shift();
+    if (this.head < this.buffer.length && this.waiter === undefined) return this.shift();
     return this.wait(timeout, signal);
   }
 
   private async wait(timeout?: number, signal?: AbortSignal): Promise<Message | undefined> {
+    if (this.waiter !== undefined) throw new UsageError("only one next() at a time on a subscription");
     for (;;) {
       if (this.head < this.buffer.length) return this.shift();
       const final = this.final;
       if (final !== undefined) {
-        if (final === CLOSED) return undefined;
+        if (final instanceof ClientClosed) return undefined;
         throw final;
       }
-      if (this.waiter !== undefined) throw new Error("only one next() at a time on a subscription");
       signal?.throwIfAborted();
       let timer: NodeJS.Timeout | undefined;
       let onAbort: (() => void) | undefined;
@@ -495,13 +551,7 @@ export class Subscription implements AsyncIterable<Message> {
           this.waiter = resolve;
           if (timeout !== undefined) {
             timer = setTimeout(
-              () =>
-                reject(
-                  new TinybrokerError(
-                    Status.DEADLINE_EXCEEDED,
-                    `no message on ${this.subscriptionId ?? "the subscription"} within ${timeout} ms`,
-                  ),
-                ),
+              () => reject(new TimeoutError(`no message on ${this.subscriptionId ?? "the subscription"} within ${timeout} ms`)),
               timeout,
             );
           }
@@ -520,6 +570,7 @@ export class Subscription implements AsyncIterable<Message> {
 
   private shift(): Message {
     const message = this.buffer[this.head]!;
+    this.buffer[this.head] = undefined as unknown as Message;
     this.head += 1;
     if (this.head === this.buffer.length) {
       this.buffer = [];
@@ -529,41 +580,55 @@ export class Subscription implements AsyncIterable<Message> {
       this.head = 0;
     }
     this.stats.received += 1;
-    if (this._state === State.Opening || this._state === State.Open) {
+    if (!this.takenSinceOpen && this._state === "OPEN") {
+      // Taken after its last open: the resubscribe delay starts again from the first.
+      this.takenSinceOpen = true;
+      this.backoff.reset();
+    }
+    if (this._state === "OPENING" || this._state === "OPEN") {
       this._taken += 1;
-      if (this._taken >= this.batch) {
-        this.session.send({ request: { $case: "credit", value: { handle: this._handle, messages: this._taken } } });
+      if (this._taken >= this.topUp) {
+        this.session.write({ request: { $case: "credit", value: { handle: this._handle, messages: this._taken } } });
         this._taken = 0;
       }
+    } else if (this._state === "WAITING") {
+      this.session.openIfRoom(this); // it may have been waiting for room in its window
     }
     return message;
   }
 
   /**
    * Closes the subscription and waits (up to `timeout` ms) until the broker
-   * has ended it (acks sent before have then been applied). Messages not yet
-   * taken are dropped (a MANUAL group's go to another member). Iteration then
-   * stops.
+   * has ended it (acks made before are sent first). Messages not yet taken
+   * are dropped (a MANUAL group's go to another member). Iteration then
+   * stops; a waiting `next()` rejects with {@link ClientClosed}.
    */
   async close(timeout = 5000): Promise<void> {
-    if (this._state === State.Done) return;
+    if (this._state === "DONE") return;
     this._closing = true;
     clearTimeout(this.retry);
     this.retry = undefined;
     this.buffer = [];
     this.head = 0;
-    if ((this._state === State.Opening || this._state === State.Open) && this.session.live) {
+    if (this._state === "OPEN" && this.session.state === "OPEN") {
       let timer: NodeJS.Timeout | undefined;
       const closed = new Promise<void>((r) => {
         this.closedWaiter = r;
         timer = setTimeout(r, timeout);
       });
-      this.session.send({ request: { $case: "close", value: { handle: this._handle } } });
+      this.session.write({ request: { $case: "close", value: { handle: this._handle } } });
       await closed;
       clearTimeout(timer);
+    } else if (this._state === "OPENING") {
+      // Its `opened` sends the close; the end comes after it.
+      let timer: NodeJS.Timeout | undefined;
+      await new Promise<void>((r) => {
+        this.closedWaiter = r;
+        timer = setTimeout(r, timeout);
+      });
+      clearTimeout(timer);
     }
-    this.session.forget(this);
-    this._finish(undefined);
+    this._finish(new ClientClosed("the subscription"));
   }
 
   /** The same as {@link Subscription.close} (the name nats.js uses). */
@@ -571,7 +636,7 @@ export class Subscription implements AsyncIterable<Message> {
     return this.close();
   }
 
-  // --- what the session calls ---
+  // --- what the session and messages call ---
 
   /** @internal */
   _emit(event: SubscriptionEvent): void {
@@ -586,25 +651,12 @@ export class Subscription implements AsyncIterable<Message> {
     }
   }
 
-  /** @internal */
-  _deliver(raw: PbMessage, handle: number): void {
-    if (this.resuming !== undefined) {
-      const ended = this.resuming;
-      this.resuming = undefined;
-      const gap: GapEvent = {
-        type: "gap",
-        subscriptionId: this.subscriptionId,
-        lastBefore: this.lastSequence,
-        firstAfter: raw.sequence,
-        dropped: ended.dropped,
-        reason: ended.reason,
-      };
-      this.lastGap = gap;
-      this.stats.gaps += 1;
-      this._emit(gap);
-    }
+  /** @internal A delivery for its current handle. */
+  _deliver(raw: PbMessage, handle: number, origin: Origin): void {
+    if (this.resuming !== undefined) this.reportGap(this.resuming, raw.sequence, origin);
     this.lastSequence = raw.sequence;
-    this.buffer.push(new Message(raw, this, handle, this._generation));
+    this.lastOrigin = origin;
+    this.buffer.push(new Message(raw, this, handle));
     const waiter = this.waiter;
     if (waiter !== undefined) {
       this.waiter = undefined;
@@ -612,9 +664,36 @@ export class Subscription implements AsyncIterable<Message> {
     }
   }
 
+  /** The first delivery after it was open again: one gap event, unless it follows the last one (docs/clients.md "Gaps"). */
+  private reportGap(resuming: Resuming, first: number, origin: Origin): void {
+    this.resuming = undefined;
+    const last = this.lastSequence;
+    let missed: GapEvent["missed"];
+    let reason: GapEvent["reason"];
+    if (last === 0 || this.lastOrigin === undefined) reason = "nothing_before";
+    else if (origin.instance !== this.lastOrigin.instance) reason = "instance_changed";
+    else if (origin.scope !== "instance" || this.lastOrigin.scope !== "instance") reason = "sequence_scope";
+    else if (first > last + 1) missed = { first: last + 1, last: first - 1 };
+    else return; // the next sequence (or a redelivery): nothing missed
+    const gap: GapEvent = {
+      type: "gap",
+      subscriptionId: this.subscriptionId,
+      missed,
+      reason,
+      dropped: resuming.dropped,
+      cause: resuming.cause,
+      lastBefore: last,
+      firstAfter: first,
+    };
+    this.lastGap = gap;
+    this.stats.gaps += 1;
+    this._emit(gap);
+  }
+
   /** @internal */
   _onOpened(subscriptionId: string): void {
-    this._state = State.Open;
+    this._state = "OPEN";
+    this.takenSinceOpen = false;
     this.subscriptionId = subscriptionId;
     this._lastCause = undefined;
     if (!this.openedOnce) {
@@ -622,57 +701,46 @@ export class Subscription implements AsyncIterable<Message> {
       this.settleOpened();
       this._emit({ type: "opened", subscriptionId });
     } else {
-      this.backoff.reset();
       this.stats.resubscribes += 1;
       this._emit({ type: "resubscribed", subscriptionId });
     }
-    if (this._closing) this.session.send({ request: { $case: "close", value: { handle: this._handle } } });
+    if (this._closing) this.session.write({ request: { $case: "close", value: { handle: this._handle } } });
   }
 
-  private countEnd(ended: EndedEvent): void {
+  private countEnd(event: EndedEvent): void {
     this.stats.ends += 1;
-    this.stats.dropped += ended.dropped;
-    this.stats.byReason[ended.reason] = (this.stats.byReason[ended.reason] ?? 0) + 1;
-    if (ended.reason === "evicted") this.stats.evictions += 1;
+    this.stats.dropped += event.dropped;
+    this.stats.byReason[event.reason] = (this.stats.byReason[event.reason] ?? 0) + 1;
+    if (event.reason === "evicted") this.stats.evictions += 1;
   }
 
-  /** @internal */
-  _onEnded(ended: SessionEnded): void {
-    this._state = State.Waiting;
+  /** @internal The broker ended its current handle (docs/clients.md "Ends"). */
+  _onEnded(ended: SessionEnded, hasOtherAddresses: boolean): void {
+    this._state = "WAITING";
+    this.acks = [];
+    this.nacks = [];
     const reason = ended.reason;
     if (this._closing || reason === "closed") {
-      this._finish(undefined);
+      this._finish(new ClientClosed("the subscription"));
       return;
     }
     const code = ended.code;
     if (reason === "rejected") {
-      const error = new TinybrokerError(code, ended.message);
+      const error = new TinybrokerError(code, ended.message || `the broker refused the subscription (${code})`);
       this._lastCause = error;
       if (!this.openedOnce) {
-        // A broker that cannot serve now (UNAVAILABLE): subscribe() waits,
-        // until its timeout, for one that can.
-        if (this.resubscribe && code === Status.UNAVAILABLE) {
-          this.scheduleRetry(error.message);
-          return;
-        }
-        this._finish(undefined, error);
-        return;
+        // With an address list, a replica that cannot serve now is passed
+        // over: subscribe() waits (until its timeout) for one that can.
+        if (code === Status.UNAVAILABLE && hasOtherAddresses) return this.backOff(error.message, undefined);
+        return this._finish(error, error);
       }
-      if (this.resubscribe && (RETRYABLE.has(code) || code === Status.ALREADY_EXISTS)) {
-        this.scheduleRetry(error.message);
-        return;
+      // A re-open: UNAVAILABLE is retried; so is ALREADY_EXISTS (the broker
+      // may not have ended the subscription of the lost session yet).
+      if (this.resubscribe && (code === Status.UNAVAILABLE || code === Status.ALREADY_EXISTS)) {
+        return this.backOff(error.message, undefined);
       }
-      this._finish(
-        new SubscriptionEnded(reason, {
-          code,
-          message: ended.message,
-          subscriptionId: this.subscriptionId,
-          lastSequence: this.lastSequence,
-        }),
-      );
-      return;
     }
-    const again = this.resubscribe && reason !== "closed_by_admin";
+    const again = this.resubscribe && (reason === "evicted" || reason === "shutdown");
     const last = Math.max(ended.lastSequence, this.lastSequence);
     const event: EndedEvent = {
       type: "ended",
@@ -687,8 +755,8 @@ export class Subscription implements AsyncIterable<Message> {
     this.countEnd(event);
     this._emit(event);
     if (again) {
-      this.resuming = event;
-      this.scheduleRetry(undefined);
+      this.resuming = { cause: reason, dropped: ended.dropped };
+      this.backOff(undefined, this.resuming);
     } else {
       this._finish(
         new SubscriptionEnded(reason, {
@@ -702,71 +770,76 @@ export class Subscription implements AsyncIterable<Message> {
     }
   }
 
-  /** @internal The session failed; true to stay and be opened on the next one. */
-  _onLost(failure: TinybrokerError, starting: boolean): boolean {
-    const was = this._state;
-    this._state = State.Waiting;
-    if (this._closing) {
-      this._finish(undefined);
-      return false;
-    }
-    this._lastCause = failure;
-    const retry = this.resubscribe && RETRYABLE.has(failure.code);
-    if (!this.openedOnce) {
-      // subscribe() waits (until its timeout) for a broker that answers.
-      if (RETRYABLE.has(failure.code)) return true;
-      this._finish(undefined, failure);
-      return false;
-    }
-    if (!starting && was !== State.Waiting) {
+  /** BACKOFF, then WAITING after the resubscribe delay. */
+  private backOff(cause: string | undefined, resuming: Resuming | undefined): void {
+    this._state = "BACKOFF";
+    if (resuming !== undefined) this.resuming = resuming;
+    const delay = this.backoff.next();
+    this._emit({ type: "resubscribing", subscriptionId: this.subscriptionId, delay, cause });
+    this.retry = setTimeout(() => {
+      this.retry = undefined;
+      if (this._state !== "BACKOFF") return;
+      this._state = "WAITING";
+      this.session.openIfRoom(this);
+    }, delay);
+  }
+
+  /** @internal Its session was lost: WAITING, to be opened on the next session (or DONE without re-subscription). */
+  _onLost(code: number, reason: string): void {
+    this._state = "WAITING";
+    this.acks = [];
+    this.nacks = [];
+    if (this._closing) return this._finish(new ClientClosed("the subscription"));
+    this._lastCause = new TinybrokerError(code || Status.UNAVAILABLE, reason);
+    if (!this.openedOnce) return; // subscribe() waits (until its timeout) for a session
+    if (!this.resubscribe) {
       const event: EndedEvent = {
         type: "ended",
         subscriptionId: this.subscriptionId,
         reason: "connection_lost",
         dropped: 0,
         lastSequence: this.lastSequence,
-        code: failure.code,
-        message: failure.details,
-        resubscribing: retry,
+        code: code || Status.UNAVAILABLE,
+        message: reason,
+        resubscribing: false,
       };
       this.countEnd(event);
       this._emit(event);
-      if (retry) this.resuming = event;
+      this._finish(
+        new SubscriptionEnded("connection_lost", {
+          lastSequence: this.lastSequence,
+          code: event.code,
+          message: reason,
+          subscriptionId: this.subscriptionId,
+        }),
+      );
+      return;
     }
-    if (retry) return true;
-    this._finish(
-      new SubscriptionEnded("connection_lost", {
-        lastSequence: this.lastSequence,
-        code: failure.code,
-        message: failure.details,
-        subscriptionId: this.subscriptionId,
-      }),
-    );
-    return false;
+    if (this.resuming === undefined) this.resuming = { cause: "connection_lost", dropped: undefined };
   }
 
-  private scheduleRetry(cause: string | undefined): void {
-    const delay = this.backoff.next();
-    this._emit({ type: "resubscribing", subscriptionId: this.subscriptionId, delay, cause });
-    this.retry = setTimeout(() => {
-      this.retry = undefined;
-      if (!this._closing && this._state !== State.Done && !this.session.closed) this.session.open(this);
-    }, delay);
+  /** @internal The session could not start: a subscription never opened fails when the code says retrying cannot help. */
+  _onStartFailed(code: number, reason: string): void {
+    if (this.openedOnce || this._state === "DONE") return;
+    const error = new TinybrokerError(code || Status.UNAVAILABLE, reason);
+    this._lastCause = error;
+    if (!RETRYABLE.has(error.code)) this._finish(error, error);
   }
 
-  /** @internal */
+  /** @internal Queues an ack or nack of `message` for the next SessionAck/SessionNack; false when it will not be sent. */
   settle(message: Message, nack: boolean): boolean {
-    if (
-      this._state !== State.Open ||
-      !this.manual ||
-      message._generation !== this._generation ||
-      message._handle !== this._handle
-    ) {
-      return false;
-    }
-    const value = { handle: this._handle, sequences: [message.sequence] };
-    this.session.send(nack ? { request: { $case: "nack", value } } : { request: { $case: "ack", value } });
+    if (!this.manual || message._handle !== this._handle || this._state !== "OPEN") return false;
+    (nack ? this.nacks : this.acks).push(message.sequence);
+    this.session.ackLater(this);
     return true;
+  }
+
+  /** @internal The acks and nacks to send now. */
+  _takeSettles(): { acks: number[]; nacks: number[] } {
+    const taken = { acks: this.acks, nacks: this.nacks };
+    this.acks = [];
+    this.nacks = [];
+    return taken;
   }
 
   private settleOpened(error?: Error): void {
@@ -776,15 +849,14 @@ export class Subscription implements AsyncIterable<Message> {
     else this.rejectOpened(error);
   }
 
-  /** @internal */
-  _finish(final: SubscriptionEnded | TinybrokerError | undefined, openError?: Error): void {
-    this._state = State.Done;
+  /** @internal DONE: `final` is what a waiting or later next() gets once the messages held are taken. */
+  _finish(final: Error, openError?: Error): void {
+    this._state = "DONE";
     clearTimeout(this.retry);
     this.retry = undefined;
-    if (this.final === undefined) this.final = final ?? CLOSED;
-    if (!this.openSettled) {
-      this.settleOpened(openError ?? final ?? new TinybrokerError(Status.CANCELLED, "closed before it opened"));
-    }
+    if (this.final === undefined) this.final = final;
+    this.session.forget(this);
+    if (!this.openSettled) this.settleOpened(openError ?? final);
     const closed = this.closedWaiter;
     this.closedWaiter = undefined;
     closed?.();

@@ -11,7 +11,7 @@ test("admin lists subscriptions, groups, info, and closes one", { timeout: 45_00
   const events = [];
   const sub = await client.subscribe(["a.*", "b.>"], { subscriptionId: "watched", onEvent: (e) => events.push(e) });
   const member = await client.subscribe("jobs.>", { group: "workers", ackMode: "manual", maxInFlight: 5 });
-  await client.publish("a.x", "1");
+  await client.publishConfirmed("a.x", "1");
   await sub.next({ timeout: 5000 });
 
   const byId = async () => new Map((await client.admin.subscriptions()).map((s) => [s.subscriptionId, s]));
@@ -24,7 +24,7 @@ test("admin lists subscriptions, groups, info, and closes one", { timeout: 45_00
   assert.equal(subs.get(member.subscriptionId).consumerGroup, "workers");
   assert.equal(subs.get(member.subscriptionId).ackMode, "manual");
   // A member that takes a message and does not ack it: named by it.
-  await client.publish("jobs.1", "job");
+  await client.publishConfirmed("jobs.1", "job");
   await member.next({ timeout: 5000 });
   const held = await until(async () => {
     const s = (await byId()).get(member.subscriptionId);

@@ -52,7 +52,13 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   const sub = await client.subscribe("feed.>", { subscriptionId: "feed-reader", onEvent: (e) => events.push(e) });
   // Nobody reads while messages arrive: evicted (publishing stops there, so
   // the re-opened subscription gets none of them).
-  for (let i = 0; i < 1000 && sub.stats.evictions === 0; i++) await client.publish("feed.a", String(i));
+  for (let i = 0; i < 1000 && sub.stats.evictions === 0; i++) await client.publishConfirmed("feed.a", String(i));
+  // It holds its whole window: not opened again until the application takes one.
+  await until(() => sub.state === "WAITING", 10_000, "waiting for room in its window");
+  assert.equal(sub.pending, 8);
+  assert.equal(sub.stats.resubscribes, 0);
+  const before = [];
+  for (let i = 0; i < 8; i++) before.push(await sub.next({ timeout: 5000 }));
   await until(() => sub.stats.resubscribes >= 1 && sub.isOpen, 10_000, "re-subscribed");
   const ended = events.find((e) => e.type === "ended");
   assert.equal(ended.reason, "evicted");
@@ -60,9 +66,7 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   assert.equal(sub.subscriptionId, "feed-reader"); // the id it named is kept
   assert.ok(events.some((e) => e.type === "resubscribed"));
   // What it had taken in before the eviction, then the next message after the gap.
-  const before = [];
-  for (let i = 0; i < 8; i++) before.push(await sub.next({ timeout: 5000 }));
-  const result = await client.publish("feed.a", "after");
+  const result = await client.publishConfirmed("feed.a", "after");
   const msg = await sub.next({ timeout: 5000 });
   assert.equal(msg.string(), "after");
   const gap = sub.lastGap;
@@ -71,7 +75,8 @@ test("an eviction is reported with its gap, then re-subscribed", { timeout: 60_0
   assert.equal(gap.lastBefore, before.at(-1).sequence);
   assert.equal(gap.firstAfter, result.sequence);
   assert.ok(gap.firstAfter > gap.lastBefore + 1);
-  assert.equal(gap.reason, "evicted");
+  assert.equal(gap.cause, "evicted");
+  assert.deepEqual(gap.missed, { first: gap.lastBefore + 1, last: gap.firstAfter - 1 });
   assert.equal(gap.dropped, ended.dropped);
   assert.equal(events.at(-1).type, "gap");
 });

@@ -12,7 +12,7 @@ test("round trip delivers payload, headers and sequence", { timeout: 45_000 }, a
   t.after(() => client.close());
   const sub = await client.subscribe(["greet.*", "other.>"]);
   assert.ok(sub.subscriptionId);
-  const result = await client.publish("greet.world", Buffer.from("hello"), { headers: { k: "v" } });
+  const result = await client.publishConfirmed("greet.world", Buffer.from("hello"), { headers: { k: "v" } });
   assert.ok(result.sequence > 0);
   assert.equal(result.matchedSubscriptions, 1);
   const msg = await sub.next({ timeout: 5000 });
@@ -21,13 +21,13 @@ test("round trip delivers payload, headers and sequence", { timeout: 45_000 }, a
   assert.equal(msg.subscriptionId, sub.subscriptionId);
   assert.ok(msg.publishTime.getFullYear() >= 2024);
   // A string payload goes as UTF-8; the subscription is an AsyncIterable.
-  await client.publish("other.a.b", "text");
+  await client.publishConfirmed("other.a.b", "text");
   for await (const m of sub) {
     assert.equal(Buffer.from(m.data).toString(), "text");
     break;
   }
   // Leaving the loop did not close it.
-  await client.publish("greet.again", "still");
+  await client.publishConfirmed("greet.again", "still");
   assert.equal((await sub.next({ timeout: 5000 })).string(), "still");
 });
 
@@ -38,7 +38,7 @@ test("publisher streams with counts and the first error typed", { timeout: 45_00
   const sub = await client.subscribe("load.>");
   const pub = client.publisher();
   for (let i = 0; i < 500; i++) await pub.publish(`load.${i % 5}`, String(i));
-  const result = await pub.flush();
+  const result = await pub.end();
   assert.equal(result.accepted, 500);
   assert.equal(result.lastSequence - result.firstSequence, 499);
   const got = [];
@@ -49,13 +49,13 @@ test("publisher streams with counts and the first error typed", { timeout: 45_00
     (async () => {
       await pub.publish("ok.topic", "1");
       await pub.publish("bad topic", "2");
-      await pub.flush();
+      await pub.end();
     })(),
     (e) => e instanceof PublishError && e.code === Status.INVALID_ARGUMENT && e.details.includes("bad topic"),
   );
   await pub.close();
   await assert.rejects(
-    client.publish("bad..topic", ""),
+    client.publishConfirmed("bad..topic", ""),
     (e) => e instanceof TinybrokerError && e.code === Status.INVALID_ARGUMENT,
   );
   await assert.rejects(
@@ -86,7 +86,7 @@ test("publisher waits while the broker is behind; an AbortSignal cancels a call"
   assert.ok(pending !== undefined, "400 publishes of 64 KiB never waited for the stopped broker");
   // A unary call to the stopped broker, cancelled by its signal.
   const abort = new AbortController();
-  const call = client.publish("x.y", "", { signal: abort.signal, timeout: 5000 });
+  const call = client.publishConfirmed("x.y", "", { signal: abort.signal, timeout: 5000 });
   abort.abort();
   await assert.rejects(call, (e) => e instanceof TinybrokerError && e.code === Status.CANCELLED);
   broker.proc.kill("SIGCONT");
@@ -100,7 +100,7 @@ test("address list is tried in turn and env defaults apply", { timeout: 45_000 }
   const dead = "127.0.0.1:1";
   let client = await connect([dead, `http://${broker.addr}`], { timeout: 3000 });
   assert.equal(client.address, `http://${broker.addr}`);
-  await client.publish("x.y", "");
+  await client.publishConfirmed("x.y", "");
   await client.close();
   const saved = process.env.TINYBROKER_ADDR;
   process.env.TINYBROKER_ADDR = broker.addr;
@@ -130,7 +130,7 @@ test("address list is tried in turn and env defaults apply", { timeout: 45_000 }
   client = await connect(broker.addr);
   t.after(() => client.close());
   await assert.rejects(
-    client.publish("x.y", "", { signal: AbortSignal.abort() }),
+    client.publishConfirmed("x.y", "", { signal: AbortSignal.abort() }),
     (e) => e instanceof TinybrokerError && e.code === Status.CANCELLED,
   );
 });

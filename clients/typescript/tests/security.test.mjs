@@ -12,16 +12,20 @@ const TOKEN = "s3cret-token";
 
 test("token: good, bad, and from the environment", { timeout: 45_000 }, async (t) => {
   const broker = await starter(t)({ TINYBROKER_AUTH_TOKEN: TOKEN });
+  const clients = [];
+  t.after(() => Promise.all(clients.map((c) => c.close()))); // a client not closed keeps trying its session
   let client = await connect(broker.addr, { token: TOKEN });
+  clients.push(client);
   const sub = await client.subscribe("s.>");
-  await client.publish("s.1", "ok");
+  await client.publishConfirmed("s.1", "ok");
   assert.equal((await sub.next({ timeout: 5000 })).string(), "ok");
   assert.equal((await client.admin.info()).authEnabled, true);
   await client.close();
 
   client = await connect(broker.addr, { token: "wrong" });
+  clients.push(client);
   for (const call of [
-    () => client.publish("s.1", "no"),
+    () => client.publishConfirmed("s.1", "no"),
     () => client.subscribe("s.>", { timeout: 5000 }),
     () => client.admin.info(),
   ]) {
@@ -33,7 +37,8 @@ test("token: good, bad, and from the environment", { timeout: 45_000 }, async (t
   process.env.TINYBROKER_AUTH_TOKEN = TOKEN;
   try {
     client = await connect(broker.addr);
-    await client.publish("s.1", "env");
+    clients.push(client);
+    await client.publishConfirmed("s.1", "env");
     await client.close();
   } finally {
     if (saved === undefined) delete process.env.TINYBROKER_AUTH_TOKEN;
@@ -63,7 +68,7 @@ test("TLS with a CA file", { timeout: 45_000 }, async (t) => {
   const broker = await starter(t)({ TINYBROKER_TLS_CERT: cert, TINYBROKER_TLS_KEY: key });
   const client = await connect(`https://${broker.addr}`, { caFile: ca });
   const sub = await client.subscribe("t.>");
-  await client.publish("t.1", "secure");
+  await client.publishConfirmed("t.1", "secure");
   assert.equal((await sub.next({ timeout: 5000 })).string(), "secure");
   assert.equal((await client.admin.info()).tlsEnabled, true);
   await client.close();

@@ -26,7 +26,7 @@ test("publish injects and delivery extracts trace context", { timeout: 30_000 },
     traceFlags: TraceFlags.SAMPLED,
   };
   await context.with(trace.setSpanContext(context.active(), spanContext), async () => {
-    await client.publish("tr.1", "x", { headers: { tracestate: "k=v" } });
+    await client.publishConfirmed("tr.1", "x", { headers: { tracestate: "k=v" } });
     const pub = client.publisher();
     await pub.publish("tr.2", "y");
     await pub.close();
@@ -38,6 +38,6 @@ test("publish injects and delivery extracts trace context", { timeout: 30_000 },
     assert.equal(trace.getSpanContext(msg.traceContext)?.traceId, spanContext.traceId);
   }
   // Without an active span the client adds nothing.
-  await client.publish("tr.3", "z");
+  await client.publishConfirmed("tr.3", "z");
   assert.ok(!((await sub.next({ timeout: 5000 })).headers.traceparent ?? "").includes("0af7651916cd43dd"));
 });
