@@ -245,7 +245,7 @@ export class Session {
                 if (sub === undefined)
                     return;
                 this.byHandle.delete(ended.handle);
-                sub._onEnded(ended, this.conn.targets.length > 1);
+                sub._onEnded(ended);
                 if (ended.reason === "rejected" && ended.code === Status.UNAVAILABLE && this.conn.targets.length > 1) {
                     // This replica cannot serve now: the session moves to the next address.
                     const call = this.call;
@@ -644,7 +644,7 @@ export class Subscription {
             this.stats.evictions += 1;
     }
     /** @internal The broker ended its current handle (docs/clients.md "Ends"). */
-    _onEnded(ended, hasOtherAddresses) {
+    _onEnded(ended) {
         this._state = "WAITING";
         this.acks = [];
         this.nacks = [];
@@ -658,9 +658,10 @@ export class Subscription {
             const error = new TinybrokerError(code, ended.message || `the broker refused the subscription (${code})`);
             this._lastCause = error;
             if (!this.openedOnce) {
-                // With an address list, a replica that cannot serve now is passed
-                // over: subscribe() waits (until its timeout) for one that can.
-                if (code === Status.UNAVAILABLE && hasOtherAddresses)
+                // A broker that cannot serve now (shutting down, a replica cut off
+                // from NATS; with an address list the session moves on): subscribe()
+                // waits (until its timeout) for one that can, as docs/clients.md says.
+                if (code === Status.UNAVAILABLE)
                     return this.backOff(error.message, undefined);
                 return this._finish(error, error);
             }

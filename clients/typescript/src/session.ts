@@ -300,7 +300,7 @@ export class Session {
         const sub = this.byHandle.get(ended.handle);
         if (sub === undefined) return;
         this.byHandle.delete(ended.handle);
-        sub._onEnded(ended, this.conn.targets.length > 1);
+        sub._onEnded(ended);
         if (ended.reason === "rejected" && ended.code === Status.UNAVAILABLE && this.conn.targets.length > 1) {
           // This replica cannot serve now: the session moves to the next address.
           const call = this.call;
@@ -715,7 +715,7 @@ export class Subscription implements AsyncIterable<Message> {
   }
 
   /** @internal The broker ended its current handle (docs/clients.md "Ends"). */
-  _onEnded(ended: SessionEnded, hasOtherAddresses: boolean): void {
+  _onEnded(ended: SessionEnded): void {
     this._state = "WAITING";
     this.acks = [];
     this.nacks = [];
@@ -729,9 +729,10 @@ export class Subscription implements AsyncIterable<Message> {
       const error = new TinybrokerError(code, ended.message || `the broker refused the subscription (${code})`);
       this._lastCause = error;
       if (!this.openedOnce) {
-        // With an address list, a replica that cannot serve now is passed
-        // over: subscribe() waits (until its timeout) for one that can.
-        if (code === Status.UNAVAILABLE && hasOtherAddresses) return this.backOff(error.message, undefined);
+        // A broker that cannot serve now (shutting down, a replica cut off
+        // from NATS; with an address list the session moves on): subscribe()
+        // waits (until its timeout) for one that can, as docs/clients.md says.
+        if (code === Status.UNAVAILABLE) return this.backOff(error.message, undefined);
         return this._finish(error, error);
       }
       // A re-open: UNAVAILABLE is retried; so is ALREADY_EXISTS (the broker
