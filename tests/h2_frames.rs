@@ -505,13 +505,16 @@ async fn a_flood_close_is_counted_and_logged_with_the_peer() {
             describe(&error)
         );
 
-        // The counter.
+        // The counter. The broker counts once the connection's task ends,
+        // which may be just after the client read the GOAWAY.
+        let label = format!("reason=\"{FLOOD_REASON}\"");
+        let flood_count = |m: &str| metric_with_label(m, "tinybroker_connections_rejected_total", &label);
+        wait_until("the flood close to be counted", || async {
+            flood_count(&scrape(broker.metrics_addr).await).is_some_and(|n| n >= 1.0)
+        })
+        .await;
         let m = scrape(broker.metrics_addr).await;
-        let rejected = metric_with_label(
-            &m,
-            "tinybroker_connections_rejected_total",
-            &format!("reason=\"{FLOOD_REASON}\""),
-        );
+        let rejected = flood_count(&m);
         assert_eq!(
             rejected,
             Some(1.0),
@@ -522,9 +525,15 @@ async fn a_flood_close_is_counted_and_logged_with_the_peer() {
                 .join("\n")
         );
 
-        // One WARN line naming the peer.
+        // One WARN line naming the peer (written with the count, maybe
+        // after the client read the GOAWAY).
         let peer = flood.peer.to_string();
-        let log = broker.drain_lines();
+        let mut log = broker.drain_lines();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !log.iter().any(|l| l.contains("WARN") && l.contains(&peer)) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            log.extend(broker.drain_lines());
+        }
         let warnings: Vec<&String> = log.iter().filter(|l| l.contains("WARN") && l.contains(&peer)).collect();
         assert_eq!(warnings.len(), 1, "one WARN line naming {peer}; log: {log:#?}");
     })
