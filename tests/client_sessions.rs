@@ -285,10 +285,16 @@ async fn the_session_carries_the_token_and_a_refused_one_is_not_retried() {
 /// A TCP proxy in front of the broker whose connections the test can cut,
 /// and which can hold back what the broker sends (as a network losing one
 /// direction would) while passing on what the client sends.
+/// A proxy's connections: each one's task and its own hold flag.
+type Connections = Arc<Mutex<Vec<(tokio::task::AbortHandle, watch::Sender<bool>)>>>;
+
 struct Proxy {
     addr: SocketAddr,
-    connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
-    /// While true, what the broker sends is read and held, not forwarded.
+    /// Each connection's task, and whether it holds what the broker sends
+    /// (its own flag: a cut connection's task may still be running when
+    /// the cut lets new ones forward, and must not forward what it held).
+    connections: Connections,
+    /// While true, what the broker sends on new connections is held too.
     hold: watch::Sender<bool>,
     /// While true, new connections are closed as soon as they come.
     refuse: watch::Sender<bool>,
@@ -299,8 +305,8 @@ impl Proxy {
     async fn start(to: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
-        let (hold, held) = watch::channel(false);
+        let connections: Connections = Arc::default();
+        let (hold, holding) = watch::channel(false);
         let (refuse, refusing) = watch::channel(false);
         let tasks = connections.clone();
         let accept = tokio::spawn(async move {
@@ -308,7 +314,7 @@ impl Proxy {
                 if *refusing.borrow() {
                     continue;
                 }
-                let mut held = held.clone();
+                let (held_tx, mut held) = watch::channel(*holding.borrow());
                 let task = tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(to).await else {
                         return;
@@ -331,7 +337,7 @@ impl Proxy {
                         () = down => {}
                     }
                 });
-                tasks.lock().push(task.abort_handle());
+                tasks.lock().push((task.abort_handle(), held_tx));
             }
         });
         Self {
@@ -356,12 +362,17 @@ impl Proxy {
     /// Holds back what the broker sends from now on, until [`Proxy::cut`].
     fn hold_answers(&self) {
         self.hold.send_replace(true);
+        for (_, held) in self.connections.lock().iter() {
+            held.send_replace(true);
+        }
     }
 
     /// Drops every connection through it, both ways (what was held with
     /// them); new ones are forwarded both ways.
     fn cut(&self) {
-        for connection in self.connections.lock().drain(..) {
+        // Dropping a connection's flag ends its task's wait without
+        // forwarding, even if the abort finds the task running.
+        for (connection, _held) in self.connections.lock().drain(..) {
             connection.abort();
         }
         self.hold.send_replace(false);
