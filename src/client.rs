@@ -1257,7 +1257,8 @@ impl Backoff {
     /// The delay before the next attempt, and doubles the one after.
     fn next_delay(&mut self) -> Duration {
         // A uniform factor in [0.8, 1.2], in thousandths.
-        let draw = u16::from_le_bytes([uuid::Uuid::new_v4().as_bytes()[0], uuid::Uuid::new_v4().as_bytes()[1]]);
+        let random = uuid::Uuid::new_v4();
+        let draw = u16::from_le_bytes([random.as_bytes()[0], random.as_bytes()[1]]);
         let per_mille = 800 + u32::from(draw) % 401;
         let delay = self.next * per_mille / 1000;
         self.next = (self.next * 2).min(self.cap);
