@@ -464,6 +464,12 @@ async fn gap_is_a_range_on_one_instance() {
     .await
 }
 
+/// A 127.0.0.1 address for a broker that a test stops and starts again on
+/// the same port ([`common::process::free_port`] says why not `:0`).
+fn restartable_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], common::process::free_port()))
+}
+
 /// An embedded broker on a given gRPC address, so that a test can start
 /// another on the same port.
 struct Embedded {
@@ -505,7 +511,7 @@ impl Embedded {
 async fn gap_is_unknown_across_a_restart() {
     const SUBSCRIBERS: usize = 3;
     timeout(async {
-        let first = Embedded::start("127.0.0.1:0".parse().unwrap()).await;
+        let first = Embedded::start(restartable_addr()).await;
         let addr = first.grpc_addr;
         let client = Client::connect(&first.url()).await.unwrap();
         // Each subscriber in a task of its own, as an application would run
@@ -587,7 +593,7 @@ async fn gap_is_unknown_across_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn back_within_half_a_second_of_a_restart() {
     timeout(async {
-        let first = Embedded::start("127.0.0.1:0".parse().unwrap()).await;
+        let first = Embedded::start(restartable_addr()).await;
         let addr = first.grpc_addr;
         let client = Client::connect(&first.url()).await.unwrap();
         let mut s = client.subscriber(subscribe_request(&["back.>"]), true);
@@ -1035,6 +1041,12 @@ async fn buffered_publishes_go_out_after_a_restart() {
         assert_eq!(next(&mut s).await.payload, "0".as_bytes());
         proxy.refuse(true);
         proxy.cut();
+        // Gone for the client too: until it has read the cut, what it
+        // writes goes to the lost session and is rightly unconfirmed (seen
+        // once under load when this waited for the broker's side only).
+        let mut seen = vec![events.recv().await.unwrap()];
+        let disconnected = tokio::time::timeout(Duration::from_secs(10), events.recv()).await;
+        seen.push(disconnected.expect("no Disconnected within 10 s of the cut").unwrap());
         wait_until("the session to be gone", || async {
             sessions(broker.metrics_addr).await == 0.0
         })
@@ -1057,7 +1069,6 @@ async fn buffered_publishes_go_out_after_a_restart() {
                 "once each, in order"
             );
         }
-        let mut seen = Vec::new();
         while let Ok(event) = events.try_recv() {
             seen.push(event);
         }
@@ -1084,7 +1095,7 @@ async fn buffered_publishes_go_out_after_a_restart() {
 async fn publish_waits_when_the_buffer_is_full() {
     timeout(async {
         // Nothing listens yet: everything published waits in the buffer.
-        let port = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let port = restartable_addr();
         let client = lazy_client(port);
         let payload = bytes::Bytes::from(vec![b'x'; 1_000_000]);
         for _ in 0..8 {
@@ -1114,7 +1125,7 @@ async fn publish_waits_when_the_buffer_is_full() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_events_once_per_connection() {
     timeout(async {
-        let first = Embedded::start("127.0.0.1:0".parse().unwrap()).await;
+        let first = Embedded::start(restartable_addr()).await;
         let addr = first.grpc_addr;
         let client = Client::connect(&first.url()).await.unwrap();
         let mut events = client.connection_events();

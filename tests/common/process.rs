@@ -209,13 +209,18 @@ pub async fn exit_status(child: &mut ChildGuard, limit: Duration) -> std::proces
     }
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago, for a broker that
-/// must come back on the same address.
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a server that
+/// must come back on the same address. Taken below the kernel's ephemeral
+/// range (32768-60999 by default): while the server is down, a `:0` bind of
+/// another test running beside it, or the source port of a connection a
+/// client makes to the stopped server, could otherwise take the port (a
+/// restart failed with AddrInUse once under load).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind 127.0.0.1:0")
-        .port()
+    use std::hash::{BuildHasher, RandomState};
+    (0u64..)
+        .map(|attempt| 20_000 + (RandomState::new().hash_one(attempt) % 12_000) as u16)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port in 20000-31999")
 }
 
 /// The real broker binary on ephemeral ports.
