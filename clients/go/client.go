@@ -65,7 +65,7 @@ type Client struct {
 
 	msgsIn, bytesIn, msgsOut, bytesOut atomic.Uint64
 	reconnects, droppedLate, evDropped atomic.Uint64
-	acksSent, nacksSent, creditsSent    atomic.Uint64 // for tests
+	acksSent, nacksSent, creditsSent   atomic.Uint64 // for tests
 }
 
 // Connect connects to the first of addrs that answers ("host:port",
