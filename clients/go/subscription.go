@@ -555,7 +555,11 @@ func (s *Subscription) onEnded(e *pb.SessionEnded) {
 	s.leave()
 	if s.closing || e.Reason == "closed" {
 		s.state = subDone
-		s.finish(errSubClosed, nil)
+		if ss.closing {
+			s.finish(ErrClosed, nil) // the client's Close
+		} else {
+			s.finish(errSubClosed, nil)
+		}
 		ss.forget(s)
 		return
 	}
