@@ -146,8 +146,10 @@ func (c *Client) run() {
 		case <-timerC(s.startTimer):
 			s.startTimer = nil
 			if s.state == stStarting {
+				// The stream is given up here: what its goroutine hands
+				// over afterwards is from an older generation.
 				s.startTimed = true
-				s.cancel()
+				s.ended(context.DeadlineExceeded)
 			}
 		case <-timerC(s.delay):
 			s.delay = nil
@@ -523,6 +525,7 @@ func (s *session) afterLoss() {
 }
 
 func (s *session) stopStream() {
+	s.gen++ // what the old stream's goroutine still hands over is dropped
 	if s.cancel != nil {
 		s.cancel()
 		s.cancel = nil
