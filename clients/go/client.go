@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -408,5 +407,3 @@ func marshalRequest(r *pb.SessionRequest) *rawRequest {
 	}
 	return &rawRequest{b}
 }
-
-var _ = errors.Is
