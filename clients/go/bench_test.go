@@ -26,3 +26,37 @@ func BenchmarkPublishAsync(b *testing.B) {
 		b.Fatal(err)
 	}
 }
+
+// BenchmarkReceive: one subscription receives what another client
+// publishes (buffered), 16-byte payloads.
+func BenchmarkReceive(b *testing.B) {
+	br := startBroker(b, map[string]string{"TINYBROKER_CONSUMER_CAPACITY": "1048576", "TINYBROKER_CONSUMER_MAX_BYTES": "1073741824"})
+	pubc := connect(b, []string{br.addr})
+	subc := connect(b, []string{br.addr})
+	ctx := context.Background()
+	sub, err := subc.Subscribe(ctx, []string{"recv.>"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	payload := make([]byte, 16)
+	b.ReportAllocs()
+	b.ResetTimer()
+	go func() {
+		for range b.N {
+			if err := pubc.PublishAsync(ctx, "recv.a", payload); err != nil {
+				return
+			}
+		}
+	}()
+	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	for range b.N {
+		if _, err := sub.Next(rctx); err != nil {
+			var evs []SubscriptionEvent
+			for len(sub.Events()) > 0 {
+				evs = append(evs, <-sub.Events())
+			}
+			b.Fatalf("%v; stats %+v; publisher %+v; events %+v", err, subc.Stats(), pubc.Stats(), evs)
+		}
+	}
+}

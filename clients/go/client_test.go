@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -359,5 +360,54 @@ func TestErrors(t *testing.T) {
 	r := FlushReport{Unconfirmed: []IndexRange{{1, 10}, {20, 20}}}
 	if r.UnconfirmedCount() != 11 {
 		t.Fatal("count")
+	}
+}
+
+type ctxKey struct{}
+
+type testPropagator struct{}
+
+func (testPropagator) Inject(ctx context.Context, h map[string]string) {
+	if v, ok := ctx.Value(ctxKey{}).(string); ok {
+		h["traceparent"] = v
+	}
+}
+
+func (testPropagator) Extract(ctx context.Context, h map[string]string) context.Context {
+	return context.WithValue(ctx, ctxKey{}, h["traceparent"])
+}
+
+func TestPropagatorAndConnectionHandler(t *testing.T) {
+	b := startBroker(t, nil)
+	var mu sync.Mutex
+	var kinds []ConnectionEventKind
+	c := connect(t, []string{b.addr}, WithPropagator(testPropagator{}), WithConnectionHandler(func(ev ConnectionEvent) {
+		mu.Lock()
+		kinds = append(kinds, ev.Kind)
+		mu.Unlock()
+	}))
+	sub := subscribe(t, c, []string{"tr.>"})
+	tp := "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	ctx := context.WithValue(ctxT(t, 10*time.Second), ctxKey{}, tp)
+	if err := c.PublishAsync(ctx, "tr.a", []byte("x"), WithHeaders(map[string]string{"k": "v"})); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Publish(ctx, "tr.b", []byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		m := next(t, sub, 5*time.Second)
+		if got, _ := m.Context(context.Background()).Value(ctxKey{}).(string); got != tp {
+			t.Fatalf("%s: trace context %q (headers %v)", m.Topic, got, m.Headers)
+		}
+		if m.Topic == "tr.a" && m.Headers["k"] != "v" {
+			t.Fatalf("headers %v", m.Headers)
+		}
+	}
+	_ = c.Close()
+	mu.Lock()
+	defer mu.Unlock()
+	if len(kinds) != 2 || kinds[0] != Connected || kinds[1] != Closed {
+		t.Fatalf("handler saw %v", kinds)
 	}
 }
