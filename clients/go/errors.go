@@ -186,7 +186,8 @@ func publishStreamError(err error) *PublishError {
 // have been published) and no Flush reported them. It wraps an *Error with
 // code Unavailable.
 type CloseError struct {
-	NotSent, Unconfirmed uint64
+	NotSent     uint64 // messages never written
+	Unconfirmed uint64 // messages written without an answer, not reported by a Flush
 }
 
 // Error implements error.

@@ -26,7 +26,9 @@ type Publisher struct {
 
 // PublishStreamResult is what a Publisher's stream carried.
 type PublishStreamResult struct {
-	Accepted, FirstSequence, LastSequence uint64
+	Accepted      uint64 // messages the broker accepted
+	FirstSequence uint64 // the sequence of the first
+	LastSequence  uint64 // the sequence of the last
 }
 
 // NewPublisher returns a Publisher; ctx bounds its stream.

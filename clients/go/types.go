@@ -10,9 +10,9 @@ import (
 // PublishResult is what Publish returns: the message's sequence and the
 // subscriptions and groups it matched.
 type PublishResult struct {
-	Sequence             uint64
-	MatchedSubscriptions uint32
-	MatchedGroups        uint32
+	Sequence             uint64 // the broker's sequence of the message
+	MatchedSubscriptions uint32 // broadcast subscriptions it matched
+	MatchedGroups        uint32 // consumer groups it matched
 }
 
 // Rejection is one message the broker refused, as FlushReport names it.
@@ -29,7 +29,7 @@ type Rejection struct {
 
 // IndexRange is an inclusive range of publish indexes.
 type IndexRange struct {
-	First, Last uint64
+	First, Last uint64 // publish indexes, both included
 }
 
 // FlushReport is what happened to the messages published since the
@@ -55,14 +55,14 @@ func (r FlushReport) UnconfirmedCount() uint64 {
 
 // Message is one delivery.
 type Message struct {
-	Topic           string
-	Payload         []byte
-	Headers         map[string]string
-	Sequence        uint64
-	PublishTime     time.Time
-	SubscriptionID  string
-	Group           string
-	DeliveryAttempt uint32
+	Topic           string            // the topic it was published to
+	Payload         []byte            // its payload (do not modify: shared by the subscriptions of one delivery)
+	Headers         map[string]string // its headers (with the broker's traceparent)
+	Sequence        uint64            // the broker's sequence (names it in Ack/Nack)
+	PublishTime     time.Time         // when the broker took it
+	SubscriptionID  string            // the subscription it was delivered to
+	Group           string            // the consumer group, for a group member
+	DeliveryAttempt uint32            // 1, then more with each redelivery
 
 	sub    *Subscription
 	handle uint32
@@ -125,6 +125,7 @@ func (k EventKind) String() string {
 
 // SubscriptionEvent is an event of one subscription (Subscription.Events).
 type SubscriptionEvent struct {
+	// Kind is EventEnded or EventResumed.
 	Kind EventKind
 	// Reason: the end's reason ("evicted", "shutdown", "closed_by_admin",
 	// "rejected", "connection_lost"); on EventResumed, why it was away.
@@ -148,7 +149,7 @@ type SubscriptionEvent struct {
 type Gap struct {
 	// Known: First..Last (inclusive) are the sequences missed.
 	Known       bool
-	First, Last uint64
+	First, Last uint64 // the sequences missed, both included, when Known
 	// Reason when !Known: "instance_changed", "sequence_scope" or "nothing_before".
 	Reason string
 	// Dropped is what the broker's ended said it dropped, when there was one.
@@ -187,10 +188,10 @@ func (k ConnectionEventKind) String() string {
 // ConnectionEvent is one change of the client's connection, emitted once
 // per change whatever the number of subscriptions.
 type ConnectionEvent struct {
-	Kind            ConnectionEventKind
-	Address         string
-	Instance        string
-	InstanceChanged bool
+	Kind            ConnectionEventKind // Connected, Disconnected, Reconnected or Closed
+	Address         string              // the address of the session (Connected, Reconnected)
+	Instance        string              // the broker's tinybroker-instance (Connected, Reconnected)
+	InstanceChanged bool                // Reconnected to another instance than before
 	// Reason (Disconnected): the gRPC code and message, or "closed by the broker".
 	Reason string
 }
