@@ -45,12 +45,22 @@ func brokerBinary(t testing.TB) string {
 
 func freePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	return freePorts(t, 1)[0]
+}
+
+// freePorts returns n distinct free ports (all held until all are found).
+func freePorts(t testing.TB, n int) []int {
+	t.Helper()
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return ports
 }
 
 type broker struct {
@@ -68,15 +78,37 @@ type broker struct {
 // startBroker starts a broker on a port of its own (kept across restarts).
 func startBroker(t testing.TB, env map[string]string) *broker {
 	t.Helper()
-	b := &broker{t: t, env: env, port: freePort(t), metricsPort: freePort(t)}
-	b.start()
+	b := &broker{t: t, env: env}
+	// A port found free may be taken by another process before the broker
+	// binds it: then two new ones.
+	for attempt := 0; ; attempt++ {
+		ports := freePorts(t, 2)
+		b.port, b.metricsPort = ports[0], ports[1]
+		if b.tryStart() || attempt == 4 {
+			break
+		}
+	}
 	t.Cleanup(b.kill)
 	return b
 }
 
 var startedRe = regexp.MustCompile(`grpc_addr=\"?([0-9.:]+)`)
 
+// start starts the broker on its ports (a restart: the same ones), trying
+// again while a port is still held (TIME_WAIT of the killed one's sockets
+// does not stop a listener, another process's socket does).
 func (b *broker) start() {
+	b.t.Helper()
+	for attempt := 0; !b.tryStart(); attempt++ {
+		if attempt == 20 {
+			b.t.Fatalf("tinybroker could not bind its ports:\n%s", b.log())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// tryStart starts the broker; false when a port was in use.
+func (b *broker) tryStart() bool {
 	b.t.Helper()
 	cmd := exec.Command(brokerBinary(b.t), "serve")
 	env := []string{}
@@ -129,11 +161,15 @@ func (b *broker) start() {
 	case addr := <-started:
 		b.addr = addr
 	case <-exited:
+		if strings.Contains(b.log(), "Address already in use") {
+			return false
+		}
 		b.t.Fatalf("tinybroker exited at start:\n%s", b.log())
 	case <-time.After(30 * time.Second):
 		b.kill()
 		b.t.Fatalf("tinybroker did not start within 30 s:\n%s", b.log())
 	}
+	return true
 }
 
 func (b *broker) log() string {

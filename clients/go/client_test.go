@@ -233,7 +233,11 @@ func TestAdmin(t *testing.T) {
 	if !errors.As(err, &ended) || ended.Reason != "closed_by_admin" || !errors.As(sub.Err(), &ended) {
 		t.Fatalf("next after an admin close: %v", err)
 	}
-	<-events.done
+	select {
+	case <-events.done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the events channel was not closed")
+	}
 	if evs := events.all(); len(evs) != 1 || evs[0].Kind != EventEnded || evs[0].Reason != "closed_by_admin" {
 		t.Fatalf("events %+v", evs)
 	}
@@ -294,6 +298,8 @@ func TestIterators(t *testing.T) {
 		}
 	}
 	i = 0
+	watchdog := time.AfterFunc(10*time.Second, func() { _ = s2.Close() }) // bounds the loop
+	defer watchdog.Stop()
 	for m := range s2.Messages() {
 		if string(m.Payload) != strconv.Itoa(i) {
 			t.Fatalf("Messages: %q", m.Payload)
