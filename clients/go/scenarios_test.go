@@ -668,7 +668,7 @@ func TestScenarios(t *testing.T) {
 		}
 		b2.signal(syscall.SIGCONT)
 		// Nothing of a closed client is left.
-		goleak.VerifyNone(t, leaks, goleak.IgnoreAnyFunction("github.com/tinybroker/tinybroker/clients/go.(*broker).start.func1"))
+		goleak.VerifyNone(t, leaks, goleak.IgnoreAnyFunction("github.com/tinybroker/tinybroker/clients/go.(*broker).tryStart.func1"))
 	})
 
 	t.Run("one_next_at_a_time", func(t *testing.T) {
