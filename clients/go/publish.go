@@ -57,6 +57,7 @@ type pubBuffer struct {
 	written   uint64 // messages written (or refused here), from index 0
 	settled   uint64 // every index below it has an outcome
 	pendBytes int
+	sizeHint  int // bytes of the last batch sealed
 
 	roomCh      chan struct{} // closed when room is made
 	roomWaiters int
@@ -190,7 +191,8 @@ func (c *Client) PublishAsync(ctx context.Context, topic string, payload []byte,
 	}
 	if b == nil {
 		b = &batch{first: p.nextIndex}
-		b.buf = make([]byte, headerRoom, headerRoom+min(max(size, 4096), c.batchBytes))
+		// Sized as the last batch was: a steady publisher fills it without regrowing.
+		b.buf = make([]byte, headerRoom, headerRoom+min(max(size, p.sizeHint, 4096), c.batchBytes))
 		p.filling = b
 		kick = true
 	}
@@ -218,6 +220,7 @@ func (c *Client) PublishAsync(ctx context.Context, topic string, payload []byte,
 func (p *pubBuffer) seal() {
 	if p.filling != nil && len(p.filling.topics) > 0 {
 		p.sealed = append(p.sealed, p.filling)
+		p.sizeHint = p.filling.nbytes
 	}
 	p.filling = nil
 }
