@@ -17,7 +17,12 @@ func (c *Client) sessionStateNow() sessionState {
 	if !c.post(func() { ch <- c.s.state }) {
 		return stClosed
 	}
-	return <-ch
+	select {
+	case st := <-ch:
+		return st
+	case <-c.loopDone:
+		return stClosed
+	}
 }
 
 func (s *Subscription) stateNow() subState {
@@ -25,7 +30,12 @@ func (s *Subscription) stateNow() subState {
 	if !s.c.post(func() { ch <- s.state }) {
 		return subDone
 	}
-	return <-ch
+	select {
+	case st := <-ch:
+		return st
+	case <-s.c.loopDone:
+		return subDone
+	}
 }
 
 // hold pauses the session goroutine until the returned function is called

@@ -165,7 +165,12 @@ func (c *Client) Subscribe(ctx context.Context, patterns []string, opts ...Subsc
 		if !c.post(func() { cause <- s.lastCause }) {
 			return nil, ErrClosed
 		}
-		last := <-cause
+		var last *Error
+		select {
+		case last = <-cause:
+		case <-c.loopDone:
+			return nil, ErrClosed
+		}
 		_ = s.Close()
 		if last != nil {
 			return nil, last
@@ -174,6 +179,8 @@ func (c *Client) Subscribe(ctx context.Context, patterns []string, opts ...Subsc
 	case <-ctx.Done():
 		_ = s.Close()
 		return nil, ctxError(ctx, "subscribe")
+	case <-c.loopDone:
+		return nil, ErrClosed
 	}
 }
 
