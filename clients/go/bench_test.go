@@ -60,3 +60,32 @@ func BenchmarkReceive(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkSubscriptions1000: 1,000 subscriptions on one client, each
+// receiving one message per op.
+func BenchmarkSubscriptions1000(b *testing.B) {
+	br := startBroker(b, nil)
+	c := connect(b, []string{br.addr})
+	ctx := context.Background()
+	subs := make([]*Subscription, 1000)
+	for i := range subs {
+		s, err := c.Subscribe(ctx, []string{"many.>"})
+		if err != nil {
+			b.Fatal(err)
+		}
+		subs[i] = s
+	}
+	rctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	b.ResetTimer()
+	for range b.N {
+		if err := c.PublishAsync(ctx, "many.a", []byte("x")); err != nil {
+			b.Fatal(err)
+		}
+		for _, s := range subs {
+			if _, err := s.Next(rctx); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+}

@@ -131,7 +131,6 @@ func (c *Client) Subscribe(ctx context.Context, patterns []string, opts ...Subsc
 		manual: o.manualAck, group: o.group,
 		backoff: newBackoff(ResubscribeDelayFirst, ResubscribeDelayCap),
 		opened:  make(chan struct{}),
-		events:  make(chan SubscriptionEvent, 64),
 		notify:  make(chan struct{}, 1),
 		doneCh:  make(chan struct{}),
 		id:      o.id,
@@ -312,7 +311,20 @@ func (s *Subscription) All() iter.Seq[*Message] {
 // Events returns the subscription's events (EventEnded, EventResumed with
 // its Gap): buffered, 64; when full the oldest is dropped (counted in the
 // client's Stats().EventsDropped). Closed when the subscription is done.
-func (s *Subscription) Events() <-chan SubscriptionEvent { return s.events }
+func (s *Subscription) Events() <-chan SubscriptionEvent {
+	s.eventsMu.Lock()
+	defer s.eventsMu.Unlock()
+	return s.eventsChan()
+}
+
+// eventsChan makes the events channel on first use (eventsMu held): a
+// subscription nobody watches, with no end, costs no buffer.
+func (s *Subscription) eventsChan() chan SubscriptionEvent {
+	if s.events == nil {
+		s.events = make(chan SubscriptionEvent, 64)
+	}
+	return s.events
+}
 
 // Err says why the subscription is done: nil while it is open and after
 // Close; a *SubscriptionEndedError when the broker ended it for good; an
@@ -455,14 +467,15 @@ func (s *Subscription) emit(ev SubscriptionEvent) {
 	}
 	s.eventsMu.Lock()
 	defer s.eventsMu.Unlock()
+	ch := s.eventsChan()
 	for {
 		select {
-		case s.events <- ev:
+		case ch <- ev:
 			return
 		default:
 		}
 		select {
-		case <-s.events:
+		case <-ch:
 			s.c.evDropped.Add(1)
 		default:
 		}
@@ -473,7 +486,7 @@ func (s *Subscription) closeEvents() {
 	if !s.eventsDone {
 		s.eventsDone = true
 		s.eventsMu.Lock()
-		close(s.events)
+		close(s.eventsChan())
 		s.eventsMu.Unlock()
 	}
 }
