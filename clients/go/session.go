@@ -500,7 +500,7 @@ func (s *session) ended(err error) {
 func (s *session) lost(reason string, failure *Error) {
 	if s.state == stOpen {
 		s.disconnected = true
-		s.c.emit(ConnectionEvent{Kind: Disconnected, Reason: reason})
+		s.c.emit(ConnectionEvent{Kind: Disconnected, Address: s.c.Address(), Instance: s.instance, Reason: reason})
 	}
 	s.stopStream()
 	s.state = stWaiting

@@ -189,8 +189,8 @@ func (k ConnectionEventKind) String() string {
 // per change whatever the number of subscriptions.
 type ConnectionEvent struct {
 	Kind            ConnectionEventKind // Connected, Disconnected, Reconnected or Closed
-	Address         string              // the address of the session (Connected, Reconnected)
-	Instance        string              // the broker's tinybroker-instance (Connected, Reconnected)
+	Address         string              // the address of the session (Connected, Disconnected, Reconnected)
+	Instance        string              // the broker's tinybroker-instance (Connected, Disconnected, Reconnected)
 	InstanceChanged bool                // Reconnected to another instance than before
 	// Reason (Disconnected): the gRPC code and message, or "closed by the broker".
 	Reason string
