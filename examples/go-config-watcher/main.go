@@ -4,9 +4,10 @@
 // Every replica holds its own (broadcast) subscription to
 // config.<app>.reload, so every replica gets each signal. It reads the file
 // at start, again on each signal, and again whenever it may have missed one:
-// after the client reopened its subscription on a new connection (the
-// client's Reconnected event, a broker restart) or after an end of the
-// subscription (the subscription's Resumed event, an eviction). SIGTERM or
+// when the client is connected again (its Reconnected event: a broker
+// restart, a cut connection; the client reopens the subscription itself) and
+// when the subscription reports EventResumed (with the first delivery after
+// it was away, e.g. evicted, when messages may have been missed). SIGTERM or
 // SIGINT stops it: the context is cancelled and the client closed.
 //
 //	CONFIG_FILE=config.json APP_NAME=shop TINYBROKER_ADDR=127.0.0.1:50051 go-config-watcher
@@ -129,6 +130,10 @@ func (w *watcher) watch(ctx context.Context, sub *tinybroker.Subscription, conn 
 				// and reports Resumed.
 				w.log.Warn("subscription ended", "reason", ev.Reason, "message", ev.Message)
 			case tinybroker.EventResumed:
+				// Reported with the first delivery after the subscription
+				// was away, when messages may have been missed: a signal
+				// (that delivery) is coming anyway, but it may not be the
+				// latest one.
 				w.reload("resumed")
 			}
 		case ev, ok := <-*conn:
@@ -140,8 +145,9 @@ func (w *watcher) watch(ctx context.Context, sub *tinybroker.Subscription, conn 
 			case tinybroker.Disconnected:
 				w.log.Warn("disconnected from the broker", "reason", ev.Reason)
 			case tinybroker.Reconnected:
-				// The client has reopened the subscription on the new
-				// connection; a signal sent during the outage is lost.
+				// A signal sent during the outage is lost, and EventResumed
+				// comes only with the next delivery: read the file now. The
+				// client reopens the subscription on this connection itself.
 				w.log.Info("reconnected", "broker", ev.Address, "instance_changed", ev.InstanceChanged)
 				w.reload("reconnected")
 			}
