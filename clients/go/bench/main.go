@@ -27,7 +27,7 @@
 //	TINYBROKER_BIN=../../../target/release/tinybroker \
 //	TB_NATS_SERVER=/usr/local/lib/tinybroker/nats-server-2.10/nats-server \
 //	    go run . [-messages 100000] [-size 128] [-duration 10] [-runs 3]
-//	    [-only tinybroker|nats] [-scenario publish|receive|fanout]
+//	    [-only tinybroker|nats] [-scenario publish|receive|fanout] [-next]
 //	go run . -quick                     # CI smoke run: fails only on lost messages
 //	go run . -profile receive           # pprof CPU profile of the tinybroker side
 //
@@ -505,6 +505,7 @@ func run() int {
 		profile  = flag.String("profile", "", "publish, receive or fanout: run that tinybroker workload only, under a pprof CPU profile")
 		profOut  = flag.String("profile-out", "", "where -profile writes (default tinybroker-<workload>.pprof)")
 	)
+	flag.BoolVar(&useNext, "next", false, "tinybroker receives with sub.Next instead of range sub.Messages()")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		fmt.Fprintln(os.Stderr, "bench: unexpected arguments:", flag.Args())
@@ -629,6 +630,9 @@ func run() int {
 	}
 
 	printTable(rows, *messages, *size, *subs, *rate, *duration, *runs, tb.binary, nats.binary)
+	if *quick {
+		fmt.Println("\n-quick: a smoke run; its figures say nothing of speed. It fails only on lost messages or a failed run.")
+	}
 	if rw := rows["tinybroker"]; rw != nil && rw.lost > 0 {
 		fmt.Fprintf(os.Stderr, "bench: tinybroker's client lost %d messages\n", rw.lost)
 		failed = true
@@ -679,9 +683,13 @@ func printTable(rows map[string]*row, n, size, subs int, rate, duration float64,
 	if nt == nil {
 		nt = &row{}
 	}
+	receiveWith := "range sub.Messages()"
+	if useNext {
+		receiveWith = "sub.Next"
+	}
 	fmt.Printf("\n%d messages of %d B; %d subscriptions at %g msg/s in all for %g s; best of %d run(s); "+
-		"%s, %d CPUs, load average %s; grpc %s, nats.go %s; %s; %s\n\n",
-		n, size, subs, rate, duration, runs, runtime.Version(), runtime.NumCPU(), loadAverage(),
+		"tinybroker receives with %s; %s, %d CPUs, load average %s; grpc %s, nats.go %s; %s; %s\n\n",
+		n, size, subs, rate, duration, runs, receiveWith, runtime.Version(), runtime.NumCPU(), loadAverage(),
 		moduleVersion("google.golang.org/grpc"), moduleVersion("github.com/nats-io/nats.go"), tbBin, natsBin)
 	fmt.Println("| workload | tinybroker (Go client) | nats.go | ratio | target |")
 	fmt.Println("|---|---:|---:|---:|---|")

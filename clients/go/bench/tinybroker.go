@@ -11,6 +11,9 @@ import (
 // tbSystem is tinybroker's Go client, used as its README shows.
 type tbSystem struct{ c *tinybroker.Client }
 
+// useNext: receive with sub.Next rather than range sub.Messages() (-next).
+var useNext bool
+
 func (s *tbSystem) label() string { return "tinybroker (Go client)" }
 
 func (s *tbSystem) connect(ctx context.Context, addr string) error {
@@ -49,6 +52,18 @@ func (s *tbSystem) subscribe(ctx context.Context, subject string, onMessage func
 	sub, err := s.c.Subscribe(ctx, []string{subject}, tinybroker.WithOpenTimeout(10*time.Second))
 	if err != nil {
 		return err
+	}
+	if useNext {
+		go func() {
+			for {
+				m, err := sub.Next(ctx)
+				if err != nil {
+					return
+				}
+				onMessage(m.Payload)
+			}
+		}()
+		return nil
 	}
 	go func() {
 		for m := range sub.Messages() {
