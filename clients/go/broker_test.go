@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -48,17 +49,25 @@ func freePort(t testing.TB) int {
 	return freePorts(t, 1)[0]
 }
 
-// freePorts returns n distinct free ports (all held until all are found).
+// freePorts returns n distinct free ports (all held until all are found),
+// taken below the kernel's ephemeral range (32768-60999 by default): a
+// broker that a test restarts on its port must find it free, and while it
+// is down neither another test's ":0" bind nor the source port of a client's
+// connection to it can take a port from there.
 func freePorts(t testing.TB, n int) []int {
 	t.Helper()
 	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for attempt := 0; len(ports) < n; attempt++ {
+		if attempt == 1000 {
+			t.Fatal("no free port in 20000-31999")
+		}
+		port := 20000 + rand.IntN(12000)
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
-			t.Fatal(err)
+			continue
 		}
 		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+		ports = append(ports, port)
 	}
 	return ports
 }
@@ -263,19 +272,33 @@ func (b *broker) metrics(t testing.TB) map[string]float64 {
 	return out
 }
 
-func waitServing(t testing.TB, addr string) {
+func waitServing(t testing.TB, b *broker) {
 	t.Helper()
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(b.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	waitFor(t, 30*time.Second, addr+" SERVING", func() bool {
+	const limit = 30 * time.Second
+	deadline := time.Now().Add(limit)
+	last := "no answer yet"
+	for {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
 		r, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
-		return err == nil && r.Status == healthpb.HealthCheckResponse_SERVING
-	})
+		cancel()
+		if err == nil && r.Status == healthpb.HealthCheckResponse_SERVING {
+			return
+		}
+		if err != nil {
+			last = err.Error()
+		} else {
+			last = r.Status.String()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not SERVING within %v (last answer: %s); the broker's log ends:\n%s", b.addr, limit, last, b.log())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func ctxT(t testing.TB, d time.Duration) context.Context {

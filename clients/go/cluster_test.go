@@ -17,7 +17,7 @@ func TestClusterReplicaThatCannotServeIsPassedOver(t *testing.T) {
 	good := startBroker(t, map[string]string{
 		"TINYBROKER_NATS_URL": natsURL, "TINYBROKER_NATS_REPLICAS": "1", "TINYBROKER_REPLICA_ID": "good",
 	})
-	waitServing(t, good.addr)
+	waitServing(t, good)
 	c := connect(t, []string{cutOff.addr, good.addr})
 	if c.Address() != "http://"+cutOff.addr {
 		t.Fatalf("connected to %s first, not the cut-off replica", c.Address())

@@ -650,7 +650,14 @@ func TestScenarios(t *testing.T) {
 				}
 			}
 		}()
-		waitFor(t, 5*time.Second, "the buffer to fill", func() bool { return c2.Stats().PendingBytes >= 64 })
+		// Full both ways: BATCHES_IN_FLIGHT written and unanswered, and the
+		// buffer at its bound behind them (seen once: Close came while a
+		// slot was free, the buffer went out in it, and nothing was unsent).
+		waitFor(t, 5*time.Second, "the buffer to fill behind 4 unanswered batches", func() bool {
+			c2.pub.mu.Lock()
+			defer c2.pub.mu.Unlock()
+			return len(c2.pub.inFlight) == BatchesInFlight && c2.pub.pendBytes >= 64
+		})
 		closeCtx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		err = c2.CloseContext(closeCtx)
 		cancel()
@@ -809,7 +816,7 @@ func TestScenarios(t *testing.T) {
 			r := startBroker(t, map[string]string{
 				"TINYBROKER_NATS_URL": natsURL, "TINYBROKER_NATS_REPLICAS": "1", "TINYBROKER_REPLICA_ID": id,
 			})
-			waitServing(t, r.addr)
+			waitServing(t, r)
 			replicas = append(replicas, r)
 		}
 		a, b := replicas[0], replicas[1]
