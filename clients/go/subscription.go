@@ -63,6 +63,7 @@ type Subscription struct {
 	retry      *time.Timer
 	lastCause  *Error
 	eventsDone bool
+	staged     []*Message // this event's deliveries, not yet queued
 
 	opened   chan struct{} // closed on the first open
 	openErr  error
@@ -491,31 +492,33 @@ func (s *Subscription) closeEvents() {
 	}
 }
 
-// deliver (session goroutine): one delivery for this subscription.
-func (s *Subscription) deliver(raw *pb.Message, h uint32) {
+// stage (session goroutine): one delivery for this subscription, queued
+// with the others of its event by queueStaged. True when it is the first
+// staged (the caller lists the subscription for queueStaged).
+func (s *Subscription) stage(m *Message, h uint32) bool {
 	ss := s.c.s
 	if s.away {
-		s.reportGap(raw.Sequence, ss)
+		s.reportGap(m.Sequence, ss)
 	}
-	s.hasLast, s.lastSeq, s.lastInst = true, raw.Sequence, ss.instKey
-	m := &Message{
-		Topic: raw.Topic, Payload: raw.Payload, Headers: raw.Headers, Sequence: raw.Sequence,
-		SubscriptionID: raw.SubscriptionId, Group: raw.ConsumerGroup, DeliveryAttempt: raw.DeliveryAttempt,
-		sub: s, handle: h,
-	}
-	if raw.PublishTime != nil {
-		m.PublishTime = raw.PublishTime.AsTime()
-	}
-	s.mu.Lock()
-	if s.done {
-		s.mu.Unlock()
-		return
-	}
+	s.hasLast, s.lastSeq, s.lastInst = true, m.Sequence, ss.instKey
+	m.sub, m.handle = s, h
 	if m.SubscriptionID == "" {
-		m.SubscriptionID = s.id
+		m.SubscriptionID = s.id // written on this goroutine only
 	}
-	s.queue = append(s.queue, m)
+	s.staged = append(s.staged, m)
+	return len(s.staged) == 1
+}
+
+// queueStaged (session goroutine): the staged deliveries join the queue
+// under one lock, and a waiting taker is woken once.
+func (s *Subscription) queueStaged() {
+	s.mu.Lock()
+	if !s.done {
+		s.queue = append(s.queue, s.staged...)
+	}
 	s.mu.Unlock()
+	clear(s.staged)
+	s.staged = s.staged[:0]
 	select {
 	case s.notify <- struct{}{}:
 	default:
