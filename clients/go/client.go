@@ -187,6 +187,11 @@ func (c *Client) dial(t target) (*grpc.ClientConn, error) {
 		grpc.WithTransportCredentials(creds),
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bc, MinConnectTimeout: 5 * time.Second}),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(1<<30), grpc.MaxCallSendMsgSize(1<<30)),
+		// Static flow-control windows: grpc-go's BDP estimation (on by
+		// default) answers nearly every DATA frame of a quiet connection
+		// with a PING; these turn it off (the user's options may set others).
+		grpc.WithInitialWindowSize(4 << 20),
+		grpc.WithInitialConnWindowSize(16 << 20),
 	}
 	if c.opts.token != "" {
 		dopts = append(dopts, grpc.WithPerRPCCredentials(tokenCreds(c.opts.token)))

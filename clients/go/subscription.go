@@ -73,6 +73,7 @@ type Subscription struct {
 	mu       sync.Mutex
 	queue    []*Message
 	head     int
+	pumped   int    // taken out of queue by Messages' goroutine, not yet counted taken (still held)
 	taken    int    // since the last credit
 	received uint64 // taken, in all
 	ackH     uint32 // the handle acks may be sent on (0: none)
@@ -191,11 +192,12 @@ func (s *Subscription) ID() string {
 	return s.id
 }
 
-// Pending returns the deliveries held and not yet taken (never more than the window).
+// Pending returns the deliveries held and not yet taken (never more than
+// the window), those Messages' goroutine holds included.
 func (s *Subscription) Pending() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue) - s.head
+	return len(s.queue) - s.head + s.pumped
 }
 
 // Next returns the next message, waiting for one (bounded by ctx: a
@@ -253,7 +255,7 @@ func (s *Subscription) take() *Message {
 	if s.head == len(s.queue) {
 		return nil
 	}
-	held := len(s.queue) - s.head
+	held := len(s.queue) - s.head + s.pumped
 	m := s.queue[s.head]
 	s.queue[s.head] = nil
 	s.head++
@@ -271,29 +273,121 @@ func (s *Subscription) take() *Message {
 }
 
 // Messages returns a channel of the subscription's messages, closed when
-// the subscription is done (then Err says why). It takes the messages with
-// Next on a goroutine of its own, so do not call Next as well.
+// the subscription is done (then Err says why). A goroutine of its own
+// takes the messages, as Next does, so do not call Next as well.
 func (s *Subscription) Messages() <-chan *Message {
 	s.msgsOnce.Do(func() {
 		s.msgs = make(chan *Message)
 		s.c.wg.Add(1)
-		go func() {
-			defer s.c.wg.Done()
-			defer close(s.msgs)
-			for {
-				m, err := s.Next(context.Background())
-				if err != nil {
-					return
-				}
-				select {
-				case s.msgs <- m:
-				case <-s.doneCh:
-					return
-				}
-			}
-		}()
+		go s.pump()
 	})
 	return s.msgs
+}
+
+// pump is Messages' goroutine. It takes every held message at once
+// (takeAll: they still count as held, so the window bounds them) and sends
+// them on the channel one by one; those sent are counted taken (credit) in
+// one go before it would wait, and after the last of the lot.
+func (s *Subscription) pump() {
+	defer s.c.wg.Done()
+	defer close(s.msgs)
+	var lot []*Message
+	for {
+		var err error
+		lot, err = s.takeAll(lot[:0])
+		if err != nil {
+			return
+		}
+		sent := 0
+		for i, m := range lot {
+			select {
+			case s.msgs <- m:
+				sent++
+				lot[i] = nil
+				continue
+			case <-s.doneCh:
+				s.unpump(sent, lot[i:])
+				return
+			default:
+			}
+			s.countTaken(sent)
+			sent = 0
+			select {
+			case s.msgs <- m:
+				sent++
+				lot[i] = nil
+			case <-s.doneCh:
+				s.unpump(0, lot[i:])
+				return
+			}
+		}
+		s.countTaken(sent)
+	}
+}
+
+// takeAll waits, as Next does, for held messages and moves them all to
+// dst (counted in pumped, as held).
+func (s *Subscription) takeAll(dst []*Message) ([]*Message, error) {
+	s.mu.Lock()
+	if s.nexting {
+		s.mu.Unlock()
+		return nil, usageError("another Next is already waiting on this subscription")
+	}
+	for {
+		if s.head < len(s.queue) {
+			dst = append(dst, s.queue[s.head:]...)
+			clear(s.queue[s.head:])
+			s.queue, s.head = s.queue[:0], 0
+			s.pumped += len(dst)
+			s.mu.Unlock()
+			return dst, nil
+		}
+		if s.done {
+			err := s.final
+			s.mu.Unlock()
+			return nil, err
+		}
+		s.nexting = true
+		s.mu.Unlock()
+		select {
+		case <-s.notify:
+		case <-s.doneCh:
+		}
+		s.mu.Lock()
+		s.nexting = false
+	}
+}
+
+// countTaken: n messages of the pump's were taken by the application
+// (take's accounting, for n at once).
+func (s *Subscription) countTaken(n int) {
+	if n == 0 {
+		return
+	}
+	s.mu.Lock()
+	held := len(s.queue) - s.head + s.pumped
+	s.pumped = max(0, s.pumped-n) // 0 once the queue was dropped
+	s.received += uint64(n)
+	s.taken += n
+	kick := s.taken >= s.topUp || held >= s.window
+	s.mu.Unlock()
+	if kick {
+		s.c.markDirty(s)
+	}
+}
+
+// unpump: the pump ends with rest not sent; they go back to the front of
+// the queue unless the subscription's held messages were dropped.
+func (s *Subscription) unpump(sent int, rest []*Message) {
+	s.countTaken(sent)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pumped == 0 {
+		return // dropped (Close, the client's close)
+	}
+	s.pumped = max(0, s.pumped-len(rest))
+	s.queue = append(append([]*Message(nil), rest...), s.queue[s.head:]...)
+	s.head = 0
 }
 
 // All returns an iterator over the subscription's messages, which ends when
@@ -349,7 +443,7 @@ func (s *Subscription) Close() error {
 	s.done = true
 	s.final = errSubClosed
 	clear(s.queue)
-	s.queue, s.head = nil, 0
+	s.queue, s.head, s.pumped = nil, 0, 0
 	close(s.doneCh)
 	stop := s.stopCtx
 	s.mu.Unlock()
@@ -397,7 +491,7 @@ func (s *Subscription) stopRetry() {
 func (s *Subscription) held() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue) - s.head
+	return len(s.queue) - s.head + s.pumped
 }
 
 // settle appends an ack or nack for the session goroutine to send.
@@ -700,7 +794,7 @@ func (s *Subscription) finish(final error, openErr error) {
 		} else if final == ErrClosed {
 			s.endErr = ErrClosed
 			clear(s.queue)
-			s.queue, s.head = nil, 0
+			s.queue, s.head, s.pumped = nil, 0, 0
 		}
 		s.openErr = openErr
 		close(s.doneCh)
