@@ -300,14 +300,19 @@ func (s *Subscription) pump() {
 		}
 		sent := 0
 		for i, m := range lot {
+			// Two non-blocking operations (no lock while the channel has
+			// no waiting receiver and doneCh is open), then a blocking one.
+			select {
+			case <-s.doneCh:
+				s.unpump(sent, lot[i:])
+				return
+			default:
+			}
 			select {
 			case s.msgs <- m:
 				sent++
 				lot[i] = nil
 				continue
-			case <-s.doneCh:
-				s.unpump(sent, lot[i:])
-				return
 			default:
 			}
 			s.countTaken(sent)
