@@ -73,10 +73,12 @@ type Subscription struct {
 	mu       sync.Mutex
 	queue    []*Message
 	head     int
-	pumped   int    // taken out of queue by Messages' goroutine, not yet counted taken (still held)
-	taken    int    // since the last credit
-	received uint64 // taken, in all
-	ackH     uint32 // the handle acks may be sent on (0: none)
+	pumped   atomic.Int64 // taken out of queue by Messages' goroutine, not yet in its channel
+	lotTotal uint64       // taken out of queue by Messages' goroutine, in all
+	observed uint64       // of those, seen gone from its channel (counted taken)
+	taken    int          // since the last credit
+	received uint64       // taken, in all
+	ackH     uint32       // the handle acks may be sent on (0: none)
 	acks     []uint64
 	nacks    []uint64
 	nexting  bool
@@ -88,7 +90,7 @@ type Subscription struct {
 	id       string
 
 	msgsOnce sync.Once
-	msgs     chan *Message
+	msgs     chan *Message // set under mu
 }
 
 // Subscribe opens a subscription to patterns and returns once the broker
@@ -193,11 +195,20 @@ func (s *Subscription) ID() string {
 }
 
 // Pending returns the deliveries held and not yet taken (never more than
-// the window), those Messages' goroutine holds included.
+// the window), those in the Messages channel included.
 func (s *Subscription) Pending() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue) - s.head + s.pumped
+	return len(s.queue) - s.head + max(0, int(s.pumped.Load())) + len(s.msgs)
+}
+
+// heldLocked (mu held) is what the window and credit count as held: the
+// queue and what Messages' goroutine took from it and has not yet seen
+// taken from its channel (it may have been taken unseen: then it is
+// counted taken, and credited, once seen, as if taken after an open made
+// in between, which counted it held).
+func (s *Subscription) heldLocked() int {
+	return len(s.queue) - s.head + int(s.lotTotal-s.observed)
 }
 
 // Next returns the next message, waiting for one (bounded by ctx: a
@@ -255,7 +266,7 @@ func (s *Subscription) take() *Message {
 	if s.head == len(s.queue) {
 		return nil
 	}
-	held := len(s.queue) - s.head + s.pumped
+	held := s.heldLocked()
 	m := s.queue[s.head]
 	s.queue[s.head] = nil
 	s.head++
@@ -274,59 +285,75 @@ func (s *Subscription) take() *Message {
 
 // Messages returns a channel of the subscription's messages, closed when
 // the subscription is done (then Err says why). A goroutine of its own
-// takes the messages, as Next does, so do not call Next as well.
+// takes the messages, as Next does, so do not call Next as well. The
+// channel is buffered (min(64, window - window/4)): what it holds counts in
+// the window and in Pending, and a message counts taken (for credit) once
+// it has left the channel.
 func (s *Subscription) Messages() <-chan *Message {
 	s.msgsOnce.Do(func() {
-		s.msgs = make(chan *Message)
+		ch := make(chan *Message, msgsBuffer(s.window, s.topUp))
+		s.mu.Lock()
+		s.msgs = ch
+		s.mu.Unlock()
 		s.c.wg.Add(1)
-		go s.pump()
+		go s.pump(ch)
 	})
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	return s.msgs
 }
 
+// msgsBuffer is the Messages channel's capacity: at most window - topUp,
+// so that messages taken from it unseen (seen at the next delivery or
+// send) can never hold back the credit the broker needs to send more.
+func msgsBuffer(window, topUp int) int {
+	return max(0, min(64, window-topUp))
+}
+
 // pump is Messages' goroutine. It takes every held message at once
-// (takeAll: they still count as held, so the window bounds them) and sends
-// them on the channel one by one; those sent are counted taken (credit) in
-// one go before it would wait, and after the last of the lot.
-func (s *Subscription) pump() {
+// (takeAll), puts them in the channel, and counts those gone from the
+// channel taken (observe) before it waits and after each lot.
+func (s *Subscription) pump(ch chan *Message) {
 	defer s.c.wg.Done()
-	defer close(s.msgs)
+	defer close(ch)
 	var lot []*Message
+	var placed uint64 // put in ch, in all
 	for {
 		var err error
 		lot, err = s.takeAll(lot[:0])
 		if err != nil {
+			s.observe(placed)
 			return
 		}
-		sent := 0
 		for i, m := range lot {
 			// Two non-blocking operations (no lock while the channel has
-			// no waiting receiver and doneCh is open), then a blocking one.
+			// room and doneCh is open), then a blocking one.
 			select {
 			case <-s.doneCh:
-				s.unpump(sent, lot[i:])
+				s.pumpDone(ch, lot[i:])
 				return
 			default:
 			}
 			select {
-			case s.msgs <- m:
-				sent++
+			case ch <- m:
 				lot[i] = nil
+				placed++
+				s.pumped.Add(-1)
 				continue
 			default:
 			}
-			s.countTaken(sent)
-			sent = 0
+			s.observe(placed)
 			select {
-			case s.msgs <- m:
-				sent++
+			case ch <- m:
 				lot[i] = nil
+				placed++
+				s.pumped.Add(-1)
 			case <-s.doneCh:
-				s.unpump(0, lot[i:])
+				s.pumpDone(ch, lot[i:])
 				return
 			}
 		}
-		s.countTaken(sent)
+		s.observe(placed)
 	}
 }
 
@@ -343,7 +370,8 @@ func (s *Subscription) takeAll(dst []*Message) ([]*Message, error) {
 			dst = append(dst, s.queue[s.head:]...)
 			clear(s.queue[s.head:])
 			s.queue, s.head = s.queue[:0], 0
-			s.pumped += len(dst)
+			s.pumped.Add(int64(len(dst)))
+			s.lotTotal += uint64(len(dst))
 			s.mu.Unlock()
 			return dst, nil
 		}
@@ -363,15 +391,17 @@ func (s *Subscription) takeAll(dst []*Message) ([]*Message, error) {
 	}
 }
 
-// countTaken: n messages of the pump's were taken by the application
-// (take's accounting, for n at once).
-func (s *Subscription) countTaken(n int) {
-	if n == 0 {
+// observe: of the placed messages put in the channel, those gone from it
+// and not yet counted are taken (take's accounting, for n at once).
+func (s *Subscription) observe(placed uint64) {
+	s.mu.Lock()
+	n := int(placed - uint64(len(s.msgs)) - s.observed)
+	if n <= 0 {
+		s.mu.Unlock()
 		return
 	}
-	s.mu.Lock()
-	held := len(s.queue) - s.head + s.pumped
-	s.pumped = max(0, s.pumped-n) // 0 once the queue was dropped
+	held := s.heldLocked()
+	s.observed += uint64(n)
 	s.received += uint64(n)
 	s.taken += n
 	kick := s.taken >= s.topUp || held >= s.window
@@ -381,18 +411,33 @@ func (s *Subscription) countTaken(n int) {
 	}
 }
 
-// unpump: the pump ends with rest not sent; they go back to the front of
-// the queue unless the subscription's held messages were dropped.
-func (s *Subscription) unpump(sent int, rest []*Message) {
-	s.countTaken(sent)
+// pumpDone: the subscription is done with rest not put in the channel.
+// When its held messages are dropped (closed), so are rest and what the
+// channel holds; after an end for good, rest goes back to the queue (for
+// Next) and the channel keeps what it has.
+func (s *Subscription) pumpDone(ch chan *Message, rest []*Message) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.pumped == 0 {
-		return // dropped (Close, the client's close)
+	_, ended := s.final.(*SubscriptionEndedError)
+	if ended {
+		s.queue = append(append([]*Message(nil), rest...), s.queue[s.head:]...)
+		s.head = 0
+		s.lotTotal -= uint64(len(rest))
 	}
-	s.pumped = max(0, s.pumped-len(rest))
-	s.queue = append(append([]*Message(nil), rest...), s.queue[s.head:]...)
-	s.head = 0
+	s.pumped.Store(0)
+	s.mu.Unlock()
+	if !ended {
+		drain(ch)
+	}
+}
+
+func drain(ch chan *Message) {
+	for {
+		select {
+		case <-ch:
+		default:
+			return
+		}
+	}
 }
 
 // All returns an iterator over the subscription's messages, which ends when
@@ -448,10 +493,15 @@ func (s *Subscription) Close() error {
 	s.done = true
 	s.final = errSubClosed
 	clear(s.queue)
-	s.queue, s.head, s.pumped = nil, 0, 0
+	s.queue, s.head = nil, 0
+	s.pumped.Store(0)
 	close(s.doneCh)
 	stop := s.stopCtx
+	msgs := s.msgs
 	s.mu.Unlock()
+	if msgs != nil {
+		drain(msgs) // not taken: dropped (Messages' goroutine drains it too)
+	}
 	if stop != nil {
 		stop()
 	}
@@ -496,7 +546,7 @@ func (s *Subscription) stopRetry() {
 func (s *Subscription) held() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue) - s.head + s.pumped
+	return s.heldLocked()
 }
 
 // settle appends an ack or nack for the session goroutine to send.
@@ -799,7 +849,8 @@ func (s *Subscription) finish(final error, openErr error) {
 		} else if final == ErrClosed {
 			s.endErr = ErrClosed
 			clear(s.queue)
-			s.queue, s.head, s.pumped = nil, 0, 0
+			s.queue, s.head = nil, 0
+			s.pumped.Store(0)
 		}
 		s.openErr = openErr
 		close(s.doneCh)

@@ -1,0 +1,57 @@
+package tinybroker
+
+import (
+	"strconv"
+	"testing"
+	"time"
+)
+
+// TestMessagesWindows: through Messages() every message comes, in order,
+// whatever the window (credit flows, the buffered channel never holds it
+// back), and what the client holds for a subscription nobody reads stays
+// within the window, the channel's content included.
+func TestMessagesWindows(t *testing.T) {
+	b := startBroker(t, nil)
+	c := connect(t, []string{b.addr})
+	for _, window := range []int{1, 2, 3, 4, 5, 8, 64, 256} {
+		t.Run(strconv.Itoa(window), func(t *testing.T) {
+			topic := "mw" + strconv.Itoa(window)
+			sub := subscribe(t, c, []string{topic + ".>"}, WithSubscriptionWindow(window))
+			defer func() { _ = sub.Close() }()
+			msgs := sub.Messages()
+			const n = 600
+			for i := range n {
+				publishAsync(t, c, topic+".a", []byte(strconv.Itoa(i)))
+			}
+			flush(t, c, 10*time.Second)
+			// Unread: the client holds at most the window.
+			deadline := time.Now().Add(300 * time.Millisecond)
+			for time.Now().Before(deadline) {
+				if p := sub.Pending(); p > window {
+					t.Fatalf("pending %d > window %d", p, window)
+				}
+				time.Sleep(time.Millisecond)
+			}
+			if p := sub.Pending(); p != window {
+				t.Fatalf("pending %d, want the window %d", p, window)
+			}
+			timeout := time.After(20 * time.Second)
+			for i := range n {
+				select {
+				case m, ok := <-msgs:
+					if !ok {
+						t.Fatalf("closed after %d: %v", i, sub.Err())
+					}
+					if string(m.Payload) != strconv.Itoa(i) {
+						t.Fatalf("message %d: %q", i, m.Payload)
+					}
+					if p := sub.Pending(); p > window {
+						t.Fatalf("pending %d > window %d", p, window)
+					}
+				case <-timeout:
+					t.Fatalf("%d of %d messages; pending %d, stats %+v", i, n, sub.Pending(), c.Stats())
+				}
+			}
+		})
+	}
+}
