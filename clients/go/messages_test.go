@@ -55,3 +55,28 @@ func TestMessagesWindows(t *testing.T) {
 		})
 	}
 }
+
+// TestOneDeliveryToSeveralSubscriptions: a message for several handles of
+// the session comes to each subscription as a Message of its own.
+func TestOneDeliveryToSeveralSubscriptions(t *testing.T) {
+	b := startBroker(t, nil)
+	c := connect(t, []string{b.addr})
+	var subs []*Subscription
+	for range 3 {
+		subs = append(subs, subscribe(t, c, []string{"many.>"}))
+	}
+	for i := range 5 {
+		publishAsync(t, c, "many.a", []byte(strconv.Itoa(i)))
+	}
+	flush(t, c, 10*time.Second)
+	seen := map[*Message]bool{}
+	for i := range 5 {
+		for _, s := range subs {
+			m := next(t, s, 5*time.Second)
+			if string(m.Payload) != strconv.Itoa(i) || m.Topic != "many.a" || m.SubscriptionID != s.ID() || m.sub != s || seen[m] {
+				t.Fatalf("message %d of %s: %+v", i, s.ID(), m)
+			}
+			seen[m] = true
+		}
+	}
+}

@@ -447,6 +447,7 @@ func (s *session) deliver(d *inDelivery, all []uint32) {
 		return
 	}
 	hs := d.handleList(all)
+	var copies []Message // one allocation for the copies of a delivery to several handles
 	for i, h := range hs {
 		sub := s.handles[h]
 		if sub == nil {
@@ -455,8 +456,12 @@ func (s *session) deliver(d *inDelivery, all []uint32) {
 		}
 		m := &d.msg
 		if i < len(hs)-1 {
-			cp := d.msg
-			m = &cp
+			if copies == nil {
+				copies = make([]Message, len(hs)-1-i)
+			}
+			copies[0] = d.msg
+			m = &copies[0]
+			copies = copies[1:]
 		}
 		if sub.stage(m, h) {
 			s.touched = append(s.touched, sub)
