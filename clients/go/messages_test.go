@@ -80,3 +80,28 @@ func TestOneDeliveryToSeveralSubscriptions(t *testing.T) {
 		}
 	}
 }
+
+// TestMessagesDroppedOnClose: what the Messages channel holds is dropped
+// when the subscription or its client is closed, as what the queue holds.
+func TestMessagesDroppedOnClose(t *testing.T) {
+	b := startBroker(t, nil)
+	for _, closeClient := range []bool{false, true} {
+		c := connect(t, []string{b.addr})
+		sub := subscribe(t, c, []string{"drop.>"})
+		msgs := sub.Messages()
+		for i := range 64 { // the channel full, Messages' goroutine waiting for more
+			publishAsync(t, c, "drop.a", []byte(strconv.Itoa(i)))
+		}
+		flush(t, c, 10*time.Second)
+		waitFor(t, 5*time.Second, "the messages", func() bool { return len(msgs) == cap(msgs) && cap(msgs) > 0 })
+		if closeClient {
+			_ = c.Close()
+		} else {
+			_ = sub.Close()
+		}
+		for m := range msgs {
+			t.Fatalf("client closed %v: got %q after the close", closeClient, m.Payload)
+		}
+		_ = c.Close()
+	}
+}

@@ -323,6 +323,13 @@ func (s *Subscription) pump(ch chan *Message) {
 		lot, err = s.takeAll(lot[:0])
 		if err != nil {
 			s.observe(placed)
+			s.mu.Lock()
+			_, ended := s.final.(*SubscriptionEndedError)
+			dropped := s.done && !ended
+			s.mu.Unlock()
+			if dropped {
+				drain(ch) // closed: what the channel holds is dropped
+			}
 			return
 		}
 		for i, m := range lot {
@@ -430,10 +437,14 @@ func (s *Subscription) pumpDone(ch chan *Message, rest []*Message) {
 	}
 }
 
+// drain empties ch without waiting (it may be closed).
 func drain(ch chan *Message) {
 	for {
 		select {
-		case <-ch:
+		case _, ok := <-ch:
+			if !ok {
+				return
+			}
 		default:
 			return
 		}
