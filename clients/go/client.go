@@ -187,6 +187,11 @@ func (c *Client) dial(t target) (*grpc.ClientConn, error) {
 		grpc.WithTransportCredentials(creds),
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bc, MinConnectTimeout: 5 * time.Second}),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(1<<30), grpc.MaxCallSendMsgSize(1<<30)),
+		// Static flow-control windows: grpc-go's BDP estimation (on by
+		// default) answers nearly every DATA frame of a quiet connection
+		// with a PING; these turn it off (the user's options may set others).
+		grpc.WithInitialWindowSize(4 << 20),
+		grpc.WithInitialConnWindowSize(16 << 20),
 	}
 	if c.opts.token != "" {
 		dopts = append(dopts, grpc.WithPerRPCCredentials(tokenCreds(c.opts.token)))
@@ -382,8 +387,9 @@ func (c *Client) CloseContext(ctx context.Context) error {
 	return c.closeErr
 }
 
-// rawCodec sends pre-encoded SessionRequests ([]byte) as they are and
-// (un)marshals everything else with protobuf.
+// rawCodec sends pre-encoded SessionRequests ([]byte) as they are,
+// decodes SessionEvents with decodeEvent, and (un)marshals everything else
+// with protobuf.
 type rawCodec struct{}
 
 var protoCodec = encoding.GetCodecV2("proto")
@@ -395,8 +401,16 @@ func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
 	return protoCodec.Marshal(v)
 }
 
-func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error { return protoCodec.Unmarshal(data, v) }
-func (rawCodec) Name() string                                { return "proto" }
+// Unmarshal decodes a SessionEvent into *inEvents with decodeEvent, over
+// one copy of the message's bytes (data is only valid during the call).
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	if in, ok := v.(*inEvents); ok {
+		return decodeEvent(data.Materialize(), in)
+	}
+	return protoCodec.Unmarshal(data, v)
+}
+
+func (rawCodec) Name() string { return "proto" }
 
 type rawRequest struct{ b []byte }
 

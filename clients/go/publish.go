@@ -57,7 +57,8 @@ type pubBuffer struct {
 	written   uint64 // messages written (or refused here), from index 0
 	settled   uint64 // every index below it has an outcome
 	pendBytes int
-	sizeHint  int // bytes of the last batch sealed
+	lastBytes int // bytes of the last batch sealed
+	lastCount int // its messages
 
 	roomCh      chan struct{} // closed when room is made
 	roomWaiters int
@@ -192,7 +193,8 @@ func (c *Client) PublishAsync(ctx context.Context, topic string, payload []byte,
 	if b == nil {
 		b = &batch{first: p.nextIndex}
 		// Sized as the last batch was: a steady publisher fills it without regrowing.
-		b.buf = make([]byte, headerRoom, headerRoom+min(max(size, p.sizeHint, 4096), c.batchBytes))
+		b.buf = make([]byte, headerRoom, headerRoom+min(max(size, 4096, p.lastBytes), c.batchBytes+size))
+		b.topics = make([]string, 0, p.lastCount)
 		p.filling = b
 		kick = true
 	}
@@ -220,7 +222,7 @@ func (c *Client) PublishAsync(ctx context.Context, topic string, payload []byte,
 func (p *pubBuffer) seal() {
 	if p.filling != nil && len(p.filling.topics) > 0 {
 		p.sealed = append(p.sealed, p.filling)
-		p.sizeHint = p.filling.nbytes
+		p.lastBytes, p.lastCount = p.filling.nbytes, len(p.filling.topics)
 	}
 	p.filling = nil
 }

@@ -50,7 +50,7 @@ type recvItem struct {
 	gen     uint64
 	headers metadata.MD
 	gotHdr  bool
-	ev      *pb.SessionEvent
+	in      *inEvents // one SessionEvent, decoded
 	err     error
 }
 
@@ -107,6 +107,7 @@ type session struct {
 	subs       map[*Subscription]struct{}
 	handles    map[uint32]*Subscription
 	lastHandle uint32
+	touched    []*Subscription // subscriptions with deliveries staged (onEvent)
 
 	closing    bool
 	closeTimer *time.Timer
@@ -234,12 +235,12 @@ func (c *Client) receive(ctx context.Context, gen uint64, conn *grpc.ClientConn,
 		return
 	}
 	for {
-		ev := new(pb.SessionEvent)
-		if err := stream.RecvMsg(ev); err != nil {
+		in := new(inEvents)
+		if err := stream.RecvMsg(in); err != nil {
 			hand(recvItem{err: err})
 			return
 		}
-		if !hand(recvItem{ev: ev}) {
+		if !hand(recvItem{in: in}) {
 			return
 		}
 	}
@@ -318,7 +319,7 @@ func (s *session) onRecv(it recvItem) {
 	case it.err != nil:
 		s.ended(it.err)
 	default:
-		s.onEvent(it.ev)
+		s.onEvent(it.in)
 		if s.moveOn != nil {
 			err := s.moveOn
 			s.moveOn = nil
@@ -394,22 +395,29 @@ func (s *session) tryOpen(sub *Subscription) {
 	}}}))
 }
 
-func (s *session) onEvent(ev *pb.SessionEvent) {
+func (s *session) onEvent(in *inEvents) {
 	c := s.c
-	switch e := ev.Event.(type) {
-	case *pb.SessionEvent_Deliveries:
-		ds := e.Deliveries.Deliveries
+	if in.ev == nil {
+		// Deliveries: each subscription's are staged, then queued under one
+		// lock with one wake-up per subscription.
 		var nbytes uint64
-		for _, d := range ds {
-			nbytes += uint64(len(d.Message.GetPayload()))
-			s.deliver(d)
+		for i := range in.dels {
+			d := &in.dels[i]
+			nbytes += uint64(len(d.msg.Payload))
+			s.deliver(d, in.handles)
 		}
-		c.msgsIn.Add(uint64(len(ds)))
-		c.bytesIn.Add(nbytes)
-	case *pb.SessionEvent_Delivery:
-		c.msgsIn.Add(1)
-		c.bytesIn.Add(uint64(len(e.Delivery.Message.GetPayload())))
-		s.deliver(e.Delivery)
+		if len(in.dels) > 0 {
+			c.msgsIn.Add(uint64(len(in.dels)))
+			c.bytesIn.Add(nbytes)
+		}
+		for i, sub := range s.touched {
+			sub.queueStaged()
+			s.touched[i] = nil
+		}
+		s.touched = s.touched[:0]
+		return
+	}
+	switch e := in.ev.Event.(type) {
 	case *pb.SessionEvent_Published:
 		p := e.Published
 		rs := make([]rejection, len(p.Rejected))
@@ -432,15 +440,31 @@ func (s *session) onEvent(ev *pb.SessionEvent) {
 	}
 }
 
-func (s *session) deliver(d *pb.SessionDelivery) {
-	if d.Message == nil {
+// deliver stages one delivery for each of its handles' subscriptions: the
+// last one gets d's own Message, the others a copy.
+func (s *session) deliver(d *inDelivery, all []uint32) {
+	if !d.hasMsg {
 		return
 	}
-	for _, h := range d.Handles {
-		if sub := s.handles[h]; sub != nil {
-			sub.deliver(d.Message, h)
-		} else {
+	hs := d.handleList(all)
+	var copies []Message // one allocation for the copies of a delivery to several handles
+	for i, h := range hs {
+		sub := s.handles[h]
+		if sub == nil {
 			s.c.droppedLate.Add(1)
+			continue
+		}
+		m := &d.msg
+		if i < len(hs)-1 {
+			if copies == nil {
+				copies = make([]Message, len(hs)-1-i)
+			}
+			copies[0] = d.msg
+			m = &copies[0]
+			copies = copies[1:]
+		}
+		if sub.stage(m, h) {
+			s.touched = append(s.touched, sub)
 		}
 	}
 }

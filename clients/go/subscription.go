@@ -63,6 +63,7 @@ type Subscription struct {
 	retry      *time.Timer
 	lastCause  *Error
 	eventsDone bool
+	staged     []*Message // this event's deliveries, not yet queued
 
 	opened   chan struct{} // closed on the first open
 	openErr  error
@@ -72,9 +73,12 @@ type Subscription struct {
 	mu       sync.Mutex
 	queue    []*Message
 	head     int
-	taken    int    // since the last credit
-	received uint64 // taken, in all
-	ackH     uint32 // the handle acks may be sent on (0: none)
+	pumped   atomic.Int64 // taken out of queue by Messages' goroutine, not yet in its channel
+	lotTotal uint64       // taken out of queue by Messages' goroutine, in all
+	observed uint64       // of those, seen gone from its channel (counted taken)
+	taken    int          // since the last credit
+	received uint64       // taken, in all
+	ackH     uint32       // the handle acks may be sent on (0: none)
 	acks     []uint64
 	nacks    []uint64
 	nexting  bool
@@ -86,7 +90,7 @@ type Subscription struct {
 	id       string
 
 	msgsOnce sync.Once
-	msgs     chan *Message
+	msgs     chan *Message // set under mu
 }
 
 // Subscribe opens a subscription to patterns and returns once the broker
@@ -190,11 +194,21 @@ func (s *Subscription) ID() string {
 	return s.id
 }
 
-// Pending returns the deliveries held and not yet taken (never more than the window).
+// Pending returns the deliveries held and not yet taken (never more than
+// the window), those in the Messages channel included.
 func (s *Subscription) Pending() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue) - s.head
+	return len(s.queue) - s.head + max(0, int(s.pumped.Load())) + len(s.msgs)
+}
+
+// heldLocked (mu held) is what the window and credit count as held: the
+// queue and what Messages' goroutine took from it and has not yet seen
+// taken from its channel (it may have been taken unseen: then it is
+// counted taken, and credited, once seen, as if taken after an open made
+// in between, which counted it held).
+func (s *Subscription) heldLocked() int {
+	return len(s.queue) - s.head + int(s.lotTotal-s.observed)
 }
 
 // Next returns the next message, waiting for one (bounded by ctx: a
@@ -252,7 +266,7 @@ func (s *Subscription) take() *Message {
 	if s.head == len(s.queue) {
 		return nil
 	}
-	held := len(s.queue) - s.head
+	held := s.heldLocked()
 	m := s.queue[s.head]
 	s.queue[s.head] = nil
 	s.head++
@@ -270,29 +284,171 @@ func (s *Subscription) take() *Message {
 }
 
 // Messages returns a channel of the subscription's messages, closed when
-// the subscription is done (then Err says why). It takes the messages with
-// Next on a goroutine of its own, so do not call Next as well.
+// the subscription is done (then Err says why). A goroutine of its own
+// takes the messages, as Next does, so do not call Next as well. The
+// channel is buffered (min(64, window - window/4)): what it holds counts in
+// the window and in Pending, and a message counts taken (for credit) once
+// it has left the channel.
 func (s *Subscription) Messages() <-chan *Message {
 	s.msgsOnce.Do(func() {
-		s.msgs = make(chan *Message)
+		ch := make(chan *Message, msgsBuffer(s.window, s.topUp))
+		s.mu.Lock()
+		s.msgs = ch
+		s.mu.Unlock()
 		s.c.wg.Add(1)
-		go func() {
-			defer s.c.wg.Done()
-			defer close(s.msgs)
-			for {
-				m, err := s.Next(context.Background())
-				if err != nil {
-					return
-				}
-				select {
-				case s.msgs <- m:
-				case <-s.doneCh:
-					return
-				}
-			}
-		}()
+		go s.pump(ch)
 	})
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	return s.msgs
+}
+
+// msgsBuffer is the Messages channel's capacity: at most window - topUp,
+// so that messages taken from it unseen (seen at the next delivery or
+// send) can never hold back the credit the broker needs to send more.
+func msgsBuffer(window, topUp int) int {
+	return max(0, min(64, window-topUp))
+}
+
+// pump is Messages' goroutine. It takes every held message at once
+// (takeAll), puts them in the channel, and counts those gone from the
+// channel taken (observe) before it waits and after each lot.
+func (s *Subscription) pump(ch chan *Message) {
+	defer s.c.wg.Done()
+	defer close(ch)
+	var lot []*Message
+	var placed uint64 // put in ch, in all
+	for {
+		var err error
+		lot, err = s.takeAll(lot[:0])
+		if err != nil {
+			s.observe(placed)
+			s.mu.Lock()
+			_, ended := s.final.(*SubscriptionEndedError)
+			dropped := s.done && !ended
+			s.mu.Unlock()
+			if dropped {
+				drain(ch) // closed: what the channel holds is dropped
+			}
+			return
+		}
+		for i, m := range lot {
+			// Two non-blocking operations (no lock while the channel has
+			// room and doneCh is open), then a blocking one.
+			select {
+			case <-s.doneCh:
+				s.pumpDone(ch, lot[i:])
+				return
+			default:
+			}
+			select {
+			case ch <- m:
+				lot[i] = nil
+				placed++
+				s.pumped.Add(-1)
+				continue
+			default:
+			}
+			s.observe(placed)
+			select {
+			case ch <- m:
+				lot[i] = nil
+				placed++
+				s.pumped.Add(-1)
+			case <-s.doneCh:
+				s.pumpDone(ch, lot[i:])
+				return
+			}
+		}
+		s.observe(placed)
+	}
+}
+
+// takeAll waits, as Next does, for held messages and moves them all to
+// dst (counted in pumped, as held).
+func (s *Subscription) takeAll(dst []*Message) ([]*Message, error) {
+	s.mu.Lock()
+	if s.nexting {
+		s.mu.Unlock()
+		return nil, usageError("another Next is already waiting on this subscription")
+	}
+	for {
+		if s.head < len(s.queue) {
+			dst = append(dst, s.queue[s.head:]...)
+			clear(s.queue[s.head:])
+			s.queue, s.head = s.queue[:0], 0
+			s.pumped.Add(int64(len(dst)))
+			s.lotTotal += uint64(len(dst))
+			s.mu.Unlock()
+			return dst, nil
+		}
+		if s.done {
+			err := s.final
+			s.mu.Unlock()
+			return nil, err
+		}
+		s.nexting = true
+		s.mu.Unlock()
+		select {
+		case <-s.notify:
+		case <-s.doneCh:
+		}
+		s.mu.Lock()
+		s.nexting = false
+	}
+}
+
+// observe: of the placed messages put in the channel, those gone from it
+// and not yet counted are taken (take's accounting, for n at once).
+func (s *Subscription) observe(placed uint64) {
+	s.mu.Lock()
+	n := int(placed - uint64(len(s.msgs)) - s.observed)
+	if n <= 0 {
+		s.mu.Unlock()
+		return
+	}
+	held := s.heldLocked()
+	s.observed += uint64(n)
+	s.received += uint64(n)
+	s.taken += n
+	kick := s.taken >= s.topUp || held >= s.window
+	s.mu.Unlock()
+	if kick {
+		s.c.markDirty(s)
+	}
+}
+
+// pumpDone: the subscription is done with rest not put in the channel.
+// When its held messages are dropped (closed), so are rest and what the
+// channel holds; after an end for good, rest goes back to the queue (for
+// Next) and the channel keeps what it has.
+func (s *Subscription) pumpDone(ch chan *Message, rest []*Message) {
+	s.mu.Lock()
+	_, ended := s.final.(*SubscriptionEndedError)
+	if ended {
+		s.queue = append(append([]*Message(nil), rest...), s.queue[s.head:]...)
+		s.head = 0
+		s.lotTotal -= uint64(len(rest))
+	}
+	s.pumped.Store(0)
+	s.mu.Unlock()
+	if !ended {
+		drain(ch)
+	}
+}
+
+// drain empties ch without waiting (it may be closed).
+func drain(ch chan *Message) {
+	for {
+		select {
+		case _, ok := <-ch:
+			if !ok {
+				return
+			}
+		default:
+			return
+		}
+	}
 }
 
 // All returns an iterator over the subscription's messages, which ends when
@@ -349,9 +505,14 @@ func (s *Subscription) Close() error {
 	s.final = errSubClosed
 	clear(s.queue)
 	s.queue, s.head = nil, 0
+	s.pumped.Store(0)
 	close(s.doneCh)
 	stop := s.stopCtx
+	msgs := s.msgs
 	s.mu.Unlock()
+	if msgs != nil {
+		drain(msgs) // not taken: dropped (Messages' goroutine drains it too)
+	}
 	if stop != nil {
 		stop()
 	}
@@ -396,7 +557,7 @@ func (s *Subscription) stopRetry() {
 func (s *Subscription) held() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue) - s.head
+	return s.heldLocked()
 }
 
 // settle appends an ack or nack for the session goroutine to send.
@@ -491,31 +652,33 @@ func (s *Subscription) closeEvents() {
 	}
 }
 
-// deliver (session goroutine): one delivery for this subscription.
-func (s *Subscription) deliver(raw *pb.Message, h uint32) {
+// stage (session goroutine): one delivery for this subscription, queued
+// with the others of its event by queueStaged. True when it is the first
+// staged (the caller lists the subscription for queueStaged).
+func (s *Subscription) stage(m *Message, h uint32) bool {
 	ss := s.c.s
 	if s.away {
-		s.reportGap(raw.Sequence, ss)
+		s.reportGap(m.Sequence, ss)
 	}
-	s.hasLast, s.lastSeq, s.lastInst = true, raw.Sequence, ss.instKey
-	m := &Message{
-		Topic: raw.Topic, Payload: raw.Payload, Headers: raw.Headers, Sequence: raw.Sequence,
-		SubscriptionID: raw.SubscriptionId, Group: raw.ConsumerGroup, DeliveryAttempt: raw.DeliveryAttempt,
-		sub: s, handle: h,
-	}
-	if raw.PublishTime != nil {
-		m.PublishTime = raw.PublishTime.AsTime()
-	}
-	s.mu.Lock()
-	if s.done {
-		s.mu.Unlock()
-		return
-	}
+	s.hasLast, s.lastSeq, s.lastInst = true, m.Sequence, ss.instKey
+	m.sub, m.handle = s, h
 	if m.SubscriptionID == "" {
-		m.SubscriptionID = s.id
+		m.SubscriptionID = s.id // written on this goroutine only
 	}
-	s.queue = append(s.queue, m)
+	s.staged = append(s.staged, m)
+	return len(s.staged) == 1
+}
+
+// queueStaged (session goroutine): the staged deliveries join the queue
+// under one lock, and a waiting taker is woken once.
+func (s *Subscription) queueStaged() {
+	s.mu.Lock()
+	if !s.done {
+		s.queue = append(s.queue, s.staged...)
+	}
 	s.mu.Unlock()
+	clear(s.staged)
+	s.staged = s.staged[:0]
 	select {
 	case s.notify <- struct{}{}:
 	default:
@@ -698,6 +861,7 @@ func (s *Subscription) finish(final error, openErr error) {
 			s.endErr = ErrClosed
 			clear(s.queue)
 			s.queue, s.head = nil, 0
+			s.pumped.Store(0)
 		}
 		s.openErr = openErr
 		close(s.doneCh)

@@ -53,7 +53,10 @@ func (r FlushReport) UnconfirmedCount() uint64 {
 	return n
 }
 
-// Message is one delivery.
+// Message is one delivery. Its Payload and strings share one copy of the
+// bytes of the gRPC message that brought it (a batch of deliveries): a
+// message kept keeps that batch's bytes; copy the Payload to keep a few
+// messages of many for long.
 type Message struct {
 	Topic           string            // the topic it was published to
 	Payload         []byte            // its payload (do not modify: shared by the subscriptions of one delivery)
