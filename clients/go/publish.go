@@ -96,16 +96,22 @@ func sizeMessage(topic string, payload []byte, headers map[string]string) int {
 		n += 1 + protowire.SizeBytes(len(payload))
 	}
 	for k, v := range headers {
-		e := 0
-		if k != "" {
-			e += 1 + protowire.SizeBytes(len(k))
-		}
-		if v != "" {
-			e += 1 + protowire.SizeBytes(len(v))
-		}
-		n += 1 + protowire.SizeBytes(e)
+		n += 1 + protowire.SizeBytes(headerEntrySize(k, v))
 	}
 	return n
+}
+
+// headerEntrySize is the encoded size of one entry of the headers map (a
+// key and a value, each left out when empty, as protobuf does).
+func headerEntrySize(k, v string) int {
+	e := 0
+	if k != "" {
+		e += 1 + protowire.SizeBytes(len(k))
+	}
+	if v != "" {
+		e += 1 + protowire.SizeBytes(len(v))
+	}
+	return e
 }
 
 func appendMessage(b []byte, body int, topic string, payload []byte, headers map[string]string) []byte {
@@ -122,13 +128,7 @@ func appendMessage(b []byte, body int, topic string, payload []byte, headers map
 		b = append(b, payload...)
 	}
 	for k, v := range headers {
-		e := 0
-		if k != "" {
-			e += 1 + protowire.SizeBytes(len(k))
-		}
-		if v != "" {
-			e += 1 + protowire.SizeBytes(len(v))
-		}
+		e := headerEntrySize(k, v)
 		b = append(b, 0x1a)
 		b = protowire.AppendVarint(b, uint64(e))
 		if k != "" {
