@@ -390,35 +390,28 @@ func (c *Client) Flush(ctx context.Context) (FlushReport, error) {
 		p.mu.Unlock()
 		return FlushReport{}, ErrClosed
 	}
-	target := p.nextIndex
-	if p.settled >= target {
+	w, waiting := p.waiterLocked()
+	if !waiting {
 		r := p.takeOutcomes()
 		p.mu.Unlock()
 		return r, nil
 	}
-	w := flushWaiter{target, make(chan struct{})}
-	p.flushes = append(p.flushes, w)
 	p.mu.Unlock()
 	c.wake()
 	select {
 	case <-w.ch:
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		if p.closed && p.settled < target {
+		if p.closed && p.settled < w.target {
 			return FlushReport{}, ErrClosed
 		}
 		return p.takeOutcomes(), nil
 	case <-ctx.Done():
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		for i, x := range p.flushes {
-			if x.ch == w.ch {
-				p.flushes = append(p.flushes[:i], p.flushes[i+1:]...)
-				break
-			}
-		}
+		p.dropWaiterLocked(w)
 		if ctx.Err() == context.DeadlineExceeded {
-			return FlushReport{}, timeoutError("flush: %d messages without an outcome when the deadline passed (they are reported by the next flush)", target-p.settled)
+			return FlushReport{}, timeoutError("flush: %d messages without an outcome when the deadline passed (they are reported by the next flush)", w.target-p.settled)
 		}
 		return FlushReport{}, ctxError(ctx, "flush")
 	}
@@ -427,19 +420,41 @@ func (c *Client) Flush(ctx context.Context) (FlushReport, error) {
 // waitSettled waits (bounded by ctx) until everything published has an outcome.
 func (p *pubBuffer) waitSettled(ctx context.Context) {
 	p.mu.Lock()
-	target := p.nextIndex
-	if p.settled >= target {
-		p.mu.Unlock()
+	w, waiting := p.waiterLocked()
+	p.mu.Unlock()
+	if !waiting {
 		return
 	}
-	w := flushWaiter{target, make(chan struct{})}
-	p.flushes = append(p.flushes, w)
-	p.mu.Unlock()
 	p.c.wake()
 	select {
 	case <-w.ch:
+		return
 	case <-ctx.Done():
 	case <-p.c.loopDone:
+	}
+	p.mu.Lock()
+	p.dropWaiterLocked(w)
+	p.mu.Unlock()
+}
+
+// waiterLocked (mu held) registers a wait until every message published so
+// far has an outcome; false when they all have one already.
+func (p *pubBuffer) waiterLocked() (flushWaiter, bool) {
+	if p.settled >= p.nextIndex {
+		return flushWaiter{}, false
+	}
+	w := flushWaiter{p.nextIndex, make(chan struct{})}
+	p.flushes = append(p.flushes, w)
+	return w, true
+}
+
+// dropWaiterLocked (mu held) forgets a wait given up on.
+func (p *pubBuffer) dropWaiterLocked(w flushWaiter) {
+	for i, x := range p.flushes {
+		if x.ch == w.ch {
+			p.flushes = append(p.flushes[:i], p.flushes[i+1:]...)
+			return
+		}
 	}
 }
 

@@ -108,10 +108,16 @@ func TestScenarios(t *testing.T) {
 			done <- nil
 		}()
 		waitFor(t, 10*time.Second, "the buffer to fill", func() bool { return c.Stats().PendingBytes >= 4096 })
+		// Waiting, seen from the buffer: a publisher is waiting for room.
+		waitFor(t, 10*time.Second, "a PublishAsync waiting for room", func() bool {
+			c.pub.mu.Lock()
+			defer c.pub.mu.Unlock()
+			return c.pub.roomWaiters == 1
+		})
 		select {
 		case err := <-done:
 			t.Fatalf("PublishAsync should wait while the buffer is full (returned %v)", err)
-		case <-time.After(500 * time.Millisecond):
+		default:
 		}
 		if pb := c.Stats().PendingBytes; pb >= 4096+1100 {
 			t.Fatalf("the buffer grew to %d", pb)
