@@ -27,7 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .out_dir(&server_dir)
         .extern_path(".tinybroker.v1", "crate::pb")
-        .codec_path("crate::grpc::codec::ServerCodec")
+        .codec_path("crate::pb::codec::ServerCodec")
         .compile_fds(fds)?;
     // What only replicas exchange (`cluster::wire`); its descriptor set is
     // written for a test, not served.

@@ -38,17 +38,12 @@ mod close;
 mod engine;
 mod group;
 mod lifecycle;
-mod member;
-pub mod message;
 mod publish;
-pub mod queue;
 mod snapshot;
 mod subscribe;
 pub mod subscription;
 
-pub use message::{Delivery, Published, message_size};
 pub use publish::{RemoteRoutes, RouteCache};
-pub use queue::WakeBatch;
 pub(crate) use snapshot::set_unacked;
 pub use subscription::{ExternalMember, Subscription, SubscriptionStream};
 

@@ -2,12 +2,12 @@
 //! groups, and dead letters.
 
 use super::close::Eviction;
-use super::group::ConsumerGroup;
-use super::member::DeadLetter;
-use super::queue::Push;
-use super::{Broker, Delivery, Published, Subscription};
+use super::group::{ConsumerGroup, DeadLetter};
+use super::{Broker, Subscription};
+use crate::engine::queue::Push;
 use crate::engine::validate::{self, truncate};
 use crate::engine::{BatchOutcome, BrokerError, NewMessage, PublishOutcome, PublishTime};
+use crate::engine::{Delivery, Published};
 use crate::group::{backlog, dead_letter};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -88,7 +88,7 @@ impl Broker {
         if let Err(error) = self.check_open() {
             return BatchOutcome::all_rejected(messages.len(), &error);
         }
-        let _burst = super::WakeBatch::begin();
+        let _burst = crate::engine::WakeBatch::begin();
         let max = self.shared.limits.max_message_bytes;
         let mut rejected = Vec::new();
         let mut valid = Vec::with_capacity(messages.len());
@@ -211,15 +211,7 @@ impl Broker {
             Some(cache) => self.routes_cached(&message.topic, cache),
             None => self.shared.routes.read().matches(&message.topic),
         };
-        let published = Arc::new(Published {
-            topic: message.topic,
-            payload: message.payload,
-            headers: message.headers,
-            sequence,
-            publish_time: at.wall,
-            size,
-            budget: self.shared.memory,
-        });
+        let published = Arc::new(Published::charged(message, sequence, at.wall, size, self.shared.memory));
         let stats = &self.shared.stats;
         stats.published.fetch_add(1, Ordering::Relaxed);
         if routes.is_empty() {
@@ -263,19 +255,17 @@ impl Broker {
         sequence: u64,
         publish_time: std::time::SystemTime,
     ) -> Arc<Published> {
-        let size = super::message_size(&message.topic, &message.payload, &message.headers);
+        let size = crate::engine::message_size(&message.topic, &message.payload, &message.headers);
         if self.reserve(size, &message.topic).is_err() {
             self.shared.memory.charge(size);
         }
-        Arc::new(Published {
-            topic: message.topic,
-            payload: message.payload,
-            headers: message.headers,
+        Arc::new(Published::charged(
+            message,
             sequence,
             publish_time,
             size,
-            budget: self.shared.memory,
-        })
+            self.shared.memory,
+        ))
     }
 
     /// Hands a published message to each of `routes`.

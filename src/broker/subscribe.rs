@@ -3,10 +3,9 @@
 
 use super::Broker;
 use super::group::{ConsumerGroup, GroupLimits};
-use super::member::Membership;
 use super::publish::Route;
-use super::queue::Queue;
-use super::subscription::{ExternalMember, Subscription, SubscriptionStream};
+use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};
+use crate::engine::queue::Queue;
 use crate::engine::validate::{self, truncate};
 use crate::engine::{BrokerError, DeliveryMode, SubscribeRequest};
 use crate::group::{BacklogLimits, MemberSettings};
@@ -186,7 +185,12 @@ impl Broker {
         }
         // Under the registry lock, so the idle sweep cannot remove the group
         // between the lookup and the join.
-        let joined = group.join(subscription.clone(), settings, tokio::time::Instant::now());
+        let joined = group.join(
+            subscription.key,
+            subscription.queue.clone(),
+            settings,
+            tokio::time::Instant::now(),
+        );
         debug_assert!(joined, "groups are only removed under the registry lock");
         drop(groups);
         Ok(SubscriptionStream::new(self.clone(), subscription))

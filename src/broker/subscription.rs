@@ -1,9 +1,11 @@
 //! One open subscription and the stream of its deliveries.
 
-use super::member::Membership;
-use super::queue::Queue;
-use super::{Broker, Delivery};
+use super::Broker;
+use super::group::ConsumerGroup;
+use crate::engine::Delivery;
+use crate::engine::queue::Queue;
 use crate::engine::{AckMode, CloseReason, DeliveryMode, Peaks, SubscriptionInfo};
+use crate::group::MemberSettings;
 use crate::topic::TopicPattern;
 use futures::Stream;
 use std::net::SocketAddr;
@@ -21,7 +23,9 @@ pub struct Subscription {
     patterns: Vec<TopicPattern>,
     peer: Option<SocketAddr>,
     opened_at: SystemTime,
-    pub(crate) queue: Queue,
+    /// Shared with its group's machine when it is a member (the queue the
+    /// group pushes into).
+    pub(crate) queue: Arc<Queue>,
     delivered: AtomicU64,
     last_delivered_sequence: AtomicU64,
     /// Set once the subscription has left routing and the registry.
@@ -30,6 +34,13 @@ pub struct Subscription {
     membership: Option<Membership>,
     /// Set for members of a group another engine runs (cluster mode).
     external: Option<ExternalMember>,
+}
+
+/// What makes a subscription a consumer-group member: its group, and the
+/// settings it joined with.
+pub(crate) struct Membership {
+    pub(crate) group: Arc<ConsumerGroup>,
+    pub(crate) settings: MemberSettings,
 }
 
 /// A member of a consumer group that another engine runs (the cluster
@@ -56,7 +67,7 @@ impl Subscription {
             patterns,
             peer,
             opened_at: SystemTime::now(),
-            queue,
+            queue: Arc::new(queue),
             delivered: AtomicU64::new(0),
             last_delivered_sequence: AtomicU64::new(0),
             detached: AtomicBool::new(false),
@@ -78,8 +89,8 @@ impl Subscription {
     /// the queue is closed or full.
     pub fn hand(&self, delivery: Delivery) -> Result<(), Delivery> {
         match self.queue.push(delivery) {
-            super::queue::Push::Queued => Ok(()),
-            super::queue::Push::Full { item, .. } | super::queue::Push::Closed(item) => Err(item),
+            crate::engine::queue::Push::Queued => Ok(()),
+            crate::engine::queue::Push::Full { item, .. } | crate::engine::queue::Push::Closed(item) => Err(item),
         }
     }
 

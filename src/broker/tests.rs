@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::engine::validate;
-use crate::engine::{BrokerError, DeliveryMode, NewMessage, SubscribeRequest};
+use crate::engine::{BrokerError, DeliveryMode, NewMessage, SubscribeRequest, message_size};
 use bytes::Bytes;
 
 fn member(id: &str, group: &str, pattern: &str) -> SubscribeRequest {

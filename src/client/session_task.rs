@@ -36,7 +36,7 @@
 
 use super::buffer::{FlushReport, PublishBuffer};
 use super::{Backoff, ConnectionEvent, PublishError, Shared};
-use crate::grpc::services::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
+use crate::pb::metadata::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;

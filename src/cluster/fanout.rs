@@ -15,7 +15,8 @@
 use super::groups::{GroupRoute, NotStored, stored};
 use super::wire;
 use super::{ClusterEngine, REMOTE_BURST, Ready};
-use crate::broker::{RouteCache, WakeBatch};
+use crate::broker::RouteCache;
+use crate::engine::WakeBatch;
 use crate::engine::validate::truncate;
 use crate::engine::{BatchOutcome, BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
 use async_nats::jetstream;

@@ -18,6 +18,8 @@
 //! outcomes, refusals and snapshots. [`validate`] holds the checks every
 //! engine applies to what clients send.
 
+pub mod message;
+pub mod queue;
 pub mod validate;
 
 use crate::config::Limits;
@@ -29,7 +31,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
-pub use crate::broker::{Delivery, Published};
+pub use message::{Delivery, Published, message_size};
+pub use queue::WakeBatch;
 
 /// What a routed publish still waits for ([`Engine::publish_routed`]):
 /// resolves to the number of groups that took the message.
@@ -40,8 +43,8 @@ pub type Confirmation = futures::future::BoxFuture<'static, Result<u32, BrokerEr
 /// Calls that may have to ask other replicas (Ack, Nack, CloseSubscription,
 /// the Admin listings) return futures; an engine that answers at once
 /// returns a ready one. The front publishes a run of messages received
-/// together inside one [`crate::broker::WakeBatch`], each publish under
-/// [`crate::broker::WakeBatch::across_waits`]: the subscribers the run
+/// together inside one [`WakeBatch`], each publish under
+/// [`WakeBatch::across_waits`]: the subscribers the run
 /// reached are woken once, at its end, or when a publish has to wait (a
 /// cluster publish waiting for room in the NATS client's queue, a group's
 /// store), before the task yields.

@@ -20,7 +20,7 @@ pub const MAX_NAME_BYTES: usize = 256;
 pub const DEAD_LETTER_PREFIX: &str = "_dlq.";
 
 /// Checks a message against the limits; returns the bytes it is charged
-/// (what [`crate::broker::message_size`] says, from this one pass over its
+/// (what [`crate::engine::message_size`] says, from this one pass over its
 /// headers). The headers the broker added for tracing
 /// ([`NewMessage::tracing`]) count against neither the number of headers
 /// nor `max_message_bytes`, but are charged.

@@ -46,9 +46,8 @@
 
 use super::admission::MemberSettings;
 use super::backlog::BacklogLimits;
-use crate::broker::queue::Push;
-use crate::broker::{Delivery, Published, Subscription};
-use crate::engine::{AckMode, Acked, Nacked};
+use crate::engine::queue::{Push, Queue};
+use crate::engine::{AckMode, Acked, Delivery, Nacked, Published};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -161,7 +160,8 @@ impl<T, K> Backlog<T, K> {
 
 struct Member<K> {
     key: K,
-    subscription: Arc<Subscription>,
+    /// Its subscription's queue: what its stream takes from.
+    queue: Arc<Queue>,
     settings: MemberSettings,
     /// Messages this member holds: queued for its stream, plus those on its
     /// stream not done yet (MANUAL, or AUTO per message).
@@ -176,18 +176,18 @@ struct Member<K> {
 impl<K> Member<K> {
     /// How many more messages it may be handed now: what `max_in_flight`
     /// leaves, and no more than its stream may take now (a session's
-    /// credit, [`crate::broker::queue::Queue::credit_room`]), so that
+    /// credit, [`crate::engine::queue::Queue::credit_room`]), so that
     /// nothing waits in its queue for credit while another member has room.
     fn room(&self) -> usize {
         let in_flight = self.settings.max_in_flight.saturating_sub(self.held) as usize;
-        match self.subscription.queue.credit_room() {
+        match self.queue.credit_room() {
             Some(credit) if in_flight > 0 => in_flight.min(usize::try_from(credit).unwrap_or(usize::MAX)),
             _ => in_flight,
         }
     }
 
     fn has_room(&self) -> bool {
-        self.held < self.settings.max_in_flight && self.subscription.queue.credit_room().is_none_or(|c| c > 0)
+        self.held < self.settings.max_in_flight && self.queue.credit_room().is_none_or(|c| c > 0)
     }
 }
 
@@ -235,7 +235,7 @@ pub(crate) struct GroupMachine<T, K> {
     pub(crate) out: Vec<Event<T>>,
 }
 
-impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
+impl<T, K: PartialEq + Clone + std::fmt::Debug> GroupMachine<T, K> {
     pub(crate) fn new(rules: Rules) -> Self {
         Self {
             rules,
@@ -383,10 +383,10 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     }
 
     /// Adds a member and hands it what the backlog holds.
-    pub(crate) fn join(&mut self, key: K, subscription: Arc<Subscription>, settings: MemberSettings, now: Instant) {
+    pub(crate) fn join(&mut self, key: K, queue: Arc<Queue>, settings: MemberSettings, now: Instant) {
         self.members.push(Member {
             key,
-            subscription,
+            queue,
             settings,
             held: 0,
             stalled_since: None,
@@ -427,9 +427,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
         its.sort_unstable();
         for seq in its {
             let Some(held) = self.held.remove(&seq) else { continue };
-            let queued = member
-                .as_ref()
-                .is_some_and(|m| m.subscription.queue.remove(seq).is_some());
+            let queued = member.as_ref().is_some_and(|m| m.queue.remove(seq).is_some());
             if queued {
                 retries.push(Pending {
                     message: held.message,
@@ -501,7 +499,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
             if held.attempt > 1
                 && let Some(member) = self.members.iter().find(|m| m.key == *key)
             {
-                member.subscription.queue.remove(seq);
+                member.queue.remove(seq);
             }
             self.release(key);
             self.out.push(Event::Done(held.token));
@@ -648,7 +646,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
                 message: pending.message,
                 attempt,
             };
-            let refused = match member.subscription.queue.push(delivery) {
+            let refused = match member.queue.push(delivery) {
                 Push::Queued => {
                     member.held += 1;
                     if member.settings.ack_mode == AckMode::Manual && member.stalled_since.is_none() {
@@ -678,7 +676,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
                 Push::Full { item, .. } => {
                     debug_assert!(false, "a member with room had a full queue");
                     tracing::error!(
-                        consumer_group_member = member.subscription.id(),
+                        consumer_group_member = ?member.key,
                         "bug: a consumer-group member with room had a full queue; it leaves the rotation"
                     );
                     item
@@ -702,7 +700,7 @@ impl<T, K: PartialEq + Clone> GroupMachine<T, K> {
     /// attempt that failed. Passed over that member next time.
     fn take_back(&mut self, held: Held<T, K>, retries: &mut Vec<Pending<T, K>>) {
         let holder = self.members.iter().find(|m| m.key == held.member);
-        if holder.is_some_and(|m| m.subscription.queue.remove(held.message.sequence).is_some()) {
+        if holder.is_some_and(|m| m.queue.remove(held.message.sequence).is_some()) {
             retries.push(Pending {
                 message: held.message,
                 token: held.token,
@@ -848,9 +846,7 @@ pub(crate) fn attempts_exhausted(attempt: u32, max: u32) -> bool {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::broker::queue::Queue;
     use crate::engine::CloseReason;
-    use crate::topic::TopicPattern;
     use proptest::prelude::*;
     use std::task::{Context, Poll, Waker};
 
@@ -876,20 +872,23 @@ pub(crate) mod tests {
         }
     }
 
-    /// A member's subscription whose queue holds `capacity`.
-    pub(crate) fn member(key: u64, capacity: usize) -> Arc<Subscription> {
-        Arc::new(Subscription::new(
+    /// A member as the machine sees it: its key and its subscription's
+    /// queue.
+    pub(crate) struct TestMember {
+        pub(crate) key: u64,
+        pub(crate) queue: Arc<Queue>,
+    }
+
+    /// A member whose queue holds `capacity`.
+    pub(crate) fn member(key: u64, capacity: usize) -> Arc<TestMember> {
+        Arc::new(TestMember {
             key,
-            format!("m{key}").into(),
-            vec![TopicPattern::parse("t").unwrap()],
-            None,
-            Queue::new(capacity, usize::MAX),
-            None,
-        ))
+            queue: Arc::new(Queue::new(capacity, usize::MAX)),
+        })
     }
 
     /// What the member's stream would take next.
-    pub(crate) fn pop(sub: &Subscription) -> Option<Delivery> {
+    pub(crate) fn pop(sub: &TestMember) -> Option<Delivery> {
         match sub.queue.poll_pop(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(d) => d,
             Poll::Pending => None,
@@ -907,8 +906,8 @@ pub(crate) mod tests {
                 max_in_flight: max,
                 ack_deadline: Duration::from_secs(10),
             };
-            g.join(1, a.clone(), manual(1), now);
-            g.join(2, b.clone(), manual(1), now);
+            g.join(1, a.queue.clone(), manual(1), now);
+            g.join(2, b.queue.clone(), manual(1), now);
             g.offer(Arc::new(Published::for_test("t", 1)), 1, 0, now);
             g.offer(Arc::new(Published::for_test("t", 2)), 2, 0, now);
             assert_eq!(pop(&a).unwrap().message.sequence, 1);
@@ -943,8 +942,8 @@ pub(crate) mod tests {
                 max_in_flight: 2,
                 ack_deadline: Duration::from_secs(10),
             };
-            g.join(1, hung.clone(), manual, start);
-            g.join(2, ok.clone(), manual, start);
+            g.join(1, hung.queue.clone(), manual, start);
+            g.join(2, ok.queue.clone(), manual, start);
             let offer = |g: &mut GroupMachine<u64, u64>, seq: u64, now| {
                 g.offer(Arc::new(Published::for_test("t", seq)), seq, 0, now);
             };
@@ -988,22 +987,18 @@ pub(crate) mod tests {
         let now = Instant::now();
         for cluster in [false, true] {
             let mut g: GroupMachine<u64, u64> = GroupMachine::new(rules(cluster, 100, 0));
-            let short = Arc::new(Subscription::new(
-                1,
-                "m1".into(),
-                vec![TopicPattern::parse("t").unwrap()],
-                None,
-                Queue::new(32, usize::MAX).with_credit(Some(2)),
-                None,
-            ));
+            let short = Arc::new(TestMember {
+                key: 1,
+                queue: Arc::new(Queue::new(32, usize::MAX).with_credit(Some(2))),
+            });
             let other = member(2, 4);
             let settings = |max| MemberSettings {
                 ack_mode: AckMode::Manual,
                 max_in_flight: max,
                 ack_deadline: Duration::from_secs(10),
             };
-            g.join(1, short.clone(), settings(32), now);
-            g.join(2, other.clone(), settings(4), now);
+            g.join(1, short.queue.clone(), settings(32), now);
+            g.join(2, other.queue.clone(), settings(4), now);
             assert_eq!(g.room(), 2 + 4);
             for seq in 1..=10 {
                 g.offer(Arc::new(Published::for_test("t", seq)), seq, 0, now);
@@ -1047,7 +1042,7 @@ pub(crate) mod tests {
 
     struct Model {
         /// (subscription, manual, sequences on its stream not yet acked)
-        members: Vec<(Arc<Subscription>, bool, Vec<u64>)>,
+        members: Vec<(Arc<TestMember>, bool, Vec<u64>)>,
         done: HashSet<u64>,
         /// Out of this machine: dead-lettered, dropped, or (a cluster hub)
         /// gone to other replicas.
@@ -1115,7 +1110,7 @@ pub(crate) mod tests {
                             max_in_flight: max,
                             ack_deadline: Duration::from_secs(10),
                         };
-                        g.join(next_key, sub.clone(), settings, now);
+                        g.join(next_key, sub.queue.clone(), settings, now);
                         next_key += 1;
                         m.members.push((sub, manual, Vec::new()));
                     }

@@ -20,8 +20,8 @@
 //! consumer group, with one receiver per message, gained nothing from it;
 //! see BENCHMARKS.md.)
 
-use super::codec::ENCODE_CHUNK;
-use crate::broker::Published;
+use crate::pb::codec::ENCODE_CHUNK;
+use crate::engine::Published;
 use crate::engine::TracingHeaders;
 use crate::ops::telemetry;
 use crate::ops::telemetry::TRACEPARENT;

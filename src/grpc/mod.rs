@@ -10,7 +10,6 @@
 //!   (its response body, which also reads its requests);
 //! - [`framing`]: a delivery as gRPC frame bytes, encoded straight from the
 //!   published message, shared by both bodies;
-//! - [`codec`]: the codec of the generated servers (`build.rs`);
 //! - [`coalesce`]: how a connection's writes reach its socket (one system
 //!   call for what one turn of the connection's task wrote);
 //! - [`connections`]: the accept loop and what one connection may hold
@@ -23,7 +22,6 @@
 //! re-exported here.
 
 pub mod coalesce;
-pub mod codec;
 pub mod connections;
 pub mod convert;
 pub mod executor;

@@ -10,7 +10,7 @@ use super::convert::{decoding_limit, new_message, request_stream_error, status, 
 use super::framing::publish_span;
 use super::session_body::SessionBody;
 use super::subscription_body::{NotInstalled, PendingBody, SUBSCRIPTION_ID_METADATA, SubscriptionBody};
-use crate::broker::WakeBatch;
+use crate::engine::WakeBatch;
 use crate::engine::validate::{MAX_HEADERS, MAX_PATTERNS_PER_SUBSCRIPTION};
 use crate::engine::{Confirmation, DeliveryStream, Engine, PublishOutcome, PublishTime, TracingHeaders};
 use crate::ops::metrics::Metrics;
@@ -25,14 +25,7 @@ use tracing::Instrument;
 
 /// Most messages of one PublishStream routed before the task yields.
 const PUBLISH_BATCH: usize = 128;
-/// The request metadata a session asks for batched deliveries with.
-pub const BATCH_METADATA: &str = "tinybroker-batch";
-/// The response header of `Session` and `OpenSubscription` naming this
-/// broker instance (a new id at every start): sequences restart with it.
-pub const INSTANCE_METADATA: &str = "tinybroker-instance";
-/// The response header saying where delivered sequences come from
-/// ([`crate::engine::SequenceScope`]).
-pub const SEQUENCE_SCOPE_METADATA: &str = "tinybroker-sequence-scope";
+pub use crate::pb::metadata::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 /// The message a `PublishStream` carries, as its decoding errors name it.
 const PUBLISH_REQUEST: &str = "tinybroker.v1.PublishRequest";
 

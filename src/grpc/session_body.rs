@@ -63,8 +63,8 @@
 
 use super::convert;
 use super::framing::{EncodedMessage, FRAME_THRESHOLD, GRPC_HEADER, SubscriberFields, deliver_span, reserve_frame};
-use crate::broker::Published;
-use crate::broker::WakeBatch;
+use crate::engine::Published;
+use crate::engine::WakeBatch;
 use crate::engine::{
     Acked, BatchOutcome, BrokerError, CloseReason, Delivery, DeliveryStream, Engine, Nacked, NewMessage, PublishTime,
     StreamEnd, TracingHeaders,

@@ -20,15 +20,7 @@ use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
 
-/// Initial response metadata carrying the subscription id.
-pub const SUBSCRIPTION_ID_METADATA: &str = "tinybroker-subscription-id";
-/// Trailer of a subscription stream the broker ended (status OK): why,
-/// `evicted`, `closed_by_admin` or `shutdown`.
-pub const END_REASON_METADATA: &str = "tinybroker-end-reason";
-/// Trailer beside it: messages queued for the subscription that it lost.
-pub const DROPPED_METADATA: &str = "tinybroker-dropped";
-/// Trailer beside it: the sequence of the last message handed to the stream.
-pub const LAST_SEQUENCE_METADATA: &str = "tinybroker-last-sequence";
+pub use crate::pb::metadata::{DROPPED_METADATA, END_REASON_METADATA, LAST_SEQUENCE_METADATA, SUBSCRIPTION_ID_METADATA};
 
 /// The response body of an OpenSubscription stream: each poll takes the
 /// deliveries that are ready and encodes them, framed for gRPC, into one

@@ -16,9 +16,8 @@
 //! outside it. Time is passed in (`now`), so the logic is tested without a
 //! clock.
 
-use super::member::{DeadLetter, MemberGroup, NackOutcome};
-use super::{Delivery, Published, Subscription};
-use crate::engine::{AckMode, Acked, BrokerError, GroupInfo};
+use crate::engine::queue::Queue;
+use crate::engine::{AckMode, Acked, BrokerError, Delivery, GroupInfo, Nacked, Published};
 use crate::group::admission::{self, Terms};
 use crate::group::machine::{self, AutoDone, Event, GroupMachine, NoRoom, Rules};
 use crate::group::stall::StallReport;
@@ -211,12 +210,13 @@ impl ConsumerGroup {
 
     /// Adds a member (its patterns were checked by the caller) and hands it
     /// what the backlog holds. False when the group was removed meanwhile.
-    pub(crate) fn join(&self, subscription: Arc<Subscription>, settings: MemberSettings, now: Instant) -> bool {
+    /// `member` is its subscription's key, `queue` its subscription's queue.
+    pub(crate) fn join(&self, member: u64, queue: Arc<Queue>, settings: MemberSettings, now: Instant) -> bool {
         let mut state = self.state.lock();
         if state.removed {
             return false;
         }
-        state.machine.join(subscription.key, subscription, settings, now);
+        state.machine.join(member, queue, settings, now);
         state.idle_since = None;
         true
     }
@@ -246,7 +246,7 @@ impl ConsumerGroup {
 
     /// Shutdown: empties the group; returns how many messages it held, in
     /// its backlog and held by members (none once every member was
-    /// discarded, [`MemberGroup::discard`]).
+    /// discarded, [`ConsumerGroup::discard`]).
     pub(crate) fn discard_all(&self) -> (usize, usize) {
         let mut state = self.state.lock();
         let backlog = state.machine.backlog_len();
@@ -255,15 +255,15 @@ impl ConsumerGroup {
     }
 }
 
-/// A member's subscription reaches its group through this (see
-/// `broker/member.rs`).
-impl MemberGroup for ConsumerGroup {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
+/// What a member's subscription, its stream, its acks and its closing ask
+/// of its group. `member` is the member's subscription key. Each takes the
+/// group's lock for one short transition, except `add_delivered`. None is
+/// per message: a stream reports once per run of deliveries (when its
+/// queue runs dry, and at most every 64) and adds to its count every 256;
+/// an ack, a nack, added credit and leaving are one call per request.
+impl ConsumerGroup {
     /// A member's stream wrote `count` messages.
-    fn add_delivered(&self, count: u64) {
+    pub(crate) fn add_delivered(&self, count: u64) {
         self.delivered.fetch_add(count, Ordering::Relaxed);
     }
 
@@ -271,7 +271,7 @@ impl MemberGroup for ConsumerGroup {
     /// what its queue still held: never delivered, so it goes back as it was;
     /// its manual-ack messages that did reach its stream are retried.
     /// Returns the dead letters that made.
-    fn leave(&self, member: u64, unstreamed: VecDeque<Delivery>, now: Instant) -> Vec<DeadLetter> {
+    pub(crate) fn leave(&self, member: u64, unstreamed: VecDeque<Delivery>, now: Instant) -> Vec<DeadLetter> {
         let mut state = self.state.lock();
         state
             .machine
@@ -282,7 +282,10 @@ impl MemberGroup for ConsumerGroup {
         state.dead_letters()
     }
 
-    fn discard(&self, member: u64, unstreamed: VecDeque<Delivery>) -> usize {
+    /// Shutdown, once the grace period is over: the member leaves and what
+    /// it holds (`unstreamed`, what its queue still held, and what reached
+    /// its stream and is not done) is discarded, not handed back. How many.
+    pub(crate) fn discard(&self, member: u64, unstreamed: VecDeque<Delivery>) -> usize {
         self.state
             .lock()
             .machine
@@ -291,7 +294,7 @@ impl MemberGroup for ConsumerGroup {
 
     /// An auto-ack member's stream took `count` messages: they are done, and
     /// the member has room for as many more.
-    fn streamed(&self, member: u64, count: u32, now: Instant) {
+    pub(crate) fn streamed(&self, member: u64, count: u32, now: Instant) {
         let mut state = self.state.lock();
         if count > 0 {
             state.progressed(now);
@@ -300,13 +303,13 @@ impl MemberGroup for ConsumerGroup {
     }
 
     /// A member's session added credit: it may have room now.
-    fn credit_added(&self, now: Instant) {
+    pub(crate) fn credit_added(&self, now: Instant) {
         self.state.lock().machine.room_made(now);
     }
 
     /// Marks messages done. A sequence this member does not hold (never had,
     /// already acked, or lost to a redelivery) is unknown and changes nothing.
-    fn ack(&self, member: u64, sequences: &[u64], now: Instant) -> Acked {
+    pub(crate) fn ack(&self, member: u64, sequences: &[u64], now: Instant) -> Acked {
         let mut state = self.state.lock();
         let result = state.machine.ack(&member, sequences, now);
         state.machine.out.clear();
@@ -320,7 +323,7 @@ impl MemberGroup for ConsumerGroup {
     /// member. A message that used its last attempt is dead-lettered
     /// instead (and still counted as requeued: the member no longer holds
     /// it).
-    fn nack(&self, member: u64, sequences: &[u64], now: Instant) -> NackOutcome {
+    pub(crate) fn nack(&self, member: u64, sequences: &[u64], now: Instant) -> NackOutcome {
         let mut state = self.state.lock();
         let nacked = state.machine.nack(&member, sequences, now);
         NackOutcome {
@@ -328,6 +331,21 @@ impl MemberGroup for ConsumerGroup {
             dead_letters: state.dead_letters(),
         }
     }
+}
+
+/// A message that used up its delivery attempts, to be published to the
+/// group's dead-letter topic by the caller (outside the group's lock).
+#[derive(Debug)]
+pub struct DeadLetter {
+    pub message: Arc<Published>,
+    pub attempts: u32,
+}
+
+/// What a Nack did, and the dead letters it made.
+#[derive(Debug)]
+pub struct NackOutcome {
+    pub nacked: Nacked,
+    pub dead_letters: Vec<DeadLetter>,
 }
 
 impl GroupState {
@@ -400,7 +418,7 @@ mod tests {
         }
         assert_eq!(g.info(now).backlog, 3);
         let m = member(1, 2);
-        g.join(m.clone(), settings(AckMode::Auto, 2), now);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Auto, 2), now);
         assert_eq!(g.info(now).backlog, 1, "only max_in_flight handed out");
         assert_eq!(pop(&m).unwrap().message.sequence, 1);
         g.streamed(1, 1, now);
@@ -448,7 +466,7 @@ mod tests {
         assert_eq!(g.offer(published(3), now), 1);
         assert_eq!(g.counters().dropped, 1);
         let m = member(1, 8);
-        g.join(m.clone(), settings(AckMode::Auto, 8), now);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Auto, 8), now);
         assert_eq!(pop(&m).unwrap().message.sequence, 2);
     }
 
@@ -479,7 +497,7 @@ mod tests {
         assert_eq!(g.info(now).backlog, 2);
         assert_eq!(g.info(now).backlog_bytes, 2 * size);
         let m = member(1, 8);
-        g.join(m.clone(), settings(AckMode::Auto, 8), now);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Auto, 8), now);
         assert_eq!(pop(&m).unwrap().message.sequence, 2);
         assert_eq!(g.info(now).backlog_bytes, 0, "handed out");
     }
@@ -489,10 +507,10 @@ mod tests {
         let now = Instant::now();
         let g = group(10, 0);
         let (a, b) = (member(1, 4), member(2, 4));
-        g.join(a.clone(), settings(AckMode::Manual, 4), now);
+        g.join(a.key, a.queue.clone(), settings(AckMode::Manual, 4), now);
         g.offer(published(1), now);
         assert_eq!(pop(&a).unwrap().attempt, 1);
-        g.join(b.clone(), settings(AckMode::Manual, 4), now);
+        g.join(b.key, b.queue.clone(), settings(AckMode::Manual, 4), now);
         assert_eq!(g.nack(1, &[1, 99], now).nacked.requeued, 1);
         let redelivered = pop(&b).expect("the other member gets it");
         assert_eq!((redelivered.message.sequence, redelivered.attempt), (1, 2));
@@ -510,7 +528,7 @@ mod tests {
         let start = Instant::now();
         let g = group(10, 2);
         let m = member(1, 4);
-        g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Manual, 4), start);
         assert_eq!(g.info(start).oldest_unacked_age, None);
         g.offer(published(7), start);
         assert_eq!(pop(&m).unwrap().attempt, 1);
@@ -531,7 +549,7 @@ mod tests {
         let start = Instant::now();
         let g = group(10, 0);
         let m = member(1, 4);
-        g.join(m.clone(), settings(AckMode::Auto, 4), start);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Auto, 4), start);
         g.leave(1, VecDeque::new(), start);
         g.offer(published(1), start);
         assert_eq!(
@@ -543,7 +561,7 @@ mod tests {
             Some(1)
         );
         assert!(
-            !g.join(member(2, 4), settings(AckMode::Auto, 4), start),
+            !g.join(2, member(2, 4).queue.clone(), settings(AckMode::Auto, 4), start),
             "removed groups take no members"
         );
     }
@@ -554,7 +572,7 @@ mod tests {
         let secs = |n| start + Duration::from_secs(n);
         let g = group_at(10, 0, start);
         let m = member(1, 4);
-        g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Manual, 4), start);
         // Idle for a minute: no work, so not stalled, however long ago the
         // last ack was (the maintenance tick notes it).
         assert!(g.expire(secs(60)).is_empty());
@@ -597,7 +615,7 @@ mod tests {
         let after = crate::group::stall::STALL_WARNING_AFTER;
         let g = group_at(10, 0, start);
         let m = member(1, 4);
-        g.join(m.clone(), settings(AckMode::Manual, 4), start);
+        g.join(m.key, m.queue.clone(), settings(AckMode::Manual, 4), start);
         g.offer(published(1), start);
         pop(&m).unwrap();
         assert!(g.stall_to_report(secs(44)).is_none());
@@ -618,7 +636,7 @@ mod tests {
         let g = group_at(10, 0, start);
         assert_eq!(g.info(secs(3)).memberless, Some(Duration::from_secs(3)));
         let m = member(1, 4);
-        g.join(m.clone(), settings(AckMode::Auto, 4), secs(3));
+        g.join(m.key, m.queue.clone(), settings(AckMode::Auto, 4), secs(3));
         assert_eq!(g.info(secs(4)).memberless, None);
         assert!(g.expire(secs(4)).is_empty(), "the idle tick");
         g.offer(published(1), secs(4));

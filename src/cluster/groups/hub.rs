@@ -32,7 +32,8 @@
 //! (`hub_tests.rs`).
 
 use super::state::{HubCore, Outbound, Pulled, Settings, View};
-use crate::broker::{Delivery, Subscription};
+use crate::broker::Subscription;
+use crate::engine::Delivery;
 use crate::engine::{AckMode, Acked, Nacked};
 use parking_lot::Mutex;
 use std::future::Future;

@@ -6,9 +6,10 @@
 
 use super::hub::{Backend, HubConfig, HubHandle, LINGER, Pull, Pulling};
 use super::state::{HubCore, Outbound, Pulled, Settings};
-use crate::broker::queue::Queue;
-use crate::broker::{Delivery, ExternalMember, Published, Subscription};
+use crate::broker::{ExternalMember, Subscription};
+use crate::engine::queue::Queue;
 use crate::engine::{AckMode, Acked, Nacked};
+use crate::engine::{Delivery, Published};
 use crate::topic::TopicPattern;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};

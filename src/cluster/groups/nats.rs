@@ -170,7 +170,7 @@ impl Nats {
 
 /// What a group message (the publishing replica's envelope) gives the
 /// members; None when it does not decode.
-pub(crate) fn published(engine: &ClusterEngine, message: &jetstream::Message) -> Option<Arc<crate::broker::Published>> {
+pub(crate) fn published(engine: &ClusterEngine, message: &jetstream::Message) -> Option<Arc<crate::engine::Published>> {
     let m = super::super::wire::decode(message.payload.clone()).ok()?;
     let (new_message, sequence, publish_time) = super::super::wire::from_envelope(m);
     Some(

@@ -32,7 +32,8 @@
 //! and held messages, or has left it in one operation of [`HubCore::out`]
 //! (property tests here and in the machine check it after every step).
 
-use crate::broker::{Published, Subscription};
+use crate::broker::Subscription;
+use crate::engine::Published;
 use crate::engine::{Acked, Nacked};
 use crate::group::machine::{AutoDone, Event, GroupMachine, MemberUnacked, NoRoom, Rules};
 use std::collections::HashMap;
@@ -180,7 +181,7 @@ impl<M: Clone> HubCore<M> {
 
     /// Adds a member and hands it what waits.
     pub(crate) fn join(&mut self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings, now: Instant) {
-        self.machine.join(id, subscription, settings, now);
+        self.machine.join(id, subscription.queue.clone(), settings, now);
         self.take_out();
     }
 

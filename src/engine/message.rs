@@ -1,6 +1,7 @@
 //! A published message, shared by every queue it fans out to, and what it
 //! is charged against byte limits.
 
+use super::NewMessage;
 use crate::memory::{self, MemoryBudget};
 use bytes::Bytes;
 use std::collections::HashMap;
@@ -18,11 +19,32 @@ pub struct Published {
     pub sequence: u64,
     pub publish_time: SystemTime,
     /// What it is charged: see [`message_size`].
-    pub(super) size: usize,
-    pub(super) budget: &'static MemoryBudget,
+    size: usize,
+    budget: &'static MemoryBudget,
 }
 
 impl Published {
+    /// `message`, numbered `sequence`, whose `size` ([`message_size`]) the
+    /// caller has already charged to `budget`: released when the last
+    /// holder lets go.
+    pub fn charged(
+        message: NewMessage,
+        sequence: u64,
+        publish_time: SystemTime,
+        size: usize,
+        budget: &'static MemoryBudget,
+    ) -> Self {
+        Self {
+            topic: message.topic,
+            payload: message.payload,
+            headers: message.headers,
+            sequence,
+            publish_time,
+            size,
+            budget,
+        }
+    }
+
     /// The bytes it is charged, in the broker's budget and in every queue's
     /// and group's byte limit.
     pub fn size(&self) -> usize {

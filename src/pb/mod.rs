@@ -2,12 +2,20 @@
 //! encoded file descriptor set that server reflection serves; and the types
 //! of `tinybroker.cluster.v1`, what only replicas exchange.
 
-#![allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod codec;
+pub mod metadata;
 
-tonic::include_proto!("tinybroker.v1");
+pub use generated::*;
+
+/// What `build.rs` generates is not ours to lint.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+mod generated {
+    tonic::include_proto!("tinybroker.v1");
+}
 
 /// The generated servers. Their subscription streams send
 /// [`crate::grpc::framing::EncodedMessage`], which is a `Message` on the wire.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
 mod servers {
     include!(concat!(env!("OUT_DIR"), "/server/tinybroker.v1.rs"));
 }
@@ -17,7 +25,7 @@ pub use servers::{admin_server, broker_server};
 /// `proto/tinybroker/cluster/v1/cluster.proto`: the envelope and the calls
 /// between replicas (`cluster::wire`, `cluster::rpc`). Not the contract,
 /// and not in [`FILE_DESCRIPTOR_SET`]. Some generated helpers go unused.
-#[allow(dead_code)]
+#[allow(dead_code, clippy::all, clippy::pedantic, missing_docs)]
 pub(crate) mod cluster {
     include!(concat!(env!("OUT_DIR"), "/tinybroker.cluster.v1.rs"));
 }

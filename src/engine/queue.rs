@@ -373,7 +373,7 @@ impl Queue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::Published;
+    use crate::engine::Published;
     use std::sync::Arc;
     use std::task::Waker;
 
