@@ -7,15 +7,16 @@ use crate::broker::Broker;
 use crate::cluster::ClusterEngine;
 use crate::config::Config;
 use crate::engine::{Engine, EngineHealth};
-use crate::grpc::connections::{self, ConnectionStats};
+use crate::grpc::connections::{self, ConnectionStats, Rejection};
 use crate::grpc::request_budget::IncomingLimits;
 use crate::grpc::{self, AdminService, BrokerService};
 use crate::ops::http_server::{self, Readiness};
-use crate::ops::metrics::Metrics;
+use crate::ops::metrics::{FrontCounters, FrontSource, Metrics};
 use crate::pb;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -95,7 +96,7 @@ async fn serve<E: Engine>(
         crate::memory::MemoryBudget::leak(crate::memory::split(config.limits.max_memory_bytes).1),
     ));
     let metrics = Metrics::new(engine.clone(), config.metrics_per_subscription)
-        .with_connections(connection_stats.clone(), incoming.clone());
+        .with_front(front_counters(connection_stats.clone(), incoming.clone()));
     let (stop_maintenance, maintenance_stopped) = tokio::sync::oneshot::channel::<()>();
     let maintenance = tokio::spawn(engine.clone().maintain(async {
         let _ = maintenance_stopped.await;
@@ -281,4 +282,20 @@ fn log_started(config: &Config, grpc_addr: SocketAddr, metrics_addr: SocketAddr)
         max_streams_per_connection = config.connections.max_streams_per_connection,
         "tinybroker started"
     );
+}
+
+/// What the metrics read of the front at each scrape.
+fn front_counters(connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> FrontSource {
+    Arc::new(move || FrontCounters {
+        open_connections: connections.open(),
+        rejected: Rejection::ALL
+            .iter()
+            .map(|&reason| (reason.label(), connections.rejected(reason)))
+            .collect(),
+        accept_errors: connections.accept_errors(),
+        incoming_bytes: incoming.memory.used(),
+        incoming_limit: incoming.memory.limit(),
+        refused_memory_limit: incoming.refused_memory_limit.load(Ordering::Relaxed),
+        refused_connection_limit: incoming.refused_connection_limit.load(Ordering::Relaxed),
+    })
 }

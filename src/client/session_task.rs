@@ -36,10 +36,10 @@
 
 use super::buffer::{FlushReport, PublishBuffer};
 use super::{Backoff, ConnectionEvent, PublishError, Shared};
-use crate::pb::metadata::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
+use crate::pb::metadata::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 use crate::pb::session_event::Event;
 use crate::pb::session_request::Request as SessionRequest;
 use futures::StreamExt;

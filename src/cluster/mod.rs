@@ -147,7 +147,7 @@ const SEQUENCE_BITS: u32 = 44;
 /// most: topic (256), header framing (64 × 10), tags, time and sequence
 /// (946 bytes, 1 KiB), and the headers tracing adds, which count against
 /// no limit (`telemetry::TRACING_HEADERS_MAX_ENCODED`, 602 bytes).
-pub const ENCODING_ALLOWANCE: usize = 1024 + crate::ops::telemetry::TRACING_HEADERS_MAX_ENCODED;
+pub const ENCODING_ALLOWANCE: usize = 1024 + crate::engine::TRACING_HEADERS_MAX_ENCODED;
 /// Most remote messages handed to the local fan-out in one burst.
 const REMOTE_BURST: usize = 128;
 /// How long a start waits for the NATS connection before it says there is

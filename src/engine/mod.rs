@@ -257,6 +257,22 @@ pub struct NewMessage {
     pub tracing: TracingHeaders,
 }
 
+/// W3C trace context header, in request metadata and message headers.
+pub const TRACEPARENT: &str = "traceparent";
+/// W3C trace state header, beside it.
+pub const TRACESTATE: &str = "tracestate";
+/// Longest `tracestate` the broker adds to a message: what W3C Trace
+/// Context asks every vendor to propagate at least; a longer one is
+/// truncated as it says (`ops::telemetry`).
+pub const TRACESTATE_MAX_BYTES: usize = 512;
+/// Most bytes the headers the broker adds for tracing take in a message's
+/// protobuf encoding (`Message.headers` map entries): `traceparent` (55
+/// bytes) and a `tracestate` of at most [`TRACESTATE_MAX_BYTES`], names,
+/// tags and lengths included. What the cluster engine must leave room for
+/// on NATS beyond `max_message_bytes`.
+pub const TRACING_HEADERS_MAX_ENCODED: usize =
+    (2 + 2 + TRACEPARENT.len() + 2 + 55) + (3 + 2 + TRACESTATE.len() + 3 + TRACESTATE_MAX_BYTES);
+
 /// The headers the broker added to a message for tracing
 /// (docs/contract.md, "Logs and tracing"); none without tracing.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -3,8 +3,8 @@
 //! limits"). Errors name the bad value, bounded in length.
 
 use super::{AckMode, BrokerError, NewMessage, TracingHeaders};
+use super::{TRACEPARENT, TRACESTATE};
 use crate::memory;
-use crate::ops::telemetry::{TRACEPARENT, TRACESTATE};
 use crate::topic::{self, TopicPattern};
 use std::collections::HashMap;
 

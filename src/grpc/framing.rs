@@ -20,12 +20,12 @@
 //! consumer group, with one receiver per message, gained nothing from it;
 //! see BENCHMARKS.md.)
 
-use crate::pb::codec::ENCODE_CHUNK;
 use crate::engine::Published;
 use crate::engine::TracingHeaders;
 use crate::ops::telemetry;
 use crate::ops::telemetry::TRACEPARENT;
 use crate::pb;
+use crate::pb::codec::ENCODE_CHUNK;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::encoding::{DecodeContext, WireType};
 use std::sync::Arc;

@@ -20,7 +20,9 @@ use tonic::codegen::http;
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
 
-pub use crate::pb::metadata::{DROPPED_METADATA, END_REASON_METADATA, LAST_SEQUENCE_METADATA, SUBSCRIPTION_ID_METADATA};
+pub use crate::pb::metadata::{
+    DROPPED_METADATA, END_REASON_METADATA, LAST_SEQUENCE_METADATA, SUBSCRIPTION_ID_METADATA,
+};
 
 /// The response body of an OpenSubscription stream: each poll takes the
 /// deliveries that are ready and encodes them, framed for gRPC, into one

@@ -9,8 +9,6 @@
 //! queue, so peaks cover the last two scrape intervals.
 
 use crate::engine::{DeliveryMode, Engine, EvictionRecord, GroupRemoval, Peaks, Snapshot, display_peer};
-use crate::grpc::connections::{ConnectionStats, Rejection};
-use crate::grpc::request_budget::IncomingLimits;
 use prometheus::core::{Collector, Desc};
 use prometheus::local::LocalHistogram;
 use prometheus::proto::MetricFamily;
@@ -19,7 +17,6 @@ use prometheus::{
     Registry, TextEncoder,
 };
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 /// Label value of `mode` for broadcast subscriptions.
@@ -31,6 +28,29 @@ pub const MODE_SINGLE: &str = "single";
 /// rare, so one dynamic call per scrape keeps `Metrics` free of the engine
 /// type).
 type SnapshotSource = Arc<dyn Fn(Peaks) -> Snapshot + Send + Sync>;
+
+/// The gRPC listener's counters, as a scrape reads them: `server.rs` reads
+/// them from the front (its connections, and the requests it is still
+/// receiving), which the metrics do not name.
+#[derive(Debug, Default, Clone)]
+pub struct FrontCounters {
+    pub open_connections: usize,
+    /// Connections refused or ended, by reason (the label), every reason
+    /// listed, 0 or not.
+    pub rejected: Vec<(&'static str, u64)>,
+    pub accept_errors: u64,
+    /// Bytes of requests being received, and the share of the memory limit
+    /// they may take (None: no limit).
+    pub incoming_bytes: usize,
+    pub incoming_limit: Option<usize>,
+    /// Requests refused because the broker's memory budget was spent.
+    pub refused_memory_limit: u64,
+    /// Requests refused because their connection held too much.
+    pub refused_connection_limit: u64,
+}
+
+/// Reads the front's counters at scrape time.
+pub type FrontSource = Arc<dyn Fn() -> FrontCounters + Send + Sync>;
 
 /// The registry and the histograms observed on the hot paths.
 #[derive(Clone)]
@@ -201,8 +221,8 @@ impl Metrics {
 
     /// Adds the gRPC listener's metrics: open and rejected connections, and
     /// requests refused for what they would hold.
-    pub fn with_connections(self, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
-        let collector = ResourceCollector::new(self.source.clone(), connections, incoming);
+    pub fn with_front(self, front: FrontSource) -> Self {
+        let collector = ResourceCollector::new(self.source.clone(), front);
         self.registry
             .register(Box::new(collector))
             .expect("metric names are unique");
@@ -816,8 +836,7 @@ impl Collector for BrokerCollector {
 /// limit, connections, refusals, and shutdown progress. Read at scrape time.
 struct ResourceCollector {
     source: SnapshotSource,
-    connections: Arc<ConnectionStats>,
-    incoming: Arc<IncomingLimits>,
+    front: FrontSource,
     t: ResourceMetrics,
 }
 
@@ -917,37 +936,37 @@ impl ResourceMetrics {
 }
 
 impl ResourceCollector {
-    fn new(source: SnapshotSource, connections: Arc<ConnectionStats>, incoming: Arc<IncomingLimits>) -> Self {
+    fn new(source: SnapshotSource, front: FrontSource) -> Self {
         Self {
             source,
-            connections,
-            incoming,
+            front,
             t: ResourceMetrics::new().expect("valid metric definitions"),
         }
     }
 
     fn snapshot(&self) -> prometheus::Result<ResourceMetrics> {
         let mut m = ResourceMetrics::new()?;
-        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         let snapshot = (self.source)(Peaks::Keep);
-        let (messages, incoming) = (snapshot.memory, self.incoming.memory);
-        m.memory_used.set((messages.used + incoming.used()) as i64);
-        m.memory_limit
-            .set(messages.limit.map_or(0, |l| (l + incoming.limit().unwrap_or(0)) as i64));
-        m.connections.set(self.connections.open() as i64);
-        for reason in Rejection::ALL {
-            m.rejected
-                .with_label_values(&[reason.label()])
-                .inc_by(self.connections.rejected(reason));
+        let front = (self.front)();
+        let messages = snapshot.memory;
+        m.memory_used.set((messages.used + front.incoming_bytes) as i64);
+        m.memory_limit.set(
+            messages
+                .limit
+                .map_or(0, |l| (l + front.incoming_limit.unwrap_or(0)) as i64),
+        );
+        m.connections.set(front.open_connections as i64);
+        for (reason, count) in front.rejected {
+            m.rejected.with_label_values(&[reason]).inc_by(count);
         }
-        m.accept_errors.inc_by(self.connections.accept_errors());
+        m.accept_errors.inc_by(front.accept_errors);
         let c = &snapshot.counters;
         m.refused
             .with_label_values(&["memory_limit"])
-            .inc_by(c.refused_memory_limit + load(&self.incoming.refused_memory_limit));
+            .inc_by(c.refused_memory_limit + front.refused_memory_limit);
         m.refused
             .with_label_values(&["connection_incoming_limit"])
-            .inc_by(load(&self.incoming.refused_connection_limit));
+            .inc_by(front.refused_connection_limit);
         m.memory_evictions.inc_by(c.evictions_memory_limit);
         m.shutting_down.set(i64::from(snapshot.shutting_down));
         if let Some(nats) = snapshot.nats {

@@ -17,21 +17,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-/// W3C trace context header, in request metadata and message headers.
-pub const TRACEPARENT: &str = "traceparent";
-/// W3C trace state header, beside it.
-pub const TRACESTATE: &str = "tracestate";
-/// Longest `tracestate` the broker adds to a message: what W3C Trace
-/// Context asks every vendor to propagate at least; a longer one is
-/// truncated as it says ([`bounded_tracestate`]).
-pub const TRACESTATE_MAX_BYTES: usize = 512;
-/// Most bytes the headers the broker adds for tracing take in a message's
-/// protobuf encoding (`Message.headers` map entries): `traceparent` (55
-/// bytes) and a `tracestate` of at most [`TRACESTATE_MAX_BYTES`], names,
-/// tags and lengths included. What the cluster engine must leave room for
-/// on NATS beyond `max_message_bytes`.
-pub const TRACING_HEADERS_MAX_ENCODED: usize =
-    (2 + 2 + TRACEPARENT.len() + 2 + 55) + (3 + 2 + TRACESTATE.len() + 3 + TRACESTATE_MAX_BYTES);
+pub use crate::engine::{TRACEPARENT, TRACESTATE, TRACESTATE_MAX_BYTES, TRACING_HEADERS_MAX_ENCODED};
 
 static TRACING: AtomicBool = AtomicBool::new(false);
 
