@@ -182,7 +182,7 @@ func (c *Client) dial(t target) (*grpc.ClientConn, error) {
 		}
 		creds = credentials.NewTLS(cfg)
 	}
-	bc := backoff.Config{BaseDelay: ConnectDelayFirst, Multiplier: 1.6, Jitter: 0.2, MaxDelay: ConnectDelayCap}
+	bc := backoff.Config{BaseDelay: ConnectDelayFirst, Multiplier: 1.6, Jitter: jitter, MaxDelay: ConnectDelayCap}
 	dopts := []grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bc, MinConnectTimeout: 5 * time.Second}),
@@ -345,7 +345,7 @@ func (c *Client) injectHeaders(ctx context.Context, h map[string]string) map[str
 	return out
 }
 
-// Close is CloseContext with CLOSE_TIMEOUT (5 s) for the flush.
+// Close is CloseContext with CLOSE_TIMEOUT (CloseTimeout) for the flush.
 func (c *Client) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), CloseTimeout)
 	defer cancel()

@@ -20,7 +20,7 @@ const (
 	// its max_batch_messages.
 	DefaultBatchMessages = 1024
 	// BatchBytes is BATCH_BYTES: encoded bytes of one SessionPublish (never
-	// over the broker's max_message_bytes + 64 KiB less 1 KiB).
+	// over the broker's max_message_bytes + requestSlack).
 	BatchBytes = 512 << 10
 	// BatchesInFlight is BATCHES_IN_FLIGHT: SessionPublish requests written
 	// and not yet answered.
@@ -43,6 +43,9 @@ const (
 	DefaultOpenTimeout = 10 * time.Second
 
 	requestSlack = 64<<10 - 1<<10
+	// jitter is JITTER: each delay is multiplied by a uniform factor in
+	// [1-jitter, 1+jitter].
+	jitter = 0.2
 )
 
 // topUp is TOP_UP for a window.
@@ -76,10 +79,10 @@ func WithTLSConfig(cfg *tls.Config) Option { return func(o *options) { o.tlsConf
 // WithCAFile sets a PEM file of CA certificates trusted for https:// addresses.
 func WithCAFile(path string) Option { return func(o *options) { o.caFile = path } }
 
-// WithWindow sets WINDOW, the credit of each subscription (default 256).
+// WithWindow sets WINDOW, the credit of each subscription (default DefaultWindow).
 func WithWindow(n int) Option { return func(o *options) { o.window = n } }
 
-// WithBufferBytes sets BUFFER_BYTES, the bound of the publish buffer (default 8 MiB).
+// WithBufferBytes sets BUFFER_BYTES, the bound of the publish buffer (default DefaultBufferBytes).
 func WithBufferBytes(n int) Option { return func(o *options) { o.bufferBytes = n } }
 
 // WithResubscribe sets whether subscriptions the broker ended (evicted,

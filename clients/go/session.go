@@ -28,7 +28,7 @@ const (
 )
 
 // backoffDelay is a delay that starts at first, doubles up to limit, each
-// one times a uniform factor in [0.8, 1.2] (JITTER).
+// one times a uniform factor (JITTER).
 type backoffDelay struct {
 	first, limit, next time.Duration
 }
@@ -40,7 +40,7 @@ func newBackoff(first, limit time.Duration) backoffDelay {
 func (b *backoffDelay) reset() { b.next = b.first }
 
 func (b *backoffDelay) delay() time.Duration {
-	d := time.Duration(float64(b.next) * (0.8 + 0.4*rand.Float64()))
+	d := time.Duration(float64(b.next) * (1 - jitter + 2*jitter*rand.Float64()))
 	b.next = min(b.next*2, b.limit)
 	return d
 }

@@ -491,7 +491,7 @@ func (s *Subscription) Err() error {
 	return s.endErr
 }
 
-// Close closes the subscription and waits (at most 5 s) until the broker
+// Close closes the subscription and waits (at most CloseTimeout) until the broker
 // has ended it; acks made before are sent first. Messages not yet taken
 // are dropped (a MANUAL group's go to another member). A waiting Next
 // returns an error matching ErrClosed.

@@ -18,8 +18,8 @@ from .errors import TinybrokerError
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 # grpc's own reconnect backoff starts at 1 s and grows to 120 s; a broker
-# that comes back is to be found within 0.5 s (docs/clients.md: 100 ms, at
-# most 250 ms).
+# that comes back is to be found at once (docs/clients.md: CONNECT_DELAY_FIRST,
+# at most CONNECT_DELAY_CAP).
 CHANNEL_OPTIONS: List[Tuple[str, object]] = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),

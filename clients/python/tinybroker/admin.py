@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
 
 import grpc.aio
 
+from ._client_core import ClientCore
 from ._pb import admin_pb2 as apb
 from .errors import ClientClosed, TinybrokerError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .client import Client
 
 __all__ = ["Admin", "SubscriptionInfo", "GroupInfo", "EvictionInfo", "BrokerInfo"]
 
@@ -111,7 +109,7 @@ class Admin:
     the broker has one). Each method raises
     :class:`~tinybroker.TinybrokerError` with the gRPC code on failure."""
 
-    def __init__(self, client: "Client") -> None:
+    def __init__(self, client: ClientCore) -> None:
         self._client = client
 
     async def _call(self, method: str, request: Any, timeout: Optional[float]) -> Any:

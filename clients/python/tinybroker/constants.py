@@ -53,7 +53,7 @@ BUFFER_BYTES = 8 * 1024 * 1024
 #: ``max_batch_messages`` (GetBrokerInfo ``limits``).
 BATCH_MESSAGES = 1024
 #: Encoded bytes of one ``SessionPublish`` (a larger message is a batch of its
-#: own); never over the broker's ``max_message_bytes`` + 64 KiB less 1 KiB.
+#: own); never over the broker's ``max_message_bytes`` + ``REQUEST_SLACK``.
 BATCH_BYTES = 512 * 1024
 #: What a request may carry beyond ``max_message_bytes``, less the 1 KiB margin.
 REQUEST_SLACK = 64 * 1024 - 1024

@@ -6,18 +6,16 @@ sequences are wanted as one range.)"""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 import grpc
 import grpc.aio
 
 from . import _tracing
+from ._client_core import ClientCore
 from ._pb import broker_pb2 as pb
 from .errors import ClientClosed, PublishError
 from .types import PublishStreamResult
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .client import Client
 
 
 def _as_bytes(payload: Union[bytes, bytearray, memoryview, str]) -> bytes:
@@ -42,7 +40,7 @@ class Publisher:
     Use it as ``async with client.publisher() as pub:``.
     """
 
-    def __init__(self, client: "Client", tracing: bool) -> None:
+    def __init__(self, client: ClientCore, tracing: bool) -> None:
         self._client = client
         self._tracing = tracing and _tracing.AVAILABLE
         self._call: Optional[grpc.aio.StreamUnaryCall] = None

@@ -662,8 +662,8 @@ class Session:
         requests = _Requests()
         metadata = tuple(conn.metadata or ()) + (_BATCH_METADATA,)
         # One address: the call waits for the channel, whose own reconnect
-        # backoff (100 to 250 ms) finds a broker that is back; with a list a
-        # broker that does not answer is passed over.
+        # backoff (CONNECT_DELAY_FIRST to _CAP) finds a broker that is back;
+        # with a list a broker that does not answer is passed over.
         call = conn.session(requests, metadata=metadata, wait_for_ready=len(conn.targets) == 1)
         self._call = call
         try:

@@ -7,12 +7,9 @@ from __future__ import annotations
 import datetime
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from . import _tracing
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .session import Subscription
 
 __all__ = [
     "AckMode",
@@ -67,6 +64,16 @@ class PublishStreamResult:
     last_sequence: int
 
 
+class _Settles(Protocol):
+    """What a :class:`Message` uses of the subscription it came on (a
+    ``session.Subscription``; session.py imports this module, not the other
+    way round)."""
+
+    subscription_id: Optional[str]
+
+    def _settle(self, message: "Message", nack: bool) -> bool: ...
+
+
 class Message:
     """One delivered message.
 
@@ -83,7 +90,7 @@ class Message:
 
     __slots__ = ("raw", "_sub", "_handle", "_headers")
 
-    def __init__(self, raw: Any, sub: "Subscription", handle: int) -> None:
+    def __init__(self, raw: Any, sub: "_Settles", handle: int) -> None:
         self.raw = raw
         self._sub = sub
         self._handle = handle  # of the open it came on: ack() checks it

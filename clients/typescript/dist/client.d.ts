@@ -24,9 +24,9 @@ export interface ConnectOptions {
     caFile?: string;
     /** The same CA as PEM text or bytes. */
     ca?: string | Buffer;
-    /** Credit window per subscription (messages the broker may send it beyond what the application took; default 256). */
+    /** Credit window per subscription (messages the broker may send it beyond what the application took; default {@link WINDOW}). */
     window?: number;
-    /** Bytes of published messages buffered before `publish()` waits (default 8 MiB, {@link BUFFER_BYTES}). */
+    /** Bytes of published messages buffered before `publish()` waits (default {@link BUFFER_BYTES}). */
     bufferBytes?: number;
     /** Re-subscribe after evictions, shutdowns and lost connections (default true; per subscription too). */
     resubscribe?: boolean;
@@ -68,7 +68,7 @@ export interface SubscribeOptions {
     maxInFlight?: number;
     /** MANUAL: milliseconds before an unacked message is redelivered (0: the broker's default). */
     ackDeadline?: number;
-    /** Credit window (default the client's, 256). */
+    /** Credit window (default the client's). */
     window?: number;
     /** Open it again after an eviction, a shutdown or a lost connection (default the client's, true). */
     resubscribe?: boolean;

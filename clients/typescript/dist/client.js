@@ -1,5 +1,5 @@
 import { Admin, unary } from "./admin.js";
-import { BATCH_BYTES, BATCH_MESSAGES, BUFFER_BYTES, CLOSE_TIMEOUT, WINDOW } from "./constants.js";
+import { BATCH_BYTES, BATCH_MESSAGES, BUFFER_BYTES, CLOSE_TIMEOUT, REQUEST_SLACK, WINDOW } from "./constants.js";
 import { Connection, parseTargets, targetString } from "./connection.js";
 import { ClientClosed, Status, TimeoutError, TinybrokerError, UsageError } from "./errors.js";
 import { AckMode as PbAckMode, DeliveryMode } from "./gen/tinybroker/v1/broker.js";
@@ -86,7 +86,7 @@ export class Client {
             if (info.limits?.maxBatchMessages)
                 batchMessages = info.limits.maxBatchMessages;
             if (info.limits?.maxMessageBytes) {
-                batchBytes = Math.min(batchBytes, info.limits.maxMessageBytes + 64 * 1024 - 1024);
+                batchBytes = Math.min(batchBytes, info.limits.maxMessageBytes + REQUEST_SLACK);
             }
         }
         catch {

@@ -2,7 +2,7 @@
 export declare const WINDOW = 256;
 /** Credit is given back in one `SessionCredit` once the application took this many since the last one: `max(1, window / 4)`. */
 export declare function topUp(window: number): number;
-/** `topUp(WINDOW)`: 64. */
+/** `topUp(WINDOW)`. */
 export declare const TOP_UP: number;
 /** Milliseconds before the first attempt to start a session again after one was lost or could not start. */
 export declare const CONNECT_DELAY_FIRST = 100;
@@ -18,7 +18,7 @@ export declare const JITTER = 0.2;
 export declare const BUFFER_BYTES: number;
 /** Messages in one `SessionPublish` when the broker does not say (GetBrokerInfo `limits.maxBatchMessages`). */
 export declare const BATCH_MESSAGES = 1024;
-/** Encoded bytes of one `SessionPublish` (never over the broker's `max_message_bytes` + 64 KiB - 1 KiB). */
+/** Encoded bytes of one `SessionPublish` (never over the broker's `max_message_bytes` plus the slack docs/clients.md states). */
 export declare const BATCH_BYTES: number;
 /** `SessionPublish` requests written and not yet answered. */
 export declare const BATCHES_IN_FLIGHT = 4;

@@ -5,7 +5,7 @@ export const WINDOW = 256;
 export function topUp(window) {
     return Math.max(1, Math.floor(window / 4));
 }
-/** `topUp(WINDOW)`: 64. */
+/** `topUp(WINDOW)`. */
 export const TOP_UP = topUp(WINDOW);
 /** Milliseconds before the first attempt to start a session again after one was lost or could not start. */
 export const CONNECT_DELAY_FIRST = 100;
@@ -21,8 +21,10 @@ export const JITTER = 0.2;
 export const BUFFER_BYTES = 8 * 1024 * 1024;
 /** Messages in one `SessionPublish` when the broker does not say (GetBrokerInfo `limits.maxBatchMessages`). */
 export const BATCH_MESSAGES = 1024;
-/** Encoded bytes of one `SessionPublish` (never over the broker's `max_message_bytes` + 64 KiB - 1 KiB). */
+/** Encoded bytes of one `SessionPublish` (never over the broker's `max_message_bytes` plus the slack docs/clients.md states). */
 export const BATCH_BYTES = 512 * 1024;
+/** @internal What a request may carry beyond the broker's `max_message_bytes`, less a 1 KiB margin (the bound of `BATCH_BYTES`). */
+export const REQUEST_SLACK = 64 * 1024 - 1024;
 /** `SessionPublish` requests written and not yet answered. */
 export const BATCHES_IN_FLIGHT = 4;
 /** Milliseconds the broker has to accept a session. */

@@ -1,7 +1,7 @@
 import type { ChannelOptions } from "@grpc/grpc-js";
 import { Admin, unary } from "./admin.js";
 import type { CallOpts } from "./admin.js";
-import { BATCH_BYTES, BATCH_MESSAGES, BUFFER_BYTES, CLOSE_TIMEOUT, WINDOW } from "./constants.js";
+import { BATCH_BYTES, BATCH_MESSAGES, BUFFER_BYTES, CLOSE_TIMEOUT, REQUEST_SLACK, WINDOW } from "./constants.js";
 import { Connection, parseTargets, targetString } from "./connection.js";
 import { ClientClosed, Status, TimeoutError, TinybrokerError, UsageError } from "./errors.js";
 import { AckMode as PbAckMode, DeliveryMode } from "./gen/tinybroker/v1/broker.js";
@@ -33,9 +33,9 @@ export interface ConnectOptions {
   caFile?: string;
   /** The same CA as PEM text or bytes. */
   ca?: string | Buffer;
-  /** Credit window per subscription (messages the broker may send it beyond what the application took; default 256). */
+  /** Credit window per subscription (messages the broker may send it beyond what the application took; default {@link WINDOW}). */
   window?: number;
-  /** Bytes of published messages buffered before `publish()` waits (default 8 MiB, {@link BUFFER_BYTES}). */
+  /** Bytes of published messages buffered before `publish()` waits (default {@link BUFFER_BYTES}). */
   bufferBytes?: number;
   /** Re-subscribe after evictions, shutdowns and lost connections (default true; per subscription too). */
   resubscribe?: boolean;
@@ -80,7 +80,7 @@ export interface SubscribeOptions {
   maxInFlight?: number;
   /** MANUAL: milliseconds before an unacked message is redelivered (0: the broker's default). */
   ackDeadline?: number;
-  /** Credit window (default the client's, 256). */
+  /** Credit window (default the client's). */
   window?: number;
   /** Open it again after an eviction, a shutdown or a lost connection (default the client's, true). */
   resubscribe?: boolean;
@@ -185,7 +185,7 @@ export class Client {
       );
       if (info.limits?.maxBatchMessages) batchMessages = info.limits.maxBatchMessages;
       if (info.limits?.maxMessageBytes) {
-        batchBytes = Math.min(batchBytes, info.limits.maxMessageBytes + 64 * 1024 - 1024);
+        batchBytes = Math.min(batchBytes, info.limits.maxMessageBytes + REQUEST_SLACK);
       }
     } catch {
       // A broker that does not answer Admin (a token without admin rights, an older one): the defaults.

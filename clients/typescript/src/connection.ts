@@ -12,7 +12,7 @@ export const DEFAULT_ADDR = "127.0.0.1:50051";
 
 // grpc-js's own reconnect backoff starts at 1 s and grows to 120 s: a
 // channel that saw its broker go away would refuse calls for seconds after
-// it is back. docs/clients.md: 100 ms, at most 250 ms.
+// it is back. docs/clients.md: CONNECT_DELAY_FIRST, at most CONNECT_DELAY_CAP.
 const CHANNEL_OPTIONS: grpc.ChannelOptions = {
   "grpc.max_receive_message_length": -1,
   "grpc.max_send_message_length": -1,
