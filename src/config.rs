@@ -507,7 +507,7 @@ impl Config {
 
 /// `TINYBROKER_*` variables that are not the broker's but are set beside it
 /// on purpose: the address the CLI's and client libraries' users export
-/// (API.md, "Client libraries"). Not reported.
+/// (docs/contract.md, "Command line"). Not reported.
 const NOT_THE_BROKERS: &[&str] = &["ADDR"];
 
 /// A `TINYBROKER_*` variable the broker does not read, and what start-up
@@ -1015,7 +1015,6 @@ mod tests {
     fn no_variable_the_project_or_kubernetes_sets_stops_start_up() {
         let names = [
             "TINYBROKER_ADDR",
-            "TINYBROKER_API_MD",
             "TINYBROKER_BIN",
             "TINYBROKER_SERVICE_HOST",
             "TINYBROKER_SERVICE_PORT",
@@ -1039,10 +1038,7 @@ mod tests {
             "{:?}",
             unknown_variables(names)
         );
-        assert_eq!(
-            unknown_variables(names),
-            [ignored("TINYBROKER_API_MD", None), ignored("TINYBROKER_BIN", None)]
-        );
+        assert_eq!(unknown_variables(names), [ignored("TINYBROKER_BIN", None)]);
         assert!(no_near_miss(vars.iter().map(|(k, _)| k.as_str())).is_ok());
     }
 

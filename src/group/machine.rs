@@ -979,7 +979,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// API.md, "Credit and groups": a member is handed no more than its
+    /// docs/contract.md, "Sessions" (credit and groups): a member is handed no more than its
     /// session's credit lets it send, the rest goes to the others or
     /// waits, and credit added gives it room again.
     #[test]
