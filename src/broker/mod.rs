@@ -1,37 +1,13 @@
 //! The embedded single-node engine: routing, bounded queues, eviction,
 //! consumer groups and the broker's memory budget, all in this process.
 //!
-//! One concern per file:
-//! - `mod.rs`: the [`Broker`] handle, its shared state and the lock order;
-//! - [`message`]: a published message and what it is charged;
-//! - `publish.rs`: validation, the memory budget, routing, dead letters;
-//! - `subscribe.rs`: opening subscriptions and joining groups;
-//! - `acks.rs`: Ack and Nack;
-//! - `close.rs`: closing, detaching and evicting subscriptions;
-//! - `lifecycle.rs`: shutdown, draining, and the maintenance tick;
-//! - `snapshot.rs`: what Admin and the metrics read, as plain values;
-//! - `engine.rs`: the [`crate::engine::Engine`] implementation;
-//! - [`queue`], [`subscription`]: one subscription's queue and stream;
-//! - `member.rs`: a member's side of its group (the `MemberGroup` trait a
-//!   member's subscription holds its group by);
-//! - `group/`: a consumer group, its state machine and rules
-//!   ([`crate::group`], which a cluster hub runs too) behind its lock.
+//! What happens to a group's messages is decided by [`crate::group`]'s
+//! rules, which a cluster hub decides with too; here they run behind each
+//! group's lock. ARCHITECTURE.md's "Code map" says which file holds what.
 //!
 //! # Lock order
 //!
-//! Locks are taken in this order and never the other way round; each is a
-//! plain mutex or rwlock held for a few instructions, never across an
-//! `.await`:
-//!
-//! 1. `Shared::groups` (the group registry),
-//! 2. `Shared::subscriptions` (the subscription registry),
-//! 3. `Shared::routes` (the pattern trie),
-//! 4. a group's state (`group/mod.rs`),
-//! 5. a subscription's queue ([`queue`]).
-//!
-//! `Shared::evictions` and `Shared::group_removals` are leaves: nothing is
-//! taken while they are held. The publish path takes only 3 (read, and not
-//! at all for a stream whose route cache is current), 4 and 5.
+//! ARCHITECTURE.md, "Locks and their order", is the one statement of it.
 
 mod acks;
 mod close;

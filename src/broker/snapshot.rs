@@ -41,22 +41,16 @@ impl Broker {
     /// queue starts a new peak period.
     pub fn subscriptions(&self, peaks: Peaks) -> Vec<SubscriptionInfo> {
         let now = tokio::time::Instant::now();
-        // Each group's members' unacked messages, in one pass per group: the
-        // group as the registry has it (a member holds its own only as a
-        // `MemberGroup`), if it is still the member's.
+        // Each group's members' unacked messages, in one pass per group.
         let mut unacked = HashMap::new();
         self.live_subscriptions()
             .iter()
             .map(|s| {
                 let mut info = s.info(peaks, &self.shared.replica_id);
                 if let Some(m) = s.membership() {
-                    let by_member = unacked.entry(m.group.name().to_owned()).or_insert_with(|| {
-                        let group = self.shared.groups.lock().get(m.group.name()).cloned();
-                        group
-                            .filter(|g| std::ptr::addr_eq(Arc::as_ptr(g), Arc::as_ptr(&m.group)))
-                            .map(|g| g.unacked_by_member())
-                            .unwrap_or_default()
-                    });
+                    let by_member = unacked
+                        .entry(Arc::as_ptr(&m.group))
+                        .or_insert_with(|| m.group.unacked_by_member());
                     if let Some(u) = by_member.get(&s.key) {
                         set_unacked(&mut info, u, now);
                     }

@@ -33,24 +33,7 @@
 //! - **Lost NATS state** (memory-storage JetStream restarted) is noticed
 //!   and rebuilt, and the loss counted (`recovery.rs`).
 //!
-//! Files: `mod.rs` the engine, its set-up and health; `fanout.rs` messages
-//! between the local fan-out and NATS; `groups/` consumer groups (`mod.rs`
-//! their map; `table.rs` the group table, `store.rs` publishing into a
-//! group's stream, `join.rs` joining, and a file for each other concern;
-//! `state.rs` a hub's state, which is the consumer-group state machine
-//! both engines share, `group/machine.rs`, run with JetStream's rules;
-//! `hub.rs` its tasks; `nats.rs` its JetStream); `attempts.rs` delivery
-//! attempts JetStream does not count; `handover.rs` nacked messages offered to
-//! other replicas; `interest.rs` which replicas need core-NATS publishes;
-//! `liveness.rs` whether NATS answers over an open connection, and
-//! broadcast messages that arrive too late; `registry.rs` live replicas,
-//! replica ids and subscription ids;
-//! `stalls.rs` how long each group went without progress; `rpc.rs` calls
-//! between replicas, both ends; `recovery.rs` the buckets, JetStream's
-//! refusals explained, and the rebuild after NATS lost its state; `wire.rs`
-//! the formats replicas exchange (declared in
-//! `proto/tinybroker/cluster/v1/cluster.proto`) and how two versions
-//! interoperate.
+//! ARCHITECTURE.md's "Code map" says which file holds what.
 //!
 //! # Tasks
 //!
@@ -82,23 +65,7 @@
 //!
 //! # Lock order
 //!
-//! Every lock is a plain mutex held for a few instructions, never across an
-//! `.await`, unless said otherwise; none is taken while another is held,
-//! except:
-//! 1. `groups::Groups::table`, then `groups::Groups::routes`;
-//! 2. `Inner::recovering` (async, held across a whole check or rebuild),
-//!    then any of the others;
-//! 3. the interest's own word (`interest.rs`, async, held while it is
-//!    announced), then `Inner::live` and the others' words;
-//! 4. `Inner::core_sent` (async, held while a message is queued on core
-//!    NATS), then none.
-//!
-//! Leaves: `Inner::ready`, `Inner::live`, `Inner::groups_seen`,
-//! `Inner::stalls`, `Inner::beat_revision`, the others' interest, the
-//! replicas known to speak protobuf (`rpc.rs`), the groups' `hubs`,
-//! `members`, `idle` and `dropped`, and each hub's view and backend
-//! locks. A hub's answer may be awaited under 2 (the rebuild asks each hub
-//! to forget what it held): no hub takes any of these async locks.
+//! ARCHITECTURE.md, "Locks and their order", is the one statement of it.
 
 mod attempts;
 mod engine;
@@ -113,20 +80,21 @@ mod registry;
 mod rpc;
 mod setup;
 mod stalls;
-mod stream;
 mod wire;
 
 use registry::{Release, key};
 use setup::SetUpError;
-pub use stream::ClusterStream;
 
-use crate::broker::Broker;
+use crate::broker::{Broker, SubscriptionStream};
 use crate::config::ClusterConfig;
-use crate::engine::{BrokerError, EngineHealth, GroupInfo};
+use crate::engine::{BrokerError, Delivery, DeliveryStream, EngineHealth, GroupInfo, StreamEnd};
 use async_nats::jetstream::{self, kv};
+use futures::Stream;
 use parking_lot::Mutex;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -251,5 +219,77 @@ impl ClusterEngine {
             .lock()
             .clone()
             .ok_or_else(|| BrokerError::Unavailable("cluster mode is not set up yet".into()))
+    }
+}
+
+/// A subscription of this replica: the local stream, and its claim on the id.
+pub struct ClusterStream {
+    inner: SubscriptionStream,
+    release: Option<Release>,
+    /// For group members: the group's hub on this replica.
+    member: Option<groups::MemberLink>,
+    /// For broadcast subscriptions: this replica says "some" while it is held.
+    _interested: Option<interest::Interested>,
+}
+
+impl Stream for ClusterStream {
+    type Item = Delivery;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        let polled = Pin::new(&mut self.inner).poll_next(cx);
+        if let (Poll::Ready(Some(delivery)), Some(member)) = (&polled, &self.member) {
+            member.streamed(delivery);
+        }
+        polled
+    }
+}
+
+impl DeliveryStream for ClusterStream {
+    fn id(&self) -> &str {
+        DeliveryStream::id(&self.inner)
+    }
+
+    fn consumer_group(&self) -> Option<&str> {
+        DeliveryStream::consumer_group(&self.inner)
+    }
+
+    fn end(&self) -> Option<StreamEnd> {
+        self.inner.end()
+    }
+
+    fn poll_ended(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.inner.poll_ended(cx)
+    }
+
+    fn poll_next_drained(&mut self, cx: &mut Context<'_>) -> Poll<Option<(Delivery, bool)>> {
+        let polled = self.inner.poll_delivery(cx, true);
+        if let (Poll::Ready(Some((delivery, _))), Some(member)) = (&polled, &self.member) {
+            member.streamed(delivery);
+        }
+        polled
+    }
+
+    fn close(&mut self) -> StreamEnd {
+        // As when dropped: a member's held messages go back to its group
+        // first, then the local subscription closes.
+        self.member.take();
+        DeliveryStream::close(&mut self.inner)
+    }
+
+    fn add_credit(&mut self, messages: u64) {
+        self.inner.subscription().queue.add_credit(messages);
+        if let Some(member) = &self.member {
+            member.credit_added();
+        }
+    }
+}
+
+impl Drop for ClusterStream {
+    fn drop(&mut self) {
+        // A member's held messages go back to its group first; then the id
+        // is released (asynchronously: the local subscription, dropped just
+        // after this, is gone from the registry long before).
+        self.member.take();
+        self.release.take();
     }
 }

@@ -1,22 +1,6 @@
 //! The gRPC front: adapts an [`Engine`](crate::engine::Engine) to
-//! `tinybroker.v1` over tonic and hyper, and holds no broker logic. One
-//! concern per file:
-//! - [`services`]: the `Broker` and `Admin` services (each RPC: convert,
-//!   call the engine, convert back);
-//! - [`convert`]: every proto ↔ engine conversion, and errors to statuses;
-//! - [`subscription_body`]: an `OpenSubscription` stream's response body
-//!   and trailers, and how a handler's own body is installed;
-//! - [`session_body`]: the `Session` RPC, many subscriptions on one stream
-//!   (its response body, which also reads its requests);
-//! - [`framing`]: a delivery as gRPC frame bytes, encoded straight from the
-//!   published message, shared by both bodies;
-//! - [`coalesce`]: how a connection's writes reach its socket (one system
-//!   call for what one turn of the connection's task wrote);
-//! - [`connections`]: the accept loop and what one connection may hold
-//!   (cap, handshake timeout, TLS, HTTP/2 windows, abuse counted);
-//! - [`executor`]: runs a connection's requests inside its own task;
-//! - [`request_budget`]: the bytes of requests still being received,
-//!   bounded per connection and overall.
+//! `tinybroker.v1` over tonic and hyper, and holds no broker logic.
+//! ARCHITECTURE.md's "Code map" says which file holds what.
 //!
 //! The public surface (what `server.rs`, tests and the fuzz harness use) is
 //! re-exported here.

@@ -1,10 +1,9 @@
 //! What operators read and scrape, beside the gRPC front: the HTTP side
-//! server ([`http_server`]: `/metrics`, `/healthz`, `/readyz`, the status
-//! page) with [`status`] (the page's data, `/status.json`), the Prometheus
-//! registry ([`metrics`]) with [`process_metrics`] (the `process_*` family
-//! read from `/proc`), and [`telemetry`] (logs, OpenTelemetry traces and
-//! trace-context propagation). None of it routes a message: each reads the
-//! engine through [`crate::engine::Engine`], or is called by the front.
+//! server and its status page, the Prometheus metrics, logs and
+//! OpenTelemetry traces. None of it routes a message: it reads the engine
+//! through [`crate::engine::Engine`]'s snapshots and the front through the
+//! counters `server.rs` hands it, or is called by the front.
+//! ARCHITECTURE.md's "Code map" says which file holds what.
 
 pub mod http_server;
 pub mod metrics;

@@ -63,7 +63,7 @@ pub struct ConsumerGroup {
     /// A plain mutex: nothing awaits while it is held. Publishers, member
     /// streams (auto mode), acks and the maintenance tick each hold it for
     /// one short state transition. Taken after the broker's registries and
-    /// trie, before any member's queue (the lock order in `broker/mod.rs`).
+    /// trie, before any member's queue (ARCHITECTURE.md, "Locks and their order").
     state: Mutex<GroupState>,
     /// Messages written to members' streams (redeliveries included), added
     /// by the streams in batches without taking the lock.
