@@ -208,12 +208,11 @@ impl Client {
                 .tls_config(tls)
                 .map_err(|e| anyhow::anyhow!("cannot set up TLS for {addr}: {e}"))?;
         }
-        let channel = endpoint.connect().await.map_err(|e| {
-            // The error's own text is only "transport error": the causes tell.
-            let causes = error_chain(&e);
-            let hint = scheme_hint(addr, &causes).map_or_else(String::new, |h| format!(" ({h})"));
-            anyhow::anyhow!("cannot connect to {addr}: {causes}{hint}")
-        })?;
+        // The error's own text is only "transport error": its sources tell.
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| anyhow::Error::new(e).context(format!("cannot connect to {addr}")))?;
         Self::from_channel(channel, options.token.as_deref())
     }
 
@@ -786,68 +785,12 @@ impl std::fmt::Display for SubscriberEvent {
 
 /// `addr` with `http://` in front when it names no scheme, so that
 /// `127.0.0.1:50051` works as users type it.
-pub fn with_scheme(addr: &str) -> String {
+fn with_scheme(addr: &str) -> String {
     if addr.contains("://") {
         addr.to_owned()
     } else {
         format!("http://{addr}")
     }
-}
-
-/// An error and its sources as one line, each cause once: transport errors
-/// repeat their source in their own text ("tcp connect error: tcp connect
-/// error: Connection refused").
-pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut next = Some(error);
-    while let Some(e) = next {
-        let text = e.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        next = e.source();
-    }
-    parts.join(": ")
-}
-
-/// A hint when a failure looks like the wrong scheme for the broker: plain
-/// HTTP/2 to a TLS port fails as a protocol or transport error, TLS to a
-/// plaintext port as a TLS record error.
-pub fn scheme_hint(addr: &str, failure: &str) -> Option<&'static str> {
-    let failure = failure.to_ascii_lowercase();
-    if failure.contains("connection refused") || failure.contains("dns error") {
-        return None;
-    }
-    if addr.starts_with("http://")
-        && [
-            "h2 protocol error",
-            "connection reset",
-            "frame with invalid size",
-            "broken pipe",
-            "connection closed",
-            "connection was not ready",
-        ]
-        .iter()
-        .any(|t| failure.contains(t))
-    {
-        return Some("if the broker serves TLS (TINYBROKER_TLS_CERT is set), use an https:// address");
-    }
-    if addr.starts_with("https://")
-        && [
-            "invalidcontenttype",
-            "corrupt message",
-            "wrong version number",
-            "handshake",
-            // The broker closes a connection that does not begin with the
-            // HTTP/2 preface, unread ClientHello and all.
-            "connection reset",
-        ]
-        .iter()
-        .any(|t| failure.contains(t))
-    {
-        return Some("if the broker serves plaintext (no TINYBROKER_TLS_CERT), use an http:// address");
-    }
-    None
 }
 
 /// What [`Subscriber::on_event`] calls.
@@ -1274,59 +1217,5 @@ mod tests {
     fn addresses_without_a_scheme_are_plain_http() {
         assert_eq!(with_scheme("127.0.0.1:50051"), "http://127.0.0.1:50051");
         assert_eq!(with_scheme("https://broker:443"), "https://broker:443");
-    }
-
-    #[test]
-    fn a_wrong_scheme_gets_a_hint_and_a_refused_connection_does_not() {
-        // Each way a plaintext call to a TLS port was seen to fail.
-        for plain_to_tls in [
-            "h2 protocol error: http2 error",
-            "transport error: connection error: stream closed because of a broken pipe",
-            "operation was canceled: transport error: connection closed",
-            "operation was canceled: transport error: connection was not ready",
-        ] {
-            assert!(
-                scheme_hint("http://b:1", plain_to_tls).unwrap().contains("https://"),
-                "{plain_to_tls}"
-            );
-        }
-        for tls_to_plain in [
-            "transport error: received corrupt message of type InvalidContentType",
-            "transport error: Connection reset by peer (os error 104)",
-        ] {
-            assert!(
-                scheme_hint("https://b:1", tls_to_plain).unwrap().contains("http://"),
-                "{tls_to_plain}"
-            );
-        }
-        let refused = "transport error: tcp connect error: Connection refused (os error 111)";
-        assert_eq!(scheme_hint("http://b:1", refused), None);
-        assert_eq!(scheme_hint("https://b:1", refused), None);
-    }
-
-    #[test]
-    fn each_cause_is_named_once() {
-        #[derive(Debug)]
-        struct E(&'static str, Option<Box<E>>);
-        impl std::fmt::Display for E {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.0)
-            }
-        }
-        impl std::error::Error for E {
-            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-                self.1.as_deref().map(|e| e as _)
-            }
-        }
-        let inner = E("Connection refused", None);
-        let middle = E("tcp connect error", Some(Box::new(inner)));
-        let outer = E(
-            "transport error",
-            Some(Box::new(E("tcp connect error", Some(Box::new(middle))))),
-        );
-        assert_eq!(
-            error_chain(&outer),
-            "transport error: tcp connect error: Connection refused"
-        );
     }
 }

@@ -2,7 +2,8 @@
 //! `info` and `close`. Each prints an aligned table for people, or with
 //! `--json` one JSON object per row (one per line) for scripts.
 
-use super::{Connection, failed, out};
+use super::failure::failed;
+use super::{Connection, out};
 use crate::client::Client;
 use crate::pb;
 use clap::Args;

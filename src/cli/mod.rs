@@ -3,6 +3,7 @@
 //! `info`, `close`: [`admin`]) and the live view `top` ([`top`]).
 
 mod admin;
+mod failure;
 mod top;
 
 use crate::client::{Client, ConnectOptions, DEFAULT_ADDR, DEFAULT_BATCH_MESSAGES, PublishSummary};
@@ -11,6 +12,7 @@ use crate::pb;
 use crate::server::{self, Listeners};
 use base64::Engine as _;
 use clap::{Args, Parser, Subcommand};
+use failure::failed;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, Read, Write};
 use std::process::ExitCode;
@@ -74,7 +76,9 @@ impl Connection {
             ca: self.ca.clone(),
             ..ConnectOptions::from_env()
         };
-        Client::connect_with(&self.addr, &options).await
+        Client::connect_with(&self.addr, &options)
+            .await
+            .map_err(|e| failure::connect_failed(&self.addr, e))
     }
 }
 
@@ -601,28 +605,6 @@ fn subscribed_line(subscriber: &crate::client::Subscriber) -> String {
     }
     line.push_str(&format!(" patterns={}", request.topic_patterns.join(",")));
     line
-}
-
-/// One line naming the call, the status code (as grpcurl prints it) and the
-/// broker's message.
-fn failed(call: &str, addr: &str, status: tonic::Status) -> anyhow::Error {
-    // The message may be only "transport error" or "operation was canceled":
-    // what tells a TLS broker (a broken pipe, a closed connection, ...) is in
-    // the status's sources.
-    let causes = std::error::Error::source(&status).map_or_else(String::new, crate::client::error_chain);
-    let failure = format!("{}: {causes}", status.message());
-    let hint = match status.code() {
-        tonic::Code::Unauthenticated => {
-            let token = match std::env::var_os("TINYBROKER_AUTH_TOKEN") {
-                Some(_) => "the token in TINYBROKER_AUTH_TOKEN is not the broker's",
-                None => "the broker needs a token: set TINYBROKER_AUTH_TOKEN",
-            };
-            format!(" ({token})")
-        }
-        _ => crate::client::scheme_hint(&crate::client::with_scheme(addr), &failure)
-            .map_or_else(String::new, |h| format!(" ({h})")),
-    };
-    anyhow::anyhow!("{call} failed: {:?}: {}{hint}", status.code(), status.message())
 }
 
 fn json_message(m: &pb::Message) -> serde_json::Value {

@@ -9,7 +9,8 @@ use super::admin::{
     age, duration, fill, human_duration, or_dash, percent, sort_by_backlog, sort_by_fill, sort_newest_first,
     unacked_cell,
 };
-use crate::client::{Client, error_chain};
+use super::failure::error_chain;
+use crate::client::Client;
 use crate::pb;
 use clap::Args;
 use ratatui::buffer::Buffer;
