@@ -242,7 +242,7 @@ INCIDENT_ONLY = {
 }
 INCIDENT_LABELS = {"peer", "topic_patterns"}
 # Metrics a broker reports in cluster mode only (TINYBROKER_NATS_URL set):
-# absent from this single-node broker's exposition; tests/cluster.rs checks them.
+# absent from this single-node broker's exposition; tests/cluster/ checks them.
 CLUSTER_ONLY = {"tinybroker_nats_connected", "tinybroker_nats_reconnects_total"}
 
 
