@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The shipped alerts and dashboard against live situations (issue 17), on a
 # fresh Debian 12 machine as root: installs Debian's prometheus package when
-# the server is missing, then runs tests/monitoring.rs, which starts the
+# the server is missing, then runs tests/monitoring/, which starts the
 # broker binary and a Prometheus (127.0.0.1 only, 1 s scrape and rule
 # evaluation, deploy/monitoring/alerts.yaml loaded), creates at the same time
 # an evicted slow subscriber, a queue that fills and drains between scrapes,

@@ -25,7 +25,7 @@
 #
 # The series that name an incident (tinybroker_recent_*: a recent eviction, a
 # group removed with its backlog) exist only after one; the names and
-# "returns data" checks accept their absence here, and tests/monitoring.rs
+# "returns data" checks accept their absence here, and tests/monitoring/
 # (scripts/check-alerts-live.sh) creates the incidents and checks them live.
 #
 # Everything started is stopped by PID in an EXIT trap, also on failure. The
@@ -234,7 +234,7 @@ def cmd_query(base, query):
 
 
 # Metrics (and the labels only they carry) that exist only after an incident:
-# absent from a healthy broker's exposition; tests/monitoring.rs checks them.
+# absent from a healthy broker's exposition; tests/monitoring/ checks them.
 INCIDENT_ONLY = {
     "tinybroker_recent_eviction_timestamp_seconds",
     "tinybroker_recent_group_removal_timestamp_seconds",
@@ -242,7 +242,7 @@ INCIDENT_ONLY = {
 }
 INCIDENT_LABELS = {"peer", "topic_patterns"}
 # Metrics a broker reports in cluster mode only (TINYBROKER_NATS_URL set):
-# absent from this single-node broker's exposition; tests/cluster.rs checks them.
+# absent from this single-node broker's exposition; tests/cluster/ checks them.
 CLUSTER_ONLY = {"tinybroker_nats_connected", "tinybroker_nats_reconnects_total"}
 
 

@@ -1,9 +1,10 @@
 //! Losses a reader or an operator can see (issue 12, points 4 and 5): the
 //! CLI subscriber says on stderr when it is evicted, closed by an admin or
 //! cut off by a shutdown, and when it is back; a Prometheus scraper at a 1 s
-//! interval sees what a shutdown put at risk and what it lost; dead letters
-//! obey the message limits; start-up names misspelled variables; the CLI
-//! takes host:port and names the right scheme.
+//! interval sees what a shutdown put at risk and what it lost; start-up
+//! names misspelled variables; the CLI takes host:port and names the right
+//! scheme. (A dead letter over a message limit, dropped and counted, is
+//! part of the group contract: tests/contract/groups.rs.)
 
 mod common;
 
@@ -16,7 +17,7 @@ use common::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tinybroker::config::{Config, Limits};
+use tinybroker::config::Config;
 use tinybroker::pb;
 use tinybroker::pb::admin_client::AdminClient;
 use tinybroker::pb::broker_client::BrokerClient;
@@ -426,103 +427,6 @@ async fn a_scraper_every_second_sees_what_a_shutdown_put_at_risk_and_then_lost()
     .await
 }
 
-// === dead letters obey the message limits ===
-
-async fn dropped_invalid(broker: &TestBroker) -> f64 {
-    let text = scrape(broker.metrics_addr).await;
-    metric_sum(
-        &text,
-        r#"tinybroker_messages_dropped_total{reason="dead_letter_invalid"}"#,
-    )
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_that_would_break_a_message_limit_is_dropped_and_counted() {
-    const MAX: usize = 2000;
-    timeout(async {
-        let broker = start_with_limits(Limits {
-            max_delivery_attempts: 1,
-            max_message_bytes: MAX,
-            ..Limits::default()
-        })
-        .await;
-        let mut client = broker.client().await;
-        let (mut dlq, _) = subscribe(&mut client, &["_dlq.jobs"]).await;
-        let (mut member, member_id) = open(&mut client, member_request(&["jobs.>"], "jobs", true, 1)).await;
-        // Publishes `request`, nacks its one delivery (its last attempt), and
-        // returns its sequence.
-        let mut fail_once = async |request: pb::PublishRequest| {
-            let sequence = client.publish(request).await.unwrap().into_inner().sequence;
-            let m = member.message().await.unwrap().unwrap();
-            assert_eq!((m.sequence, m.delivery_attempt), (sequence, 1));
-            let r = client
-                .nack(pb::NackRequest {
-                    subscription_id: member_id.clone(),
-                    sequences: vec![sequence],
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            assert_eq!(r.requeued, 1);
-            sequence
-        };
-        let with_headers = |n: usize| {
-            let mut r = publish_request("jobs.a", "p");
-            r.headers = (0..n).map(|i| (format!("h{i:02}"), "v".to_string())).collect();
-            r
-        };
-
-        // 62 headers: dead-lettered with 64, the broker's two included.
-        let original = with_headers(62);
-        fail_once(original.clone()).await;
-        let dead = dlq.message().await.unwrap().unwrap();
-        assert_eq!(dead.headers.len(), 64);
-        assert_eq!(dead.headers["tinybroker-original-topic"], "jobs.a");
-        assert_eq!(dead.headers["tinybroker-delivery-attempts"], "1");
-        assert!(original.headers.iter().all(|(k, v)| dead.headers.get(k) == Some(v)));
-        let added: usize = dead
-            .headers
-            .iter()
-            .filter(|(k, _)| !original.headers.contains_key(*k))
-            .map(|(k, v)| k.len() + v.len())
-            .sum();
-        assert_eq!(dropped_invalid(&broker).await, 0.0);
-
-        // 63 headers: the letter would have 65; dropped, counted, and the
-        // next dead letter is the next one that fits.
-        fail_once(with_headers(63)).await;
-        let marker = fail_once(publish_request("jobs.a", "marker 1")).await;
-        let next = dlq.message().await.unwrap().unwrap();
-        assert_eq!(
-            String::from_utf8_lossy(&next.payload),
-            "marker 1",
-            "the 65-header letter must not be delivered"
-        );
-        assert!(next.sequence > marker);
-        assert_eq!(dropped_invalid(&broker).await, 1.0);
-
-        // Bytes: an original that leaves exactly room for the two headers
-        // is dead-lettered at max_message_bytes; one byte more is dropped.
-        let fits = publish_request("jobs.a", &"f".repeat(MAX - added));
-        fail_once(fits).await;
-        let letter = dlq.message().await.unwrap().unwrap();
-        let size = letter.payload.len() + letter.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-        assert_eq!(size, MAX, "a dead letter exactly at the limit is delivered");
-        fail_once(publish_request("jobs.a", &"o".repeat(MAX - added + 1))).await;
-        fail_once(publish_request("jobs.a", "marker 2")).await;
-        let next = dlq.message().await.unwrap().unwrap();
-        assert_eq!(
-            String::from_utf8_lossy(&next.payload),
-            "marker 2",
-            "the oversized letter must not be delivered"
-        );
-        assert_eq!(dropped_invalid(&broker).await, 2.0);
-        let g = broker.group("jobs").await.unwrap();
-        assert_eq!((g.in_flight, g.backlog), (0, 0));
-    })
-    .await
-}
-
 // === start-up names what is wrong ===
 
 #[test]
@@ -557,7 +461,7 @@ fn an_unknown_variable_is_warned_about_with_the_closest_name_and_service_links_a
     assert_eq!(process::field(&broker.started, "max_message_bytes"), "1048576");
 }
 
-/// API.md, "Configuration": a misspelt variable fails closed.
+/// docs/operations.md, "Configuration": a misspelt variable fails closed.
 #[test]
 fn a_near_miss_of_a_variable_stops_start_up_with_one_line_naming_both() {
     for (typo, known) in [

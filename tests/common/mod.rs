@@ -82,7 +82,7 @@ pub async fn start_with_limits(limits: Limits) -> TestBroker {
 /// the embedded single-node engine) or `cluster` (two replicas over a
 /// nats-server: [`start_cluster`]). Suites that state the contract
 /// (`tests/contract/`) run against whichever is picked; the other suites
-/// are written for the memory engine (`tests/cluster.rs` starts its own
+/// are written for the memory engine (`tests/cluster/` starts its own
 /// replicas).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TestEngine {

@@ -352,11 +352,13 @@ async fn a_message_is_dead_lettered_after_max_delivery_attempts() {
     .await
 }
 
-/// docs/contract.md, "Dead letters": a dead letter that the broker's two
-/// headers take over a message limit (65 headers; one byte over
-/// max_message_bytes) is neither delivered nor redelivered: it is dropped
-/// and counted (`reason="dead_letter_invalid"`), having been counted as
-/// dead-lettered, and the next dead letter that fits is the next one out.
+/// docs/contract.md, "Dead letters": a dead letter carries the original's
+/// headers and the broker's two, and may use a message limit to the full
+/// (64 headers; exactly max_message_bytes); one that the broker's two
+/// headers take over a limit (65 headers; one byte over max_message_bytes)
+/// is neither delivered nor redelivered: it is dropped and counted
+/// (`reason="dead_letter_invalid"`), having been counted as dead-lettered,
+/// and the next dead letter that fits is the next one out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_over_a_message_limit_is_dropped_and_counted_not_redelivered() {
     const MAX: usize = 2000;
@@ -371,10 +373,10 @@ async fn a_dead_letter_over_a_message_limit_is_dropped_and_counted_not_redeliver
         let mut other = broker.client().await;
         let (mut dlq, _) = subscribe(&mut other, &["_dlq.jobs"]).await;
         let (mut member, id) = open(&mut client, member_request(&["jobs.>"], "jobs", true, 1)).await;
-        // Publishes `request` and nacks its one delivery (its last
-        // attempt). The member's next message must be it, at attempt 1: a
-        // dead letter given back to the group instead of dropped would
-        // come back to the member (max_in_flight 1) first.
+        // Publishes `request`, nacks its one delivery (its last attempt),
+        // and returns its sequence. The member's next message must be it,
+        // at attempt 1: a dead letter given back to the group instead of
+        // dropped would come back to the member (max_in_flight 1) first.
         let mut fail_once = async |request: pb::PublishRequest| {
             let sequence = client.publish(request).await.unwrap().into_inner().sequence;
             let m = member.message().await.unwrap().unwrap();
@@ -392,26 +394,69 @@ async fn a_dead_letter_over_a_message_limit_is_dropped_and_counted_not_redeliver
                 .unwrap()
                 .into_inner();
             assert_eq!(r.requeued, 1);
+            sequence
         };
-        let mut too_many_headers = publish_request("jobs.a", "h");
-        too_many_headers.headers = (0..63).map(|i| (format!("h{i:02}"), "v".to_string())).collect();
-        fail_once(too_many_headers).await;
+        let with_headers = |n: usize| {
+            let mut r = publish_request("jobs.a", "p");
+            r.headers = (0..n).map(|i| (format!("h{i:02}"), "v".to_string())).collect();
+            r
+        };
+
+        // 62 headers: dead-lettered with 64, the broker's two included.
+        let original = with_headers(62);
+        fail_once(original.clone()).await;
+        let dead = dlq.message().await.unwrap().unwrap();
+        assert_eq!(dead.headers.len(), 64);
+        assert_eq!(dead.headers["tinybroker-original-topic"], "jobs.a");
+        assert_eq!(dead.headers["tinybroker-delivery-attempts"], "1");
+        assert!(original.headers.iter().all(|(k, v)| dead.headers.get(k) == Some(v)));
+        let added: usize = dead
+            .headers
+            .iter()
+            .filter(|(k, _)| !original.headers.contains_key(*k))
+            .map(|(k, v)| k.len() + v.len())
+            .sum();
         // The broker's two headers: their names, the topic and "1".
-        let added = "tinybroker-original-topic".len() + "jobs.a".len() + "tinybroker-delivery-attempts".len() + 1;
-        fail_once(publish_request("jobs.a", &"o".repeat(MAX - added + 1))).await;
-        fail_once(publish_request("jobs.a", "marker")).await;
+        assert_eq!(
+            added,
+            "tinybroker-original-topic".len() + "jobs.a".len() + "tinybroker-delivery-attempts".len() + 1
+        );
+        assert_eq!(broker.dropped_total("dead_letter_invalid").await, 0.0);
+
+        // 63 headers: the letter would have 65; dropped, counted, and the
+        // next dead letter is the next one that fits.
+        fail_once(with_headers(63)).await;
+        let marker = fail_once(publish_request("jobs.a", "marker 1")).await;
         let next = dlq.message().await.unwrap().unwrap();
         assert_eq!(
             String::from_utf8_lossy(&next.payload),
-            "marker",
-            "a dead letter over a limit must not be delivered"
+            "marker 1",
+            "the 65-header letter must not be delivered"
+        );
+        assert!(next.sequence > marker);
+        assert_eq!(broker.dropped_total("dead_letter_invalid").await, 1.0);
+
+        // Bytes: an original that leaves exactly room for the two headers
+        // is dead-lettered at max_message_bytes; one byte more is dropped.
+        fail_once(publish_request("jobs.a", &"f".repeat(MAX - added))).await;
+        let letter = dlq.message().await.unwrap().unwrap();
+        let size = letter.payload.len() + letter.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+        assert_eq!(size, MAX, "a dead letter exactly at the limit is delivered");
+        fail_once(publish_request("jobs.a", &"o".repeat(MAX - added + 1))).await;
+        fail_once(publish_request("jobs.a", "marker 2")).await;
+        let next = dlq.message().await.unwrap().unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&next.payload),
+            "marker 2",
+            "the oversized letter must not be delivered"
         );
         assert_eq!(broker.dropped_total("dead_letter_invalid").await, 2.0);
-        wait_until("the group to have dead-lettered 3 and hold nothing", || async {
+        // Six dead-lettered, the two dropped among them.
+        wait_until("the group to have dead-lettered 6 and hold nothing", || async {
             broker
                 .group("jobs")
                 .await
-                .is_some_and(|g| (g.dead_lettered, g.in_flight, g.backlog) == (3, 0, 0))
+                .is_some_and(|g| (g.dead_lettered, g.in_flight, g.backlog) == (6, 0, 0))
         })
         .await;
     })
@@ -713,12 +758,13 @@ async fn broadcast_subscribers_and_several_groups_each_get_a_copy() {
     .await
 }
 
-/// API.md, "Sessions", credit and groups: a member's room is the smaller of
-/// what `max_in_flight` leaves and its session credit. A member with credit
-/// 5 and `max_in_flight` 32 that does not ack is handed exactly 5 of 40
-/// messages, the other member (no credit limit) the other 35 at once; once
-/// the first member's session adds credit, the group hands it what waits.
-/// Through sessions whatever `TB_TRANSPORT` says, MANUAL and AUTO.
+/// docs/contract.md, "Sessions", credit and groups: a member's room is the
+/// smaller of what `max_in_flight` leaves and its session credit. A member
+/// with credit 5 and `max_in_flight` 32 that does not ack is handed exactly
+/// 5 of 40 messages, the other member (no credit limit) the other 35 at
+/// once; once the first member's session adds credit, the group hands it
+/// what waits. Through sessions whatever `TB_TRANSPORT` says, MANUAL and
+/// AUTO.
 async fn a_member_is_handed_no_more_than_its_session_credit(manual: bool) {
     use crate::common::session::TestSession;
     const PUBLISHED: usize = 40;
