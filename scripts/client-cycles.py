@@ -29,6 +29,7 @@ Exits 1 if there is any circle, 0 if none. Python 3 standard library only.
 """
 
 import ast
+import importlib.util
 import os
 import re
 import sys
@@ -233,46 +234,13 @@ def ts_graph(root):
 
 
 def strongly_connected(nodes, edges):
-    """Tarjan's algorithm, iterative."""
-    index, low, on_stack, stack, out = {}, {}, set(), [], []
-    counter = 0
-    for start in nodes:
-        if start in index:
-            continue
-        work = [(start, iter(sorted(edges.get(start, ()))))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, it = work[-1]
-            advanced = False
-            for nxt in it:
-                if nxt not in index:
-                    index[nxt] = low[nxt] = counter
-                    counter += 1
-                    stack.append(nxt)
-                    on_stack.add(nxt)
-                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
-                    advanced = True
-                    break
-                if nxt in on_stack:
-                    low[node] = min(low[node], index[nxt])
-            if advanced:
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    component.append(w)
-                    if w == node:
-                        break
-                out.append(sorted(component))
-    return out
+    """Tarjan's algorithm, as scripts/module-cycles.py has it (the one copy)."""
+    spec = importlib.util.spec_from_file_location(
+        "module_cycles", os.path.join(os.path.dirname(os.path.abspath(__file__)), "module-cycles.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.strongly_connected(nodes, edges)
 
 
 def report(what, nodes, edges, print_edges):
