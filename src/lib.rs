@@ -22,7 +22,8 @@
 //! - [`server`]: the lifecycle (on listeners already bound: picks the engine, starts the
 //!   front and the side server, drains on shutdown);
 //! - [`memory`] (the byte budget), [`auth`] (the bearer token), [`config`]
-//!   (the environment, parsed and validated once), [`pb`] (generated code);
+//!   (the environment, parsed and validated once), [`pb`] (generated code),
+//!   [`retry`] (the jittered backoff of every retry loop);
 //! - [`client`] (a Rust client over one `Session`) and [`cli`] (the
 //!   `tinybroker` commands).
 
@@ -38,6 +39,7 @@ pub mod grpc;
 pub mod memory;
 pub mod ops;
 pub mod pb;
+pub mod retry;
 pub mod server;
 pub mod sublist;
 pub mod topic;
