@@ -21,6 +21,7 @@ mod session_task;
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
+use crate::retry::Backoff;
 use bytes::Bytes;
 use session_task::{CREDIT_BATCH, Command, HandleEvent, PublishAnswer, SequenceSpace};
 use std::collections::HashMap;
@@ -498,7 +499,7 @@ impl Client {
             live: None,
             subscription_id: None,
             reconnect,
-            backoff: Backoff::resubscribe(),
+            backoff: resubscribe_backoff(),
             opened_once: false,
             last_sequence: None,
             last_space: SequenceSpace::default(),
@@ -1163,50 +1164,26 @@ impl Subscriber {
     }
 }
 
-/// Exponential backoff with jitter (docs/clients.md, "The constants"):
-/// from `first`, doubling to `cap`, each delay times a factor drawn from
-/// [0.8, 1.2].
-struct Backoff {
-    first: Duration,
-    cap: Duration,
-    next: Duration,
+/// `CONNECT_DELAY_FIRST` (docs/clients.md, "The constants").
+const CONNECT_DELAY_FIRST: Duration = Duration::from_millis(100);
+/// `CONNECT_DELAY_CAP`: short, so a broker that answers again has every
+/// subscription back within 0.5 s.
+const CONNECT_DELAY_CAP: Duration = Duration::from_millis(250);
+/// `RESUBSCRIBE_DELAY_FIRST`.
+const RESUBSCRIBE_DELAY_FIRST: Duration = Duration::from_millis(100);
+/// `RESUBSCRIBE_DELAY_CAP`.
+const RESUBSCRIBE_DELAY_CAP: Duration = Duration::from_secs(5);
+
+/// Between attempts to start a session (`CONNECT_DELAY_*`, with `JITTER`:
+/// [`Backoff`]'s factor in [0.8, 1.2]).
+fn connect_backoff() -> Backoff {
+    Backoff::new(CONNECT_DELAY_FIRST, CONNECT_DELAY_CAP)
 }
 
-impl Backoff {
-    /// Between attempts to start a session (`CONNECT_DELAY_*`): short, so a
-    /// broker that answers again has every subscription back within 0.5 s.
-    fn connect() -> Self {
-        Self::new(Duration::from_millis(100), Duration::from_millis(250))
-    }
-
-    /// Before opening again a subscription the broker ended or refused
-    /// (`RESUBSCRIBE_DELAY_*`).
-    fn resubscribe() -> Self {
-        Self::new(Duration::from_millis(100), Duration::from_secs(5))
-    }
-
-    fn new(first: Duration, cap: Duration) -> Self {
-        Self {
-            first,
-            cap,
-            next: first,
-        }
-    }
-
-    fn reset(&mut self) {
-        self.next = self.first;
-    }
-
-    /// The delay before the next attempt, and doubles the one after.
-    fn next_delay(&mut self) -> Duration {
-        // A uniform factor in [0.8, 1.2], in thousandths.
-        let random = uuid::Uuid::new_v4();
-        let draw = u16::from_le_bytes([random.as_bytes()[0], random.as_bytes()[1]]);
-        let per_mille = 800 + u32::from(draw) % 401;
-        let delay = self.next * per_mille / 1000;
-        self.next = (self.next * 2).min(self.cap);
-        delay
-    }
+/// Before opening again a subscription the broker ended or refused
+/// (`RESUBSCRIBE_DELAY_*`, with `JITTER`).
+fn resubscribe_backoff() -> Backoff {
+    Backoff::new(RESUBSCRIBE_DELAY_FIRST, RESUBSCRIBE_DELAY_CAP)
 }
 
 #[cfg(test)]

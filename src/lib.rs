@@ -17,6 +17,7 @@ pub mod grpc;
 pub mod memory;
 pub mod ops;
 pub mod pb;
+pub mod retry;
 pub mod server;
 pub mod sublist;
 pub mod topic;

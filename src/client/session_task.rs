@@ -35,13 +35,14 @@
 //!   request.
 
 use super::buffer::{FlushReport, PublishBuffer};
-use super::{Backoff, ConnectionEvent, PublishError, Shared};
+use super::{ConnectionEvent, PublishError, Shared, connect_backoff};
 use crate::pb;
 use crate::pb::admin_client::AdminClient;
 use crate::pb::broker_client::BrokerClient;
 use crate::pb::metadata::{BATCH_METADATA, INSTANCE_METADATA, SEQUENCE_SCOPE_METADATA};
 use crate::pb::session_event::Event;
 use crate::pb::session_request::Request as SessionRequest;
+use crate::retry::Backoff;
 use futures::StreamExt;
 use futures::channel::mpsc as requests_channel;
 use futures::stream::BoxStream;
@@ -190,7 +191,7 @@ pub(crate) fn spawn(
         session: None,
         entries: HashMap::new(),
         retry_at: None,
-        backoff: Backoff::connect(),
+        backoff: connect_backoff(),
         publishes: VecDeque::new(),
         last_publish_id: 0,
         acks: None,
@@ -843,7 +844,7 @@ mod tests {
             }),
             entries,
             retry_at: None,
-            backoff: Backoff::connect(),
+            backoff: connect_backoff(),
             publishes: VecDeque::new(),
             last_publish_id: 0,
             acks: None,

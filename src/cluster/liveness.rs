@@ -64,6 +64,7 @@
 use super::registry::key;
 use super::{ClusterEngine, Ready};
 use crate::engine::{BrokerError, EngineHealth};
+use crate::retry::Backoff;
 use futures::FutureExt;
 use std::future::Future;
 use std::sync::Arc;
@@ -364,12 +365,14 @@ impl Beyond {
 }
 
 /// A subscription to `subject`, retried until the client takes it (it
-/// refuses one only while the connection is being made).
+/// refuses one only while the connection is being made): soon at first,
+/// then every [`PROBE_EVERY`] or so.
 async fn subscribe(client: &async_nats::Client, subject: String) -> async_nats::Subscriber {
+    let mut backoff = Backoff::new(PROBE_EVERY / 5, PROBE_EVERY);
     loop {
         match client.subscribe(subject.clone()).await {
             Ok(subscriber) => return subscriber,
-            Err(_) => tokio::time::sleep(PROBE_EVERY).await,
+            Err(_) => backoff.sleep().await,
         }
     }
 }

@@ -30,9 +30,18 @@
 use super::registry::{BeatError, IdTaken, key};
 use super::{ClusterEngine, Ready};
 use crate::engine::EngineHealth;
+use crate::retry::Backoff;
 use async_nats::jetstream::{self, kv};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+/// The waits of the two recovery loops, between attempts at a rebuild
+/// (heavy: every bucket and group stream made again) and between looks at
+/// whether JetStream answers again. Both double while it fails, up to
+/// [`RECOVERY_DELAY_CAP`]: short, since SERVING waits on them.
+const REBUILD_DELAY_FIRST: Duration = Duration::from_millis(400);
+const BACK_ONLINE_DELAY_FIRST: Duration = Duration::from_millis(200);
+const RECOVERY_DELAY_CAP: Duration = Duration::from_secs(1);
 
 /// The buckets, as made at set-up and again after a loss.
 pub(super) struct Buckets {
@@ -217,6 +226,7 @@ impl ClusterEngine {
         tracing::warn!("{what}");
         self.inner.health.send_replace(EngineHealth::NotServing(what));
         let mut said = String::new();
+        let mut backoff = Backoff::new(REBUILD_DELAY_FIRST, RECOVERY_DELAY_CAP);
         loop {
             match self.rebuild(ready).await {
                 Ok(lost) => {
@@ -239,7 +249,7 @@ impl ClusterEngine {
                     if self.inner.local.is_shutting_down() {
                         return Ok(false);
                     }
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    backoff.sleep().await;
                 }
             }
         }
@@ -252,6 +262,7 @@ impl ClusterEngine {
     pub(super) async fn back_online(self, ready: std::sync::Arc<Ready>) {
         let back = std::time::Instant::now();
         let mut said = false;
+        let mut backoff = Backoff::new(BACK_ONLINE_DELAY_FIRST, RECOVERY_DELAY_CAP);
         loop {
             // Not while the probe finds NATS silent (`liveness.rs`): it
             // starts this again when NATS answers.
@@ -272,7 +283,7 @@ impl ClusterEngine {
                         );
                         said = true;
                     }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    backoff.sleep().await;
                 }
                 Ok(true) => break,
             }

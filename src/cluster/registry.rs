@@ -18,6 +18,7 @@ use super::REPLICA_TTL;
 use super::{ClusterEngine, HEARTBEAT, Ready};
 use crate::engine::BrokerError;
 use crate::engine::validate::truncate;
+use crate::retry::Backoff;
 use async_nats::jetstream::kv;
 use base64::Engine as _;
 use bytes::Bytes;
@@ -28,6 +29,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// new beat before this one takes it over: a live holder beats every
 /// [`HEARTBEAT`].
 pub(super) const STALE_AFTER: Duration = Duration::from_millis(2 * HEARTBEAT.as_millis() as u64 + 1000);
+
+/// How often [`ClusterEngine::claim_replica_id`] looks again at an id held
+/// by another process (jittered: at most 240 ms).
+const CLAIM_LOOK_EVERY: Duration = Duration::from_millis(200);
 
 /// What a replica writes under its id in `<prefix>_replicas`: which process
 /// holds the id. A replica of an earlier version wrote its id alone (read
@@ -200,6 +205,10 @@ impl ClusterEngine {
     pub(super) async fn claim_replica_id(&self, ready: &Ready) -> Result<(), BeatError> {
         let id_key = key(&self.inner.config.replica_id);
         let mut seen: Option<(u64, Instant)> = None;
+        // Looks again and again while the holder's entry may still be
+        // renewed: at a fixed interval, so that a holder gone is taken
+        // over soon after STALE_AFTER.
+        let mut backoff = Backoff::fixed(CLAIM_LOOK_EVERY);
         loop {
             match self.beat(ready).await {
                 Ok(()) => return Ok(()),
@@ -241,7 +250,7 @@ impl ClusterEngine {
                             seen = Some((entry.revision, Instant::now()));
                         }
                     }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    backoff.sleep().await;
                 }
                 Err(other) => return Err(other),
             }

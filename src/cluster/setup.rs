@@ -10,6 +10,7 @@ use super::{
 use crate::broker::Broker;
 use crate::config::{ClusterConfig, Limits};
 use crate::engine::EngineHealth;
+use crate::retry::Backoff;
 use async_nats::jetstream::{self};
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -17,6 +18,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::watch;
+
+/// The longest wait between two attempts at the set-up (before jitter).
+const SET_UP_RETRY_CAP: Duration = Duration::from_secs(2);
 
 impl ClusterEngine {
     /// Starts connecting (in the background: the engine is NOT_SERVING until
@@ -156,6 +160,11 @@ impl ClusterEngine {
     pub(super) async fn set_up(self) {
         let started = std::time::Instant::now();
         let mut warned: Option<(String, std::time::Instant)> = None;
+        // Polls for a connection being made; retries a failure from half a
+        // second, doubling to SET_UP_RETRY_CAP, jittered so that replicas
+        // do not ask NATS in step.
+        let mut connecting = Backoff::fixed(Duration::from_millis(50));
+        let mut retrying = Backoff::new(Duration::from_millis(500), SET_UP_RETRY_CAP);
         loop {
             match self.try_set_up().await {
                 Ok(()) => return,
@@ -165,7 +174,7 @@ impl ClusterEngine {
                     return;
                 }
                 Err(SetUpError::NotConnected) if started.elapsed() < CONNECT_GRACE => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    connecting.sleep().await;
                 }
                 Err(error) => {
                     let reason = error.to_string();
@@ -173,13 +182,16 @@ impl ClusterEngine {
                         .as_ref()
                         .is_none_or(|(said, at)| *said != reason || at.elapsed() >= REPEAT_WARNING);
                     if repeat {
-                        tracing::warn!("cluster mode cannot serve yet (retrying every second): {reason}");
+                        tracing::warn!(
+                            "cluster mode cannot serve yet (retrying, about {} s apart at most): {reason}",
+                            SET_UP_RETRY_CAP.as_secs()
+                        );
                         warned = Some((reason.clone(), std::time::Instant::now()));
                     }
                     self.inner
                         .health
                         .send_replace(EngineHealth::NotServing(format!("NATS is unreachable: {reason}")));
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    retrying.sleep().await;
                 }
             }
         }

@@ -25,6 +25,7 @@
 use crate::grpc::coalesce::Coalesce;
 use crate::grpc::executor::Requests;
 use crate::grpc::request_budget::{BoundedBody, ConnectionIncoming, IncomingLimits};
+use crate::retry::Backoff;
 use bytes::{Buf, Bytes};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -54,6 +55,11 @@ pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
 /// How long a connection may take to finish its calls once the broker
 /// stops serving.
 pub const GRACEFUL_CLOSE: Duration = Duration::from_secs(5);
+
+/// The wait after a failed accept (out of file descriptors or memory),
+/// doubling while it keeps failing, jittered.
+const ACCEPT_DELAY_FIRST: Duration = Duration::from_millis(5);
+const ACCEPT_DELAY_CAP: Duration = Duration::from_secs(1);
 
 /// The client connection preface every HTTP/2 connection begins with.
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -204,7 +210,9 @@ pub async fn serve<S, B>(
 {
     let settings = Arc::new(settings);
     let connections = TaskTracker::new();
-    let mut backoff = Duration::ZERO;
+    // Out of file descriptors or memory: spinning on accept would only
+    // burn the CPU the open connections need.
+    let mut backoff = Backoff::new(ACCEPT_DELAY_FIRST, ACCEPT_DELAY_CAP);
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -212,26 +220,24 @@ pub async fn serve<S, B>(
         };
         let (tcp, peer) = match accepted {
             Ok(accepted) => {
-                backoff = Duration::ZERO;
+                backoff.reset();
                 accepted
             }
             Err(e) if is_per_connection(&e) => continue,
             Err(e) => {
-                // Out of file descriptors or memory: spinning on accept would
-                // only burn the CPU the open connections need.
-                backoff = (backoff * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+                let delay = backoff.next_delay();
                 stats.accept_errors.fetch_add(1, Ordering::Relaxed);
                 if let Some(suppressed) = stats.log_limits[Rejection::ALL.len()].admit() {
                     tracing::warn!(
                         error = %e,
-                        retry_in_ms = backoff.as_millis() as u64,
+                        retry_in_ms = delay.as_millis() as u64,
                         similar_since_last_line = suppressed,
                         "cannot accept gRPC connections (is the file descriptor limit reached?); backing off"
                     );
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(backoff) => continue,
+                    _ = tokio::time::sleep(delay) => continue,
                 }
             }
         };

@@ -35,6 +35,7 @@ use super::state::{HubCore, Outbound, Pulled, Settings, View};
 use crate::broker::Subscription;
 use crate::engine::Delivery;
 use crate::engine::{AckMode, Acked, Nacked};
+use crate::retry::Backoff;
 use parking_lot::Mutex;
 use std::future::Future;
 use std::sync::Arc;
@@ -53,6 +54,10 @@ pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(1);
 pub(crate) const LINGER: Duration = Duration::from_millis(1250);
 /// Most messages one pull asks for.
 const PULL_AT_MOST: usize = 256;
+/// The wait after a failed pull, doubling while pulls keep failing up to
+/// [`PULL_RETRY_CAP`].
+const PULL_RETRY_FIRST: Duration = Duration::from_millis(160);
+const PULL_RETRY_CAP: Duration = Duration::from_secs(1);
 /// Most commands (or outbound operations) taken from a queue at once.
 const AT_ONCE: usize = 256;
 
@@ -575,6 +580,7 @@ async fn pull<B: Backend>(
     pulled: CancellationToken,
 ) {
     let _pulled = pulled.drop_guard();
+    let mut backoff = Backoff::new(PULL_RETRY_FIRST, PULL_RETRY_CAP);
     loop {
         pulling.send_replace(false);
         if closing.is_cancelled() {
@@ -593,13 +599,16 @@ async fn pull<B: Backend>(
             continue;
         }
         let mut batch = match backend.pull(room.min(PULL_AT_MOST)).await {
-            Ok(batch) => batch,
+            Ok(batch) => {
+                backoff.reset();
+                batch
+            }
             Err(error) => {
                 tracing::debug!(group = %hub.name(), %error, "pull failed; retrying");
                 pulling.send_replace(false);
                 let view = hub.view();
                 backend.pull_failed(view.members, view.ack_mode).await;
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                backoff.sleep().await;
                 continue;
             }
         };

@@ -13,6 +13,7 @@ use crate::cluster::{ClusterEngine, Ready};
 use crate::engine::BrokerError;
 use crate::engine::validate::truncate;
 use crate::group::backlog;
+use crate::retry::Backoff;
 use async_nats::jetstream::{self, consumer::pull};
 use bytes::Bytes;
 use std::time::Duration;
@@ -21,6 +22,10 @@ use tokio::time::Instant;
 /// How long a publish to a group's stream is retried (a stream leader's
 /// election takes 4 to 7 s, docs/cluster-notes.md).
 const PUBLISH_RETRY_FOR: Duration = Duration::from_secs(10);
+/// The wait between two of those attempts, doubling up to
+/// [`PUBLISH_RETRY_CAP`]: kept short, a publisher waits on it.
+const PUBLISH_RETRY_FIRST: Duration = Duration::from_millis(80);
+const PUBLISH_RETRY_CAP: Duration = Duration::from_millis(250);
 
 /// Most messages one publish deletes from a full group backlog to make room
 /// (a large message in a backlog full of bytes needs several); beyond it,
@@ -105,6 +110,7 @@ impl ClusterEngine {
         let mut made_room = 0;
         // An attempt went out and was not confirmed: the group may have it.
         let mut unconfirmed = false;
+        let mut backoff = Backoff::new(PUBLISH_RETRY_FIRST, PUBLISH_RETRY_CAP);
         loop {
             // After a refusal for a full backlog, a new message id: a
             // clustered stream remembers the refused one and would answer
@@ -146,7 +152,7 @@ impl ClusterEngine {
                     if started.elapsed() < PUBLISH_RETRY_FOR =>
                 {
                     tracing::debug!(group = %route.name, %error, "publish to a group's stream retried");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    backoff.sleep().await;
                 }
                 Err(NotStored::Refused(error)) if !unconfirmed => {
                     return Err(BrokerError::Unavailable(format!(

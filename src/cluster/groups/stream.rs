@@ -9,6 +9,7 @@ use crate::cluster::{ClusterEngine, Ready};
 use crate::engine::BrokerError;
 use crate::engine::validate::truncate;
 use crate::group::BacklogLimits;
+use crate::retry::Backoff;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -39,6 +40,10 @@ pub(super) fn subject(prefix: &str, group: &str) -> String {
 /// How long creating a group's stream is retried while JetStream cannot
 /// place it (see [`placement_pending`]).
 const PLACEMENT_RETRY_FOR: Duration = Duration::from_secs(5);
+/// The wait between two of those attempts, doubling up to
+/// [`PLACEMENT_RETRY_CAP`].
+const PLACEMENT_RETRY_FIRST: Duration = Duration::from_millis(80);
+const PLACEMENT_RETRY_CAP: Duration = Duration::from_millis(500);
 
 /// Whether JetStream refused a stream for want of room on its servers
 /// (`CLUSTER_NO_PEERS`, `INSUFFICIENT_RESOURCES`): retried for a while,
@@ -121,12 +126,13 @@ impl ClusterEngine {
         // servers for a moment: JetStream answers "no suitable peers for
         // placement, insufficient storage" (10005) until it lets go.
         let started = Instant::now();
+        let mut backoff = Backoff::new(PLACEMENT_RETRY_FIRST, PLACEMENT_RETRY_CAP);
         let stream = loop {
             match ready.js.get_or_create_stream(config.clone()).await {
                 Ok(stream) => break stream,
                 Err(e) if placement_pending(&e) && started.elapsed() < PLACEMENT_RETRY_FOR => {
                     tracing::debug!(group = %name, error = %e, "creating a group's stream retried");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    backoff.sleep().await;
                 }
                 // Every group's stream reserves its byte budget on each
                 // of its servers: a limit reached, not an outage.

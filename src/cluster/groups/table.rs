@@ -12,10 +12,16 @@ use crate::engine::AckMode;
 use crate::engine::BrokerError;
 use crate::engine::validate::truncate;
 use crate::group::admission::{self, Terms};
+use crate::retry::Backoff;
 use crate::topic::TopicPattern;
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The wait before watching the group table again (the watch ended or
+/// could not be made), doubling while it cannot up to [`WATCH_RETRY_CAP`].
+const WATCH_RETRY_FIRST: Duration = Duration::from_millis(160);
+const WATCH_RETRY_CAP: Duration = Duration::from_secs(1);
 
 /// Where a publish matching a group goes.
 pub(in crate::cluster) struct GroupRoute {
@@ -63,14 +69,20 @@ impl ClusterEngine {
         Ok(loaded)
     }
 
-    /// Keeps the local group trie in step with the table.
+    /// Keeps the local group trie in step with the table: watches it again
+    /// after a wait when the watch ends (the connection was lost) or cannot
+    /// be made, the wait doubling while it cannot.
     pub(in crate::cluster) async fn watch_groups(self, ready: Ready) {
+        let mut backoff = Backoff::new(WATCH_RETRY_FIRST, WATCH_RETRY_CAP);
         loop {
             let mut watch = match ready.groups.watch_with_history(">").await {
-                Ok(watch) => watch,
+                Ok(watch) => {
+                    backoff.reset();
+                    watch
+                }
                 Err(error) => {
                     tracing::warn!(%error, "cannot watch the consumer-group table; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    backoff.sleep().await;
                     continue;
                 }
             };
@@ -88,7 +100,7 @@ impl ClusterEngine {
                     _ => self.unroute_group(&name),
                 }
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            backoff.sleep().await;
         }
     }
 
