@@ -1,7 +1,9 @@
 //! A consumer group's state machine, for both engines: who gets a message,
 //! what a Nack, an expired deadline or a member leaving does with the
 //! messages it held, when a message has used its last attempt, what a full
-//! backlog drops. No I/O and no lock: time is passed in (`now`), and what the
+//! backlog drops. No I/O, and no lock but a member's queue (the seam's
+//! [`Queue`], innermost) when a message is pushed to a member or taken
+//! back from it: time is passed in (`now`), and what the
 //! engine must act on (a message done, a dead letter, a message for another
 //! replica, one dropped) is appended to [`GroupMachine::out`] in the order it
 //! was decided.
