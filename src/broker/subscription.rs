@@ -3,7 +3,7 @@
 use super::Broker;
 use super::group::ConsumerGroup;
 use crate::engine::Delivery;
-use crate::engine::queue::Queue;
+use crate::engine::queue::{Push, Queue};
 use crate::engine::{AckMode, CloseReason, DeliveryMode, Peaks, SubscriptionInfo};
 use crate::group::MemberSettings;
 use crate::topic::TopicPattern;
@@ -89,8 +89,8 @@ impl Subscription {
     /// the queue is closed or full.
     pub fn hand(&self, delivery: Delivery) -> Result<(), Delivery> {
         match self.queue.push(delivery) {
-            crate::engine::queue::Push::Queued => Ok(()),
-            crate::engine::queue::Push::Full { item, .. } | crate::engine::queue::Push::Closed(item) => Err(item),
+            Push::Queued => Ok(()),
+            Push::Full { item, .. } | Push::Closed(item) => Err(item),
         }
     }
 
