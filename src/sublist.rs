@@ -27,14 +27,34 @@ pub struct Sublist<T> {
     entries: usize,
 }
 
+/// One token's node. Small, because a trie of distinct literal topics (a
+/// subscription per user or key space) is mostly leaves: a leaf's node is 40
+/// bytes in its parent's map, and its first entry takes 24 more.
 struct Node<T> {
-    literals: HashMap<Box<str>, Node<T>>,
-    star: Option<Box<Node<T>>>,
-    /// Entries whose pattern ends in `>` right after this node.
-    rest: Vec<Entry<T>>,
+    /// The children by literal token; None when there are none (every leaf).
+    literals: Option<Box<Children<T>>>,
+    /// What wildcards reach from here; None for most nodes.
+    wild: Option<Box<Wild<T>>>,
     /// Entries whose pattern ends exactly at this node.
     here: Vec<Entry<T>>,
 }
+
+/// A node's `*` child and its `>` entries.
+struct Wild<T> {
+    star: Option<Node<T>>,
+    /// Entries whose pattern ends in `>` right after this node.
+    rest: Vec<Entry<T>>,
+}
+
+impl<T> Wild<T> {
+    fn is_empty(&self) -> bool {
+        self.star.is_none() && self.rest.is_empty()
+    }
+}
+
+/// Hashed with foldhash, randomly seeded per map like the publishers' route
+/// caches: a fraction of SipHash's cost per token, and half its state.
+type Children<T> = HashMap<Box<str>, Node<T>, foldhash::fast::RandomState>;
 
 struct Entry<T> {
     id: u64,
@@ -59,9 +79,8 @@ pub struct SublistStats {
 impl<T> Default for Node<T> {
     fn default() -> Self {
         Self {
-            literals: HashMap::new(),
-            star: None,
-            rest: Vec::new(),
+            literals: None,
+            wild: None,
             here: Vec::new(),
         }
     }
@@ -69,8 +88,30 @@ impl<T> Default for Node<T> {
 
 impl<T> Node<T> {
     fn is_empty(&self) -> bool {
-        self.literals.is_empty() && self.star.is_none() && self.rest.is_empty() && self.here.is_empty()
+        self.literals.is_none() && self.wild.is_none() && self.here.is_empty()
     }
+
+    fn child(&self, token: &str) -> Option<&Node<T>> {
+        self.literals.as_ref()?.get(token)
+    }
+
+    fn wild(&mut self) -> &mut Wild<T> {
+        self.wild.get_or_insert_with(|| {
+            Box::new(Wild {
+                star: None,
+                rest: Vec::new(),
+            })
+        })
+    }
+}
+
+/// Adds `entry`, the first one without room to spare: most lists hold one
+/// entry (a subscription per topic), and a `Vec` would make room for four.
+fn push<T>(entries: &mut Vec<Entry<T>>, entry: Entry<T>) {
+    if entries.capacity() == 0 {
+        entries.reserve_exact(1);
+    }
+    entries.push(entry);
 }
 
 impl<T: Clone> Default for Sublist<T> {
@@ -101,18 +142,21 @@ impl<T: Clone> Sublist<T> {
         let mut tokens = pattern.tokens().peekable();
         while let Some(token) = tokens.next() {
             if token == ">" && tokens.peek().is_none() {
-                node.rest.push(Entry { id, value });
+                push(&mut node.wild().rest, Entry { id, value });
                 self.entries += 1;
                 self.invalidate(pattern);
                 return;
             }
             node = if token == "*" {
-                node.star.get_or_insert_with(Default::default)
+                node.wild().star.get_or_insert_with(Default::default)
             } else {
-                node.literals.entry(token.into()).or_default()
+                node.literals
+                    .get_or_insert_with(Default::default)
+                    .entry(token.into())
+                    .or_default()
             };
         }
-        node.here.push(Entry { id, value });
+        push(&mut node.here, Entry { id, value });
         self.entries += 1;
         self.invalidate(pattern);
     }
@@ -188,11 +232,17 @@ fn collect<'a, T>(node: &'a Node<T>, tokens: &[&str], found: &mut Vec<(u64, &'a 
         return;
     };
     // `>` after this node takes one or more tokens: at least `first` remains.
-    found.extend(node.rest.iter().map(|e| (e.id, &e.value)));
-    if let Some(child) = node.literals.get(*first) {
+    let Some(wild) = &node.wild else {
+        if let Some(child) = node.child(first) {
+            collect(child, rest, found);
+        }
+        return;
+    };
+    found.extend(wild.rest.iter().map(|e| (e.id, &e.value)));
+    if let Some(child) = node.child(first) {
         collect(child, rest, found);
     }
-    if let Some(star) = &node.star {
+    if let Some(star) = &wild.star {
         collect(star, rest, found);
     }
 }
@@ -209,27 +259,44 @@ fn remove_at<T>(node: &mut Node<T>, tokens: &[&str], id: u64) -> bool {
     }
     match tokens {
         [] => take(&mut node.here, id),
-        [">"] => take(&mut node.rest, id),
-        [first, rest @ ..] => {
-            if *first == "*" {
-                let Some(star) = node.star.as_deref_mut() else {
-                    return false;
-                };
-                let removed = remove_at(star, rest, id);
-                if removed && star.is_empty() {
-                    node.star = None;
+        [">"] | ["*", ..] => {
+            let Some(wild) = node.wild.as_deref_mut() else {
+                return false;
+            };
+            let removed = match tokens {
+                [">"] => take(&mut wild.rest, id),
+                [_, rest @ ..] => {
+                    let Some(star) = wild.star.as_mut() else {
+                        return false;
+                    };
+                    let removed = remove_at(star, rest, id);
+                    if removed && star.is_empty() {
+                        wild.star = None;
+                    }
+                    removed
                 }
-                removed
-            } else {
-                let Some(child) = node.literals.get_mut(*first) else {
-                    return false;
-                };
-                let removed = remove_at(child, rest, id);
-                if removed && child.is_empty() {
-                    node.literals.remove(*first);
-                }
-                removed
+                [] => unreachable!("matched a token above"),
+            };
+            if removed && wild.is_empty() {
+                node.wild = None;
             }
+            removed
+        }
+        [first, rest @ ..] => {
+            let Some(children) = node.literals.as_deref_mut() else {
+                return false;
+            };
+            let Some(child) = children.get_mut(*first) else {
+                return false;
+            };
+            let removed = remove_at(child, rest, id);
+            if removed && child.is_empty() {
+                children.remove(*first);
+                if children.is_empty() {
+                    node.literals = None;
+                }
+            }
+            removed
         }
     }
 }
@@ -379,6 +446,12 @@ mod tests {
                 }
             }
             prop_assert_eq!(trie.stats().entries, naive.len());
+            // Removing the rest leaves no node behind: no `*` child, `>`
+            // list or literal map outlives its last entry.
+            for (pat, id) in naive.drain(..) {
+                prop_assert!(trie.remove(&pat, id));
+            }
+            prop_assert!(trie.root.is_empty(), "removal prunes empty nodes");
         }
     }
 }

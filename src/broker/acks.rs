@@ -52,7 +52,7 @@ impl Broker {
 
     /// The open subscription `id`, or NOT_FOUND naming it.
     pub(super) fn open_subscription(&self, id: &str) -> Result<Arc<Subscription>, BrokerError> {
-        let subscription = self.shared.subscriptions.lock().get(id).cloned();
+        let subscription = self.shared.subscriptions.lock().get(id).map(|s| s.0.clone());
         subscription.ok_or_else(|| BrokerError::NotFound(format!("no open subscription with id {:?}", truncate(id))))
     }
 }

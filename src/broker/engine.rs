@@ -5,9 +5,9 @@ use super::subscription::SubscriptionStream;
 use super::{Broker, RouteCache};
 use crate::config::Limits;
 use crate::engine::{
-    Acked, BatchOutcome, BrokerError, CloseReason, DeliveryStream, Engine, EngineHealth, EngineInfo, EvictionRecord,
-    GroupInfo, Nacked, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd, SubscribeRequest,
-    SubscriptionInfo,
+    Acked, BatchOutcome, BrokerError, CloseReason, Counters, DeliveryStream, Engine, EngineHealth, EngineInfo,
+    EvictionRecord, GroupInfo, Nacked, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot, StreamEnd,
+    SubscribeRequest, SubscriptionInfo,
 };
 use std::future::{Future, ready};
 
@@ -74,6 +74,10 @@ impl Engine for Broker {
 
     fn info(&self) -> impl Future<Output = Result<EngineInfo, BrokerError>> + Send {
         ready(Ok(Broker::info(self)))
+    }
+
+    fn counters(&self) -> Counters {
+        Broker::counters(self)
     }
 
     fn snapshot(&self, peaks: Peaks) -> Snapshot {

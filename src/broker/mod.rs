@@ -30,7 +30,7 @@ use crate::sublist::Sublist;
 use group::ConsumerGroup;
 use parking_lot::{Mutex, RwLock};
 use publish::Route;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -96,7 +96,7 @@ struct Shared {
     /// whether their cached routes are still good.
     routes_generation: AtomicU64,
     /// Open subscriptions by id. Never touched on the publish path.
-    subscriptions: Mutex<HashMap<Arc<str>, Arc<Subscription>>>,
+    subscriptions: Mutex<HashSet<ById>>,
     /// Consumer groups by name, including memberless ones within their idle
     /// TTL. Never touched on the publish path; taken before a group's own
     /// lock, never after it.
@@ -137,7 +137,7 @@ impl Broker {
                 sequence: AtomicU64::new(last_sequence),
                 routes: RwLock::new(Sublist::default()),
                 routes_generation: AtomicU64::new(0),
-                subscriptions: Mutex::new(HashMap::new()),
+                subscriptions: Mutex::new(HashSet::new()),
                 groups: Mutex::new(HashMap::new()),
                 next_key: AtomicU64::new(1),
                 evictions: Mutex::new(VecDeque::new()),
@@ -171,6 +171,31 @@ impl Broker {
         self.shared.sequence.load(Ordering::Relaxed)
     }
 }
+
+/// A subscription in the registry, found by its id: the set holds one
+/// pointer per subscription, and the id is the subscription's own (not a
+/// second copy of it as a key).
+struct ById(Arc<Subscription>);
+
+impl std::borrow::Borrow<str> for ById {
+    fn borrow(&self) -> &str {
+        self.0.id()
+    }
+}
+
+impl std::hash::Hash for ById {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.id().hash(state)
+    }
+}
+
+impl PartialEq for ById {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id() == other.0.id()
+    }
+}
+
+impl Eq for ById {}
 
 #[cfg(test)]
 mod tests;

@@ -175,7 +175,8 @@ impl Broker {
         let far_behind = (budget / 64).max(1 << 20);
         let subscriptions = self.shared.subscriptions.lock();
         subscriptions
-            .values()
+            .iter()
+            .map(|s| &s.0)
             .filter(|s| s.is_broadcast())
             .map(|s| (s, s.queue.bytes()))
             .filter(|(_, bytes)| *bytes >= far_behind)

@@ -25,7 +25,7 @@ pub(crate) fn set_unacked(info: &mut SubscriptionInfo, unacked: &MemberUnacked, 
 impl Broker {
     /// Every open subscription, oldest first.
     pub(super) fn live_subscriptions(&self) -> Vec<Arc<Subscription>> {
-        let mut subs: Vec<_> = self.shared.subscriptions.lock().values().cloned().collect();
+        let mut subs: Vec<_> = self.shared.subscriptions.lock().iter().map(|s| s.0.clone()).collect();
         subs.sort_by(|a, b| a.opened_at().cmp(&b.opened_at()).then_with(|| a.id().cmp(b.id())));
         subs
     }
@@ -111,8 +111,8 @@ impl Broker {
         self.shared
             .subscriptions
             .lock()
-            .keys()
-            .map(|id| id.to_string())
+            .iter()
+            .map(|s| s.0.id().to_owned())
             .collect()
     }
 

@@ -1,10 +1,10 @@
 //! Opening subscriptions: broadcast ones into the trie, members into their
 //! consumer group (created on first use).
 
-use super::Broker;
 use super::group::{ConsumerGroup, GroupLimits};
 use super::publish::Route;
 use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};
+use super::{Broker, ById};
 use crate::engine::queue::Queue;
 use crate::engine::validate::{self, truncate};
 use crate::engine::{BrokerError, DeliveryMode, SubscribeRequest};
@@ -111,16 +111,15 @@ impl Broker {
     /// Adds a subscription to the registry, enforcing unique ids and the
     /// subscription limit.
     fn register(&self, subscription: &Arc<Subscription>) -> Result<(), BrokerError> {
-        let id: Arc<str> = subscription.id().into();
         {
             let mut subs = self.shared.subscriptions.lock();
             // Checked under the registry lock, so a subscription can never
             // slip in after shutdown began closing them all.
             self.check_open()?;
-            if subs.contains_key(&id) {
+            if subs.contains(subscription.id()) {
                 return Err(BrokerError::AlreadyExists(format!(
                     "subscription id {:?} is already open",
-                    &*id
+                    subscription.id()
                 )));
             }
             let max = self.shared.limits.max_subscriptions;
@@ -130,7 +129,7 @@ impl Broker {
                     subs.len()
                 )));
             }
-            subs.insert(id, subscription.clone());
+            subs.insert(ById(subscription.clone()));
         }
         Ok(())
     }

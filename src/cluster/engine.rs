@@ -7,9 +7,9 @@ use crate::broker::RouteCache;
 use crate::config::Limits;
 use crate::engine::validate::truncate;
 use crate::engine::{
-    Acked, BatchOutcome, BrokerError, ClusterInfo, Confirmation, DeliveryMode, Engine, EngineHealth, EngineInfo,
-    EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime, Snapshot,
-    SubscribeRequest, SubscriptionInfo,
+    Acked, BatchOutcome, BrokerError, ClusterInfo, Confirmation, Counters, DeliveryMode, Engine, EngineHealth,
+    EngineInfo, EvictionRecord, GroupInfo, Nacked, NatsStatus, NewMessage, Peaks, PublishOutcome, PublishTime,
+    Snapshot, SubscribeRequest, SubscriptionInfo,
 };
 use std::future::Future;
 use std::sync::Arc;
@@ -238,6 +238,11 @@ impl Engine for ClusterEngine {
             nats_server: if connected { self.nats_server() } else { String::new() },
         });
         Ok(info)
+    }
+
+    /// This replica's own (the snapshot's counters are too).
+    fn counters(&self) -> Counters {
+        self.inner.local.counters()
     }
 
     fn snapshot(&self, peaks: Peaks) -> Snapshot {

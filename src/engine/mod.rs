@@ -159,6 +159,10 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// Admin/GetBrokerInfo's view of the engine.
     fn info(&self) -> impl Future<Output = Result<EngineInfo, BrokerError>> + Send;
 
+    /// The lifetime counters alone: what GetBrokerInfo and the status page
+    /// read, without listing every subscription as [`Engine::snapshot`] does.
+    fn counters(&self) -> Counters;
+
     /// Everything the metrics report, read at once. With
     /// [`Peaks::Take`], every queue starts a new peak period (one scrape).
     fn snapshot(&self, peaks: Peaks) -> Snapshot;

@@ -121,7 +121,9 @@ pub(crate) struct Queue {
     /// publishers pushing and the one stream popping, each for a few
     /// instructions.
     state: Mutex<State>,
-    capacity: usize,
+    /// At most `u32::MAX` (a larger configured capacity is that): with the
+    /// fields below, it keeps an idle subscription's queue in 112 bytes.
+    capacity: u32,
     /// Most bytes of messages (their [`Published::size`]) the queue holds at
     /// once; `usize::MAX` for group members, whose group bounds its bytes.
     max_bytes: usize,
@@ -139,24 +141,23 @@ struct State {
     closed: Option<CloseReason>,
     /// Highest depth in the current and in the previous peak period (see
     /// [`Queue::take_peak`]).
-    peak: [usize; 2],
+    peak: [u32; 2],
     /// What the subscriber lost when the queue was closed (see [`Queue::close`]).
     lost: u64,
-    /// A consumer-group member on a session with credit: how many more
-    /// messages its stream may take (each pop spends one, the session's
-    /// `SessionCredit` adds). None: no limit. Kept here, under the lock
-    /// that pushes and pops take, so that what its group may still hand
-    /// it ([`Queue::credit_room`]) never counts a message twice.
-    credit: Option<u64>,
+    /// A consumer-group member on a session with credit (`Queue::credited`):
+    /// how many more messages its stream may take (each pop spends one, the
+    /// session's `SessionCredit` adds); meaningless without a limit. Kept
+    /// here, under the lock that pushes and pops take, so that what its
+    /// group may still hand it ([`Queue::credit_room`]) never counts a
+    /// message twice.
+    credit: u64,
 }
 
 impl State {
     fn pop(&mut self) -> Option<Delivery> {
         let item = self.items.pop_front()?;
         self.bytes -= item.message.size();
-        if let Some(credit) = &mut self.credit {
-            *credit = credit.saturating_sub(1);
-        }
+        self.credit = self.credit.saturating_sub(1);
         Some(item)
     }
 
@@ -188,9 +189,9 @@ impl Queue {
                 closed: None,
                 peak: [0; 2],
                 lost: 0,
-                credit: None,
+                credit: 0,
             }),
-            capacity,
+            capacity: u32::try_from(capacity).unwrap_or(u32::MAX),
             max_bytes,
             credited: false,
         }
@@ -199,7 +200,7 @@ impl Queue {
     /// A group member's queue whose stream may take `credit` messages
     /// before more is added (None: no limit): see [`Queue::credit_room`].
     pub(crate) fn with_credit(mut self, credit: Option<u64>) -> Self {
-        self.state.get_mut().credit = credit;
+        self.state.get_mut().credit = credit.unwrap_or(0);
         self.credited = credit.is_some();
         self
     }
@@ -210,9 +211,8 @@ impl Queue {
         if !self.credited {
             return;
         }
-        if let Some(credit) = &mut self.state.lock().credit {
-            *credit = credit.saturating_add(messages);
-        }
+        let mut state = self.state.lock();
+        state.credit = state.credit.saturating_add(messages);
     }
 
     /// How many more messages may be queued that its stream may take now:
@@ -222,13 +222,11 @@ impl Queue {
             return None;
         }
         let state = self.state.lock();
-        state
-            .credit
-            .map(|credit| credit.saturating_sub(state.items.len() as u64))
+        Some(state.credit.saturating_sub(state.items.len() as u64))
     }
 
     pub(crate) fn capacity(&self) -> usize {
-        self.capacity
+        self.capacity as usize
     }
 
     /// Queues `item` unless the queue is full or closed. Never waits.
@@ -242,13 +240,14 @@ impl Queue {
             // than the byte limit still reaches a reader that keeps up.
             let size = item.message.size();
             let over_bytes = !state.items.is_empty() && state.bytes + size > self.max_bytes;
-            if state.items.len() >= self.capacity || over_bytes {
+            if state.items.len() >= self.capacity as usize || over_bytes {
                 let (depth, bytes) = (state.items.len(), state.bytes);
                 return Push::Full { depth, bytes, item };
             }
             state.bytes += size;
             state.items.push_back(item);
-            state.peak[1] = state.peak[1].max(state.items.len());
+            // Within u32: the depth is at most the capacity.
+            state.peak[1] = state.peak[1].max(state.items.len() as u32);
             // Taken, so a burst of pushes yields one wake-up until the stream
             // polls again and leaves a new waker.
             state.waker.take()
@@ -323,17 +322,17 @@ impl Queue {
     /// pair) each see every peak, because each period is reported twice.
     pub(crate) fn take_peak(&self) -> usize {
         let mut state = self.state.lock();
-        let len = state.items.len();
+        let len = state.items.len() as u32;
         let [previous, current] = state.peak;
         state.peak = [current, len];
-        previous.max(current).max(len)
+        previous.max(current).max(len) as usize
     }
 
     /// What [`Queue::take_peak`] would return, without starting a period.
     pub(crate) fn peak(&self) -> usize {
         let state = self.state.lock();
         let [previous, current] = state.peak;
-        previous.max(current).max(state.items.len())
+        (previous.max(current) as usize).max(state.items.len())
     }
 
     /// Takes back a message that is still waiting in the queue.

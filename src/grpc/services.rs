@@ -461,9 +461,8 @@ impl<E: Engine> pb::admin_server::Admin for AdminService<E> {
         _request: Request<pb::GetBrokerInfoRequest>,
     ) -> Result<Response<pb::GetBrokerInfoResponse>, Status> {
         let info = self.engine.info().await.map_err(status)?;
-        // The counters the metrics read at a scrape (not a count of our own),
-        // the peaks left to the scrapes.
-        let counters = self.engine.snapshot(crate::engine::Peaks::Keep).counters;
+        // The counters the metrics read at a scrape (not a count of our own).
+        let counters = self.engine.counters();
         let l = self.engine.limits();
         Ok(Response::new(pb::GetBrokerInfoResponse {
             version: env!("CARGO_PKG_VERSION").to_owned(),

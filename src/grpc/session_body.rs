@@ -75,7 +75,7 @@ use crate::pb;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
-use futures::task::{ArcWake, AtomicWaker};
+use futures::task::{ArcWake, AtomicWaker, waker_ref};
 use futures::{Stream, StreamExt};
 use parking_lot::Mutex;
 use prost::encoding::{encode_varint, encoded_len_varint};
@@ -85,7 +85,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::SystemTime;
 use tonic::{Code, Status};
 
@@ -131,7 +131,7 @@ pub struct SessionBody<E: Engine, R> {
     subs: Slab<Sub<E::Stream>>,
     /// Opens the engine has not answered yet (the cluster engine may wait
     /// for NATS); the in-memory engine answers at once and never lands here.
-    opening: FuturesUnordered<Opening<E::Stream>>,
+    opening: FuturesUnordered<Opened<E::Stream>>,
     /// In-band acks and nacks the engine has not answered yet.
     acking: FuturesUnordered<Acking>,
     /// Acks and nacks read in this poll, applied together per handle
@@ -168,7 +168,7 @@ pub struct SessionBody<E: Engine, R> {
 }
 
 /// An open the engine is answering: the handle and the stream (or why not).
-type Opening<S> = BoxFuture<'static, (u32, Result<S, BrokerError>)>;
+type Opened<S> = BoxFuture<'static, (u32, Result<S, BrokerError>)>;
 /// An in-band ack or nack the engine is answering: how many sequences it
 /// named, and how many of them the subscription did not hold.
 type Acking = BoxFuture<'static, (u32, Result<u32, BrokerError>)>;
@@ -183,17 +183,19 @@ struct Settle {
     sequences: Vec<u64>,
 }
 
-/// What a handle names.
+/// What a handle names (16 bytes: the state of an open is boxed).
 enum Handle {
-    /// The engine is opening it: credit granted and a close asked for
-    /// meanwhile are applied when it is open.
-    Opening {
-        credit: Option<u64>,
-        /// Credit added meanwhile, for the engine once it is open.
-        added: u64,
-        close: bool,
-    },
+    Opening(Box<Opening>),
     Open(usize),
+}
+
+/// A handle the engine is opening: credit granted and a close asked for
+/// meanwhile are applied when it is open.
+struct Opening {
+    credit: Option<u64>,
+    /// Credit added meanwhile, for the engine once it is open.
+    added: u64,
+    close: bool,
 }
 
 /// One subscription of the session.
@@ -202,12 +204,12 @@ struct Sub<S> {
     stream: S,
     /// Its id and group, encoded once (at its first delivery naming it
     /// alone: an idle subscription holds none).
-    fields: Option<SubscriberFields>,
+    fields: Option<Box<SubscriberFields>>,
     group: bool,
     /// Deliveries it may still be sent; None: no limit.
     credit: Option<u64>,
+    /// Its waker, made from this when polled (`waker_ref`, no count taken).
     wake: Arc<SubWake>,
-    waker: Waker,
     /// The last round it was polled in.
     round: u64,
 }
@@ -542,11 +544,11 @@ where
         request.credit = credit;
         self.handles.insert(
             handle,
-            Handle::Opening {
+            Handle::Opening(Box::new(Opening {
                 credit,
                 added: 0,
                 close: false,
-            },
+            })),
         );
         let engine = self.engine.clone();
         let mut subscribing: BoxFuture<'static, _> = Box::pin(async move { (handle, engine.subscribe(request).await) });
@@ -558,10 +560,11 @@ where
 
     /// The engine answered an open.
     fn opened(&mut self, handle: u32, result: Result<E::Stream, BrokerError>) {
-        let Some(Handle::Opening { credit, added, close }) = self.handles.remove(&handle) else {
+        let Some(Handle::Opening(opening)) = self.handles.remove(&handle) else {
             // Only opens insert Opening, and only this removes it.
             return;
         };
+        let Opening { credit, added, close } = *opening;
         let mut stream = match result {
             Ok(stream) => stream,
             Err(error) => {
@@ -594,7 +597,6 @@ where
             stream,
             group,
             credit,
-            waker: futures::task::waker(wake.clone()),
             wake,
             round: 0,
         });
@@ -616,7 +618,7 @@ where
     fn close(&mut self, handle: u32) {
         match self.handles.get_mut(&handle) {
             None => self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening { close, .. }) => *close = true,
+            Some(Handle::Opening(opening)) => opening.close = true,
             Some(Handle::Open(key)) => {
                 let key = *key;
                 self.handles.remove(&handle);
@@ -640,12 +642,10 @@ where
         let added = u64::from(messages);
         match self.handles.get_mut(&handle) {
             None => self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening {
-                credit, added: more, ..
-            }) => {
-                if let Some(credit) = credit {
+            Some(Handle::Opening(opening)) => {
+                if let Some(credit) = &mut opening.credit {
                     *credit = credit.saturating_add(added);
-                    *more = more.saturating_add(added);
+                    opening.added = opening.added.saturating_add(added);
                 }
             }
             Some(Handle::Open(key)) => {
@@ -654,7 +654,7 @@ where
                     let was = *credit;
                     *credit = credit.saturating_add(added);
                     if was == 0 && added > 0 {
-                        sub.waker.wake_by_ref();
+                        ArcWake::wake_by_ref(&sub.wake);
                     }
                     // A member's group may hand it more now.
                     if sub.group && added > 0 {
@@ -668,7 +668,7 @@ where
     fn ack(&mut self, handle: u32, sequences: Vec<u64>, nack: bool, cx: &mut Context<'_>) {
         let key = match self.handles.get(&handle) {
             None => return self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening { .. }) => {
+            Some(Handle::Opening(_)) => {
                 // Nothing can be held before it is open.
                 return self.ignored(IgnoredRequest::UnknownSequence, sequences.len() as u64);
             }
@@ -758,7 +758,8 @@ where
                 }
                 sub.round = self.round;
                 sub.wake.queued.store(false, Ordering::Release);
-                let mut sub_cx = Context::from_waker(&sub.waker);
+                let waker = waker_ref(&sub.wake);
+                let mut sub_cx = Context::from_waker(&waker);
                 if sub.credit == Some(0) {
                     if sub.stream.poll_ended(&mut sub_cx).is_ready() {
                         ended.push(key);
@@ -946,7 +947,10 @@ impl Out {
             let sub = &mut subs[b.key];
             let fields = match b.handles.len() {
                 1 => sub.fields.get_or_insert_with(|| {
-                    SubscriberFields::new(sub.stream.id(), sub.stream.consumer_group().unwrap_or_default())
+                    Box::new(SubscriberFields::new(
+                        sub.stream.id(),
+                        sub.stream.consumer_group().unwrap_or_default(),
+                    ))
                 }),
                 _ => &self.shared_fields,
             };
@@ -1231,7 +1235,7 @@ mod tests {
         /// Polls the body until it has nothing more to give now: the events
         /// it sent, in order (the trailers, if it ended, in `trailers`).
         fn events(&mut self) -> Vec<Event> {
-            let mut cx = Context::from_waker(Waker::noop());
+            let mut cx = Context::from_waker(std::task::Waker::noop());
             let mut events = Vec::new();
             for _ in 0..1000 {
                 let frame = match Pin::new(&mut self.body).poll_frame(&mut cx) {

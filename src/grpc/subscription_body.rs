@@ -42,7 +42,10 @@ pub use crate::pb::metadata::{
 /// the stream tonic would encode ([`NotInstalled`]).
 pub struct SubscriptionBody<S> {
     inner: S,
-    out: Frames,
+    /// This stream's share of `tinybroker_delivery_lag_seconds`.
+    lag: LocalObserver,
+    /// Made at the first delivery: an idle subscription holds none.
+    out: Option<Box<Frames>>,
     /// Set once the trailers saying how the stream ended were handed out.
     ended: bool,
 }
@@ -51,21 +54,25 @@ pub struct SubscriptionBody<S> {
 struct Frames {
     /// The delivery fields that are this subscription's own, encoded once.
     fields: SubscriberFields,
-    /// This stream's share of `tinybroker_delivery_lag_seconds`.
-    lag: LocalObserver,
     /// What is encoded and not yet handed out; its spare room is kept for
-    /// the next deliveries (empty until the first one, so an idle
-    /// subscription holds no buffer).
+    /// the next deliveries.
     buf: BytesMut,
 }
 
 impl Frames {
+    fn new(stream: &impl DeliveryStream) -> Self {
+        Self {
+            fields: SubscriberFields::new(stream.id(), stream.consumer_group().unwrap_or_default()),
+            buf: BytesMut::new(),
+        }
+    }
+
     /// Appends `delivery`, framed (a 0 for "not compressed", the length as
     /// 4 bytes big-endian, the `Message`).
-    fn encode(&mut self, delivery: Delivery, now: SystemTime, stream: &impl DeliveryStream) {
+    fn encode(&mut self, delivery: Delivery, now: SystemTime, stream: &impl DeliveryStream, lag: &mut LocalObserver) {
         let m = &delivery.message;
-        if let Ok(lag) = now.duration_since(m.publish_time) {
-            self.lag.observe(lag.as_secs_f64());
+        if let Ok(lag_time) = now.duration_since(m.publish_time) {
+            lag.observe(lag_time.as_secs_f64());
         }
         if telemetry::tracing_enabled() {
             deliver_span(
@@ -89,12 +96,9 @@ impl Frames {
 impl<S: DeliveryStream> SubscriptionBody<S> {
     pub fn new(inner: S, lag: LocalObserver) -> Self {
         Self {
-            out: Frames {
-                fields: SubscriberFields::new(inner.id(), inner.consumer_group().unwrap_or_default()),
-                lag,
-                buf: BytesMut::new(),
-            },
             inner,
+            lag,
+            out: None,
             ended: false,
         }
     }
@@ -132,14 +136,15 @@ impl<S: DeliveryStream> http_body::Body for SubscriptionBody<S> {
             match Pin::new(&mut this.inner).poll_next(cx) {
                 Poll::Ready(Some(delivery)) => {
                     let now = *now.get_or_insert_with(SystemTime::now);
-                    this.out.encode(delivery, now, &this.inner);
-                    if this.out.buf.len() >= FRAME_THRESHOLD {
+                    let out = this.out.get_or_insert_with(|| Box::new(Frames::new(&this.inner)));
+                    out.encode(delivery, now, &this.inner, &mut this.lag);
+                    if out.buf.len() >= FRAME_THRESHOLD {
                         break;
                     }
                 }
                 Poll::Ready(None) => {
-                    this.out.lag.flush();
-                    if !this.out.buf.is_empty() {
+                    this.lag.flush();
+                    if this.out.as_ref().is_some_and(|out| !out.buf.is_empty()) {
                         // The deliveries first; the stream says None again
                         // at the next poll, which sends the trailers.
                         break;
@@ -148,15 +153,15 @@ impl<S: DeliveryStream> http_body::Body for SubscriptionBody<S> {
                     return Poll::Ready(Some(Ok(http_body::Frame::trailers(this.trailers()))));
                 }
                 Poll::Pending => {
-                    this.out.lag.flush();
+                    this.lag.flush();
                     break;
                 }
             }
         }
-        if this.out.buf.is_empty() {
-            return Poll::Pending;
+        match &mut this.out {
+            Some(out) if !out.buf.is_empty() => Poll::Ready(Some(Ok(http_body::Frame::data(out.buf.split().freeze())))),
+            _ => Poll::Pending,
         }
-        Poll::Ready(Some(Ok(http_body::Frame::data(this.out.buf.split().freeze()))))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -290,7 +295,10 @@ mod tests {
     fn a_subscription_body_frames_what_is_ready_together_and_ends_with_its_trailers() {
         let (broker, mut body) = subscribed("s1");
         assert!(matches!(poll(&mut body), Polled::Pending), "nothing to send yet");
-        assert!(body.out.buf.capacity() == 0, "an idle subscription holds no buffer");
+        assert!(
+            body.out.is_none(),
+            "an idle subscription holds no buffer and no encoded fields"
+        );
 
         publish(&broker, 3, 10);
         let Polled::Data(first) = poll(&mut body) else {

@@ -7,7 +7,7 @@
 //! seconds, both fractional; a peer or a time that is not known is `null`.
 
 use crate::engine::{
-    AckMode, BrokerError, DeliveryMode, Engine, EngineInfo, EvictionRecord, GroupInfo, Peaks, SubscriptionInfo,
+    AckMode, BrokerError, DeliveryMode, Engine, EngineInfo, EvictionRecord, GroupInfo, SubscriptionInfo,
 };
 use futures::future::BoxFuture;
 use serde::Serialize;
@@ -132,7 +132,7 @@ async fn build<E: Engine>(engine: &E, limit: usize) -> Result<Status, BrokerErro
         engine.list_evictions(),
         engine.info(),
     )?;
-    let counters = engine.snapshot(Peaks::Keep).counters;
+    let counters = engine.counters();
     let totals = Totals {
         published: counters.published,
         delivered: counters.delivered_multi + counters.delivered_single,
