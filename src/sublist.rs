@@ -454,4 +454,12 @@ mod tests {
             prop_assert!(trie.root.is_empty(), "removal prunes empty nodes");
         }
     }
+
+    /// A trie of distinct literal topics is mostly leaves: a leaf stays 40
+    /// bytes in its parent's map (ARCHITECTURE.md, "What an idle
+    /// subscription holds"; the guard's `idle-session` measures the whole).
+    #[test]
+    fn a_node_is_40_bytes() {
+        assert_eq!(std::mem::size_of::<Node<[usize; 2]>>(), 40);
+    }
 }

@@ -15,6 +15,15 @@ fn member(id: &str, group: &str, pattern: &str) -> SubscribeRequest {
     }
 }
 
+/// A broadcast subscription holds what only members need boxed: 136 bytes
+/// (160 with its `Arc`, a jemalloc size class). ARCHITECTURE.md, "What an
+/// idle subscription holds"; the guard's `idle-session` measures the whole.
+#[test]
+fn a_subscription_is_136_bytes() {
+    let size = std::mem::size_of::<Subscription>();
+    assert!(size <= 136, "{size}");
+}
+
 fn message(topic: &str) -> NewMessage {
     NewMessage {
         topic: topic.into(),

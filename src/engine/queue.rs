@@ -589,4 +589,16 @@ mod tests {
         assert_eq!(counter.wakes(), 2);
         assert!(matches!(q.poll_pop_drained(&mut cx), Poll::Ready(None)));
     }
+
+    /// An idle subscription's queue stays in 112 bytes (128 with its `Arc`,
+    /// a jemalloc size class): ARCHITECTURE.md, "What an idle subscription
+    /// holds".
+    #[test]
+    fn a_queue_is_112_bytes() {
+        assert!(
+            std::mem::size_of::<super::Queue>() <= 112,
+            "{}",
+            std::mem::size_of::<super::Queue>()
+        );
+    }
 }

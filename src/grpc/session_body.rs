@@ -1878,4 +1878,13 @@ mod tests {
         assert_eq!(s.trailers.as_ref().map(Status::code), Some(Code::Ok));
         assert!(s.body.is_end_stream());
     }
+
+    /// What a session holds per subscription: its slot and its handle
+    /// (ARCHITECTURE.md, "What an idle subscription holds").
+    #[test]
+    fn a_session_holds_88_bytes_and_a_16_byte_handle_per_subscription() {
+        use std::mem::size_of;
+        assert!(size_of::<super::Sub<crate::broker::SubscriptionStream>>() <= 88);
+        assert_eq!(size_of::<super::Handle>(), 16);
+    }
 }

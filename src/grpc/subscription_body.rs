@@ -421,4 +421,12 @@ mod tests {
         }
         assert!(matches!(stream.poll_next_unpin(&mut cx), Poll::Ready(None)));
     }
+
+    /// An idle `OpenSubscription`'s body: the stream, its lag observer and
+    /// an empty slot for what its first delivery makes.
+    #[test]
+    fn an_idle_subscription_body_is_96_bytes() {
+        let size = std::mem::size_of::<SubscriptionBody<crate::broker::SubscriptionStream>>();
+        assert!(size <= 96, "{size}");
+    }
 }
