@@ -105,7 +105,25 @@ struct Item {
     variant: Variant,
 }
 
+/// The cluster workload's instruction threshold. Its count wobbles more
+/// than a single server's: the replica's NATS connection reads and writes
+/// as many messages at once as the native nats-server happens to have
+/// ready for the replica under callgrind, so the batching, and with it the
+/// count, moves with the timing. Medians of 5 read 10,681–10,861 over four
+/// guard runs of the same build (5 Dec, single runs 10,653–10,920): ±0.85 %
+/// around their middle, so 2 % would fail a run now and then with nothing
+/// changed; 4 % does not, and still catches a 5 % rise.
+const CLUSTER_INSTRUCTIONS_THRESHOLD: f64 = 0.04;
+
 impl Item {
+    /// How far above the baseline this workload's `metric` may be.
+    fn threshold(&self, metric: Metric) -> f64 {
+        match (metric, self.counted) {
+            (Metric::Instructions, Spec::Cluster { .. }) => CLUSTER_INSTRUCTIONS_THRESHOLD,
+            _ => metric.threshold(),
+        }
+    }
+
     fn case(&self, spec: Spec) -> Case {
         Case {
             id: self.id.into(),
@@ -573,10 +591,10 @@ fn compare(items: &[Item], figures: &BTreeMap<(String, Metric), f64>, baseline: 
             let (change, verdict) = match base {
                 Some(b) if b > 0.0 => {
                     let change = now / b - 1.0;
-                    let verdict = if change > metric.threshold() {
+                    let verdict = if change > item.threshold(metric) {
                         within = false;
                         "**OVER**"
-                    } else if change < -metric.threshold() {
+                    } else if change < -item.threshold(metric) {
                         "better: move the baseline"
                     } else {
                         "ok"
@@ -591,7 +609,7 @@ fn compare(items: &[Item], figures: &BTreeMap<(String, Metric), f64>, baseline: 
                 item.label,
                 base.map(|b| fmt_figure(metric, b)).unwrap_or_default(),
                 fmt_figure(metric, now),
-                metric.threshold() * 100.0,
+                item.threshold(metric) * 100.0,
             );
         }
     }
@@ -924,6 +942,14 @@ mod tests {
         let (table, within) = compare(&items, &now, Some(&b));
         assert!(!within, "+3 % must fail:\n{table}");
         assert!(table.contains("**OVER**"));
+        // The cluster workload's instructions: 4 %.
+        b.values
+            .insert(("cluster-fanout-3".into(), Metric::Instructions), 1000.0);
+        let mut now = BTreeMap::new();
+        now.insert(("cluster-fanout-3".to_string(), Metric::Instructions), 1030.0);
+        assert!(compare(&items, &now, Some(&b)).1, "+3 % is within 4 %");
+        now.insert(("cluster-fanout-3".to_string(), Metric::Instructions), 1050.0);
+        assert!(!compare(&items, &now, Some(&b)).1, "+5 % must fail");
     }
 
     #[test]
