@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The performance guard (issue 37): instructions per message (callgrind),
 # syscalls and context switches per message (perf stat), and bytes per idle
-# session subscription, for the paths that matter, against the baseline in
+# subscription (Sessions and OpenSubscription), for the paths that matter
+# (one in cluster mode, over nats-server 2.10: $TB_NATS_SERVER or
+# scripts/install-nats.sh's; skipped, saying so, without it), against the baseline in
 # bench/perf-baseline.txt. Fails when a figure rises past its threshold
 # (instructions: 2 %). On a fresh Debian 12 machine, as root, it installs
 # valgrind and perf with apt when missing, builds the release binaries and

@@ -325,6 +325,11 @@ pub async fn start_replicas(bins: &Binaries, tb: &TinybrokerEnv, nats: &NatsClus
             .env("TINYBROKER_NATS_URL", nats.urls_from(i % nats.servers.len()))
             .env("TINYBROKER_NATS_PREFIX", &prefix)
             .env("TINYBROKER_REPLICA_ID", &id);
+        // Fewer NATS servers than JetStream's default R3 (the guard's single
+        // server): as many copies as there are servers.
+        if nats.servers.len() < 3 {
+            cmd.env("TINYBROKER_NATS_REPLICAS", nats.servers.len().to_string());
+        }
         let child = spawn_logged(Kind::Tinybroker, &mut cmd, &log)?;
         // Held at once, so that it is killed on every way out of here; its
         // addresses are filled in from its start-up line.

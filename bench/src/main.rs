@@ -42,7 +42,10 @@ struct Cli {
     /// Only workloads whose id or label contains this (repeatable):
     /// fanout-3-16, fanout-3-256, fanout-3-4096, fanout-30-…, latency, group, stalled,
     /// wide-paced, wide-max (`wide` for both), idle, idle-100,
-    /// cluster-fanout-3, cluster-fanout-30, cluster-latency (`cluster` for the three).
+    /// cluster-fanout-3, cluster-fanout-30, cluster-latency, cluster-group (MANUAL
+    /// against JetStream), cluster-group-auto (AUTO against a NATS queue group)
+    /// (`cluster` for the five, `cluster-group` for both groups). In the guard:
+    /// fanout, group, wide, idle (idle-session, idle-open), cluster.
     #[arg(long)]
     only: Vec<String>,
     /// Tiny configuration for CI: 3000 messages, 1 round, 1000 idle subscriptions,
@@ -102,8 +105,10 @@ struct Cli {
     #[arg(long)]
     nats_cluster_bin: Option<PathBuf>,
     /// Run the performance guard instead of the comparison: instructions,
-    /// syscalls and context switches per message, and bytes per idle session
-    /// subscription, against the baseline file (needs valgrind and perf).
+    /// syscalls and context switches per message (one workload in cluster
+    /// mode, over nats-server 2.10), and bytes per idle subscription on
+    /// Sessions and on OpenSubscription, against the baseline file (needs
+    /// valgrind and perf).
     #[arg(long)]
     guard: bool,
     /// The guard's baseline file.
@@ -233,6 +238,7 @@ async fn run(cli: Cli) -> Result<bool> {
             messages: cli.messages.unwrap_or(20_000),
             only: cli.only.clone(),
             inflate_instructions: cli.inflate_instructions,
+            no_cluster: nats_cluster.as_ref().err().cloned(),
         };
         eprintln!(
             "tinybroker-bench: the performance guard, {}",

@@ -104,6 +104,11 @@ pub enum Spec {
     /// under it), for NATS a JetStream WorkQueue memory stream with one
     /// durable pull consumer shared by the members, published to with
     /// JetStream's publish-and-await-ack.
+    ///
+    /// With `group` and `nats_queue`, the NATS peer is a core-NATS queue
+    /// group instead (`queue_subscribe`, member i on server i % nodes,
+    /// at-most-once: what it drops is counted, not failed), and tinybroker's
+    /// group takes the variant's ack mode (AUTO for `cluster-group-auto`).
     Cluster {
         nodes: usize,
         subs: usize,
@@ -111,6 +116,7 @@ pub enum Spec {
         rate: Option<u64>,
         messages: u64,
         group: bool,
+        nats_queue: bool,
     },
     /// `subs` idle subscriptions, `per_conn` per connection. With
     /// `beyond_connections` the connections are opened (and counted by the
@@ -374,6 +380,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
                 rate: None,
                 messages: (if subs == 30 { messages / 10 } else { messages }).max(100),
                 group: false,
+                nats_queue: false,
             },
             variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
         });
@@ -391,6 +398,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             rate: Some(cluster_rate.max(1)),
             messages: (cluster_rate * cluster_seconds).max(100),
             group: false,
+            nats_queue: false,
         },
         variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
     });
@@ -407,6 +415,7 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             rate: None,
             messages: (messages / 10).max(100),
             group: true,
+            nats_queue: false,
         },
         variants: vec![
             Variant {
@@ -417,6 +426,25 @@ pub fn cases(scale: &Scale, with_redis: bool) -> Vec<Case> {
             },
             v(Kind::Nats),
         ],
+    });
+    // An AUTO consumer group of 3, one member per replica, against a core
+    // NATS queue group of 3, one member per server (issue 47 point 3).
+    // tinybroker's cluster groups still run over JetStream (a store ack per
+    // publish, R3), so its peer here is the cheaper, at-most-once system.
+    // The same count as `cluster-group`, so both rows read alike.
+    out.push(Case {
+        id: format!("{CLUSTER_PREFIX}group-auto"),
+        label: format!("cluster of {CLUSTER_NODES}: group of {CLUSTER_NODES} (AUTO ack) vs a NATS queue group, 256 B"),
+        spec: Spec::Cluster {
+            nodes: CLUSTER_NODES,
+            subs: CLUSTER_NODES,
+            size: 256,
+            rate: None,
+            messages: (messages / 10).max(100),
+            group: true,
+            nats_queue: true,
+        },
+        variants: vec![v(Kind::Tinybroker), v(Kind::Nats)],
     });
     out
 }
@@ -807,7 +835,9 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     // A consumer group over a NATS cluster: for the NATS peer, JetStream's
     // stream and consumer, made before the members join.
     let cluster_group = group && topology.nats.is_some();
-    if cluster_group && kind == Kind::Nats {
+    // The NATS peer of a cluster group over JetStream (not a queue group).
+    let js_peer = cluster_group && kind == Kind::Nats && !matches!(spec, Spec::Cluster { nats_queue: true, .. });
+    if js_peer {
         nats::js_group_setup(server, TOPIC, topology.entry().len()).await?;
     }
     let mut receivers = Vec::with_capacity(live);
@@ -834,7 +864,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
             let member = group.then_some(i);
             let rec = Recorder::new(domain.clone());
             let (at, sync) = topology.subscriber(i);
-            let opened = if cluster_group && kind == Kind::Nats {
+            let opened = if js_peer {
                 nats::js_member(at, rec, stop.clone()).await
             } else {
                 subscribe(variant, at, member, &sync, rec, stop.clone()).await
@@ -851,7 +881,7 @@ async fn run_messaging(spec: Spec, variant: Variant, settings: &Settings) -> Res
     } else {
         None
     };
-    let mut publisher = if cluster_group && kind == Kind::Nats {
+    let mut publisher = if js_peer {
         Publisher::NatsJs(nats::JsPublisher::new(server, TOPIC).await?)
     } else {
         Publisher::new(variant, server).await?
@@ -1221,7 +1251,7 @@ mod tests {
             .map(|c| c.id.as_str())
             .collect();
         assert_eq!(wide, ["wide-paced", "wide-max"]);
-        // `--only cluster` picks the four cluster runs and nothing else.
+        // `--only cluster` picks the five cluster runs and nothing else.
         let clustered: Vec<&Case> = cases
             .iter()
             .filter(|c| c.id.contains("cluster") || c.label.contains("cluster"))
@@ -1233,7 +1263,8 @@ mod tests {
                 "cluster-fanout-3",
                 "cluster-fanout-30",
                 "cluster-latency",
-                "cluster-group"
+                "cluster-group",
+                "cluster-group-auto"
             ]
         );
         assert!(
@@ -1276,5 +1307,27 @@ mod tests {
                 .iter()
                 .any(|v| v.kind == Kind::Tinybroker && v.manual_ack)
         );
+        // The AUTO group against a NATS queue group: same size, no MANUAL.
+        assert!(matches!(
+            clustered[4].spec,
+            Spec::Cluster {
+                subs: 3,
+                rate: None,
+                messages: 300,
+                group: true,
+                nats_queue: true,
+                ..
+            }
+        ));
+        assert!(
+            clustered[4]
+                .variants
+                .iter()
+                .all(|v| !v.manual_ack && !v.session && !v.batch)
+        );
+        assert_eq!(clustered[4].variants.len(), 2);
+        // `--only cluster-group` picks both groups.
+        let groups: Vec<&str> = ids.iter().copied().filter(|id| id.contains("cluster-group")).collect();
+        assert_eq!(groups, ["cluster-group", "cluster-group-auto"]);
     }
 }
