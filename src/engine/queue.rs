@@ -56,6 +56,12 @@ impl Drop for WakeBatch {
 }
 
 impl WakeBatch {
+    /// Wakes `waker` at the end of the open batch of this thread, or now
+    /// when none is open (for a task fed by the publishers, as a stream is).
+    pub fn wake(waker: Waker) {
+        wake(waker);
+    }
+
     /// Runs `future` inside the open batch of the task polling it, without
     /// holding the batch across a wait: whenever `future` is pending, the
     /// wake-ups deferred so far on this thread are made and the batch is
