@@ -57,9 +57,11 @@ struct State {
     /// The sender's waker while it waits for messages.
     waker: Option<Waker>,
     /// The sender took messages and may not have handed them all to the
-    /// client yet, or a message went to the client directly and the
-    /// sender has not run since: a publish queues.
+    /// client yet: a publish queues.
     sending: bool,
+    /// The publisher's batch ([`WakeBatch::open`]) whose first message
+    /// went to the client directly: the rest of it queues, for the sender.
+    direct_in: Option<u64>,
     /// Messages numbered so far: the count of the last one.
     counted: u64,
 }
@@ -158,8 +160,10 @@ impl ClusterEngine {
     ) -> Result<Option<Bytes>, BrokerError> {
         let outbox = &self.inner.outbox;
         let mut state = outbox.state.lock();
-        // Nothing queued before it: straight to the client, if it has room.
-        let direct = !state.sending && state.queue.is_empty();
+        // Nothing queued before it, and the first of its publisher's
+        // burst: straight to the client, if it has room.
+        let burst = WakeBatch::open();
+        let direct = !state.sending && state.queue.is_empty() && (burst.is_none() || burst != state.direct_in);
         let room = match direct {
             true => 0,
             false => match outbox.room.try_acquire() {
@@ -179,13 +183,9 @@ impl ClusterEngine {
                 Some(Ok(())) => {
                     // What follows it in this burst queues, for the sender,
                     // woken when the burst ends: one NATS message for the
-                    // rest of the burst, and only a paced message alone.
-                    state.sending = true;
-                    let waker = state.waker.take();
-                    drop(state);
-                    if let Some(waker) = waker {
-                        WakeBatch::wake(waker);
-                    }
+                    // rest of the burst. A paced message goes alone, the
+                    // sender not woken.
+                    state.direct_in = burst;
                     return Ok(Some(sent));
                 }
                 Some(Err(e)) => {
