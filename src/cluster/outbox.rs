@@ -1,6 +1,8 @@
 //! What this replica sends on core NATS for the other replicas' fan-out:
-//! numbered and queued here by each publish (in order, under one lock),
-//! and handed to the NATS client by one task, the **sender**, which takes
+//! numbered here by each publish (in order, under one lock). The first
+//! message of a publisher's burst ([`WakeBatch::open`]) goes to the NATS
+//! client at once when nothing is queued before it; the rest are queued
+//! and handed to the client by one task, the **sender**, which takes
 //! everything queued at once. While every other replica reads batches
 //! (`interest.rs`), each run of messages to one subject goes out as one
 //! NATS message of envelopes (`wire.rs`'s batches): one NATS publish,
@@ -9,7 +11,8 @@
 //!
 //! A burst forms by itself: a publisher routing what has arrived wakes the
 //! sender once, at the end of its burst ([`WakeBatch::wake`]), and a paced
-//! message goes out alone, at once. Nothing waits for more to come.
+//! message goes out alone, at once, without the sender. Nothing waits for
+//! more to come.
 //!
 //! The queue is bounded ([`ROOM`] messages): a publish finding no room
 //! waits for it while NATS answers (as it waited for room in the NATS
