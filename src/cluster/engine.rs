@@ -312,6 +312,13 @@ impl Engine for ClusterEngine {
             let id = key(&self.inner.config.replica_id);
             let _ = tokio::time::timeout(LEAVE_TIMEOUT, ready.replicas.delete(id)).await;
         }
-        let _ = tokio::time::timeout(LEAVE_TIMEOUT, self.inner.client.flush()).await;
+        let _ = tokio::time::timeout(LEAVE_TIMEOUT, async {
+            // What the sender has not handed to the client yet first.
+            while !self.inner.outbox.emptied() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            self.inner.client.flush().await
+        })
+        .await;
     }
 }

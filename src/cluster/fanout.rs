@@ -15,7 +15,7 @@
 use super::groups::{GroupRoute, NotStored, stored};
 use super::wire;
 use super::{ClusterEngine, REMOTE_BURST, Ready};
-use crate::broker::RouteCache;
+use crate::broker::{RemoteRoutes, RouteCache};
 use crate::engine::WakeBatch;
 use crate::engine::validate::truncate;
 use crate::engine::{BatchOutcome, BrokerError, Confirmation, NewMessage, PublishOutcome, PublishTime};
@@ -61,13 +61,21 @@ impl ClusterEngine {
             .headers
             .as_ref()
             .is_some_and(|h| h.get(wire::BATCH_HEADER).is_some());
+        // The subject names the topic (`<prefix>.m.<topic>`: what this
+        // replica subscribes to), the same for every envelope of a batch:
+        // its routes looked up once, and what no subscription here matches
+        // dropped undecoded.
+        let subject = &message.subject;
+        let topic = subject.as_str().strip_prefix(&self.inner.message_prefix);
+        let targets = topic.map(|topic| self.inner.local.remote_routes(topic, routes));
+        let to = topic.zip(targets.as_ref());
         // A replica speaking the previous wire reads none, as that version.
         if !batch || wire::speaks_previous() {
-            return self.deliver_envelope(&message.subject, message.payload, arrived, routes, gaps);
+            return self.deliver_envelope(subject, to, message.payload, arrived, gaps);
         }
         for envelope in wire::batched(message.payload) {
             match envelope {
-                Ok(envelope) => self.deliver_envelope(&message.subject, envelope, arrived, routes, gaps),
+                Ok(envelope) => self.deliver_envelope(subject, to, envelope, arrived, gaps),
                 Err(error) => {
                     tracing::warn!(subject = %message.subject, %error, "a batch of messages from NATS cut short: the rest of it dropped");
                     break;
@@ -77,13 +85,14 @@ impl ClusterEngine {
     }
 
     /// One envelope (alone, or of a batch) from another replica, to the
-    /// subscribers here.
+    /// subscribers here: `to`, its topic and their routes (none when its
+    /// subject names no topic).
     fn deliver_envelope(
         &self,
         subject: &async_nats::Subject,
+        to: Option<(&str, &RemoteRoutes)>,
         payload: Bytes,
         arrived: PublishTime,
-        routes: &mut RouteCache,
         gaps: &mut Gaps,
     ) {
         let mut sender = 0;
@@ -94,13 +103,9 @@ impl ClusterEngine {
                 self.count_nats_drops(sender, lost);
             }
         }
-        // The subject names the topic (`<prefix>.m.<topic>`: what this
-        // replica subscribes to): what no subscription here matches is
-        // dropped undecoded.
-        let Some(topic) = subject.as_str().strip_prefix(&self.inner.message_prefix) else {
+        let Some((topic, targets)) = to else {
             return;
         };
-        let targets = self.inner.local.remote_routes(topic, routes);
         if targets.is_empty() {
             return;
         }
@@ -113,7 +118,7 @@ impl ClusterEngine {
                 }
                 self.inner
                     .local
-                    .deliver_remote(message, sequence, publish_time, arrived, &targets);
+                    .deliver_remote(message, sequence, publish_time, arrived, targets);
             }
             Ok(m) => tracing::warn!(
                 %subject,
@@ -381,109 +386,6 @@ impl ClusterEngine {
             core: subject.zip(count_at),
         })
     }
-
-    /// Sends one routed message on core NATS: numbered and queued in one
-    /// go, so the numbers go out in order whichever of this replica's
-    /// streams publishes. Returns the envelope as sent.
-    async fn send_core(&self, subject: String, body: &mut BytesMut, count_at: usize) -> Result<Bytes, BrokerError> {
-        let mut sent = self.inner.core_sent.lock().await;
-        *sent += 1;
-        wire::set_count(body, count_at, *sent);
-        let body = body.split().freeze();
-        // A full client queue (NATS cut off) waits only until the probe
-        // says so.
-        let queued = self.queue_core(self.inner.client.publish(subject, body.clone())).await;
-        if queued.is_err() {
-            // Not sent: its number is the next one's, so the other
-            // replicas see no gap.
-            *sent -= 1;
-        }
-        drop(sent);
-        queued.map(|()| body)
-    }
-
-    /// Sends a batch's routed messages on core NATS: each run of messages
-    /// to one subject (within the NATS server's max_payload) as one NATS
-    /// message of envelopes, numbered in one go; a message that goes out
-    /// on no subject (no other replica has a broadcast subscriber) as it
-    /// is. Returns each message's envelope as sent (a slice of its run's
-    /// payload), or why it was not.
-    async fn send_core_batched(&self, locals: &mut [(u32, Local)]) -> Vec<Result<Bytes, BrokerError>> {
-        let max_payload = self.inner.max_payload.load(std::sync::atomic::Ordering::Relaxed);
-        let mut results = Vec::with_capacity(locals.len());
-        let mut sent = self.inner.core_sent.lock().await;
-        let mut i = 0;
-        while i < locals.len() {
-            let Some((subject, _)) = locals[i].1.core.clone() else {
-                results.push(Ok(locals[i].1.body.split().freeze()));
-                i += 1;
-                continue;
-            };
-            // The run: messages to the same subject, within max_payload.
-            let mut size = wire::batched_len(locals[i].1.body.len());
-            let mut end = i + 1;
-            while let Some((_, next)) = locals.get(end)
-                && next.core.as_ref().is_some_and(|(s, _)| *s == subject)
-                && size + wire::batched_len(next.body.len()) <= max_payload
-            {
-                size += wire::batched_len(next.body.len());
-                end += 1;
-            }
-            let run = &mut locals[i..end];
-            for (_, local) in run.iter_mut() {
-                *sent += 1;
-                let count_at = local.core.as_ref().map_or(0, |(_, at)| *at);
-                wire::set_count(&mut local.body, count_at, *sent);
-            }
-            let queued = if run.len() == 1 {
-                let body = run[0].1.body.split().freeze();
-                self.queue_core(self.inner.client.publish(subject, body.clone()))
-                    .await
-                    .map(|()| vec![body])
-            } else {
-                let mut payload = BytesMut::with_capacity(size);
-                let ranges: Vec<_> = run
-                    .iter()
-                    .map(|(_, local)| wire::put_batched(&mut payload, &local.body))
-                    .collect();
-                let payload = payload.freeze();
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert(wire::BATCH_HEADER, run.len().to_string().as_str());
-                self.queue_core(
-                    self.inner
-                        .client
-                        .publish_with_headers(subject, headers, payload.clone()),
-                )
-                .await
-                .map(|()| ranges.into_iter().map(|r| payload.slice(r)).collect())
-            };
-            match queued {
-                Ok(bodies) => results.extend(bodies.into_iter().map(Ok)),
-                Err(error) => {
-                    // Not sent: their numbers are the next ones'.
-                    *sent -= run.len() as u64;
-                    results.extend(run.iter().map(|_| Err(error.clone())));
-                }
-            }
-            i = end;
-        }
-        results
-    }
-
-    /// A core NATS publish, waiting for room in the client's queue only
-    /// while NATS answers.
-    async fn queue_core<E: std::fmt::Display>(
-        &self,
-        publish: impl std::future::Future<Output = Result<(), E>>,
-    ) -> Result<(), BrokerError> {
-        match self.unless_cut_off(publish).await {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(BrokerError::Unavailable(format!(
-                "NATS is unreachable ({e}): the message reached this replica's subscribers only"
-            ))),
-            None => Err(self.cut_off("the message reached this replica's subscribers only")),
-        }
-    }
 }
 
 /// A publish routed here and encoded, not yet out on NATS.
@@ -492,10 +394,10 @@ pub(super) struct Local {
     ready: Arc<Ready>,
     groups: Vec<Arc<GroupRoute>>,
     /// The envelope, sequence included; its count is set as it goes out.
-    body: BytesMut,
+    pub(super) body: BytesMut,
     /// Its subject on core NATS and where its count goes, when it goes out
     /// there.
-    core: Option<(String, usize)>,
+    pub(super) core: Option<(String, usize)>,
 }
 
 impl Local {

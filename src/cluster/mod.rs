@@ -45,6 +45,8 @@
 //!   (`back_online`) after each reconnection;
 //! - the **receiver** (`fanout.rs`): other replicas' publishes into the
 //!   local fan-out;
+//! - the **sender** (`outbox.rs`): this replica's publishes, as queued,
+//!   to the NATS client, a burst's at once;
 //! - the **call answerer** (`rpc.rs`): forwarded calls, each answered on a
 //!   task of its own (a call may wait on a hub);
 //! - the **offer answerer** (`handover.rs`): nacked messages other replicas
@@ -75,6 +77,7 @@ mod handover;
 mod interest;
 mod liveness;
 mod nats_server;
+mod outbox;
 mod recovery;
 mod registry;
 mod rpc;
@@ -162,10 +165,9 @@ struct Inner {
     witness: AtomicU64,
     /// This replica's incarnation, once set up: names its core-NATS count.
     incarnation: AtomicU64,
-    /// Messages this replica sent on core NATS. Held from taking the next
-    /// number until the message is in the NATS client's queue, so the
-    /// numbers go out in order.
-    core_sent: tokio::sync::Mutex<u64>,
+    /// What this replica sends on core NATS, numbered, until the sender
+    /// hands it to the NATS client (`outbox.rs`).
+    outbox: outbox::Outbox,
     /// Subject prefix of messages: `<prefix>.m.`.
     message_prefix: String,
     groups: groups::Groups,

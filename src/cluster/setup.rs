@@ -5,7 +5,7 @@
 use super::registry::key;
 use super::{
     CONNECT_GRACE, ClusterEngine, ENCODING_ALLOWANCE, Inner, REPEAT_WARNING, RPC_TIMEOUT, Ready, SEQUENCE_BITS, groups,
-    handover, interest, liveness, nats_server, recovery, registry, rpc, stalls,
+    handover, interest, liveness, nats_server, outbox, recovery, registry, rpc, stalls,
 };
 use crate::broker::Broker;
 use crate::config::{ClusterConfig, Limits};
@@ -90,7 +90,7 @@ impl ClusterEngine {
                 recovering: tokio::sync::Mutex::new(()),
                 incarnation: AtomicU64::new(0),
                 witness: AtomicU64::new(0),
-                core_sent: tokio::sync::Mutex::new(0),
+                outbox: outbox::Outbox::default(),
                 groups: groups::Groups::default(),
                 groups_seen: Mutex::new(Vec::new()),
                 stalls: stalls::Stalls::default(),
@@ -272,6 +272,7 @@ impl ClusterEngine {
         let shared = Arc::new(ready.clone());
         *inner.ready.lock() = Some(shared.clone());
         tokio::spawn(self.clone().receive(remote));
+        tokio::spawn(self.clone().send_out());
         tokio::spawn(self.clone().watch_groups(ready.clone()));
         tokio::spawn(self.clone().heartbeat(ready));
         tokio::spawn(self.clone().watch_liveness(shared));

@@ -46,7 +46,7 @@ pub type Confirmation = futures::future::BoxFuture<'static, Result<u32, BrokerEr
 /// together inside one [`WakeBatch`], each publish under
 /// [`WakeBatch::across_waits`]: the subscribers the run
 /// reached are woken once, at its end, or when a publish has to wait (a
-/// cluster publish waiting for room in the NATS client's queue, a group's
+/// cluster publish waiting for room in its outbox, a group's
 /// store), before the task yields.
 /// Whether one counter numbers every message an instance delivers, so a
 /// client may compute the sequences it missed between two deliveries on

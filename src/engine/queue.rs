@@ -17,6 +17,15 @@ use std::task::{Context, Poll, Waker};
 thread_local! {
     /// Wakers held back by an open [`WakeBatch`] on this thread.
     static DEFERRED_WAKES: RefCell<Option<Vec<Waker>>> = const { RefCell::new(None) };
+    /// The number of the [`WakeBatch`] open on this thread (0: none).
+    static OPEN_BATCH: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Numbers for [`WakeBatch::open`], unique in the process.
+static BATCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn number_batch() {
+    OPEN_BATCH.with(|b| b.set(BATCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
 }
 
 /// Holds back the wake-ups of streams that [`Queue::push`] fills while it is
@@ -39,6 +48,9 @@ impl WakeBatch {
             *deferred = Some(Vec::new());
             true
         });
+        if outermost {
+            number_batch();
+        }
         Self { outermost }
     }
 }
@@ -48,6 +60,7 @@ impl Drop for WakeBatch {
         if !self.outermost {
             return;
         }
+        OPEN_BATCH.with(|b| b.set(0));
         let wakers = DEFERRED_WAKES.with(|d| d.borrow_mut().take()).unwrap_or_default();
         for waker in wakers {
             waker.wake();
@@ -56,6 +69,18 @@ impl Drop for WakeBatch {
 }
 
 impl WakeBatch {
+    /// Wakes `waker` at the end of the open batch of this thread, or now
+    /// when none is open (for a task fed by the publishers, as a stream is).
+    pub fn wake(waker: Waker) {
+        wake(waker);
+    }
+
+    /// The number of the batch open on this thread, unique in the process
+    /// (a batch resumed after a wait has a new one); `None` outside one.
+    pub fn open() -> Option<u64> {
+        Some(OPEN_BATCH.with(|b| b.get())).filter(|&n| n != 0)
+    }
+
     /// Runs `future` inside the open batch of the task polling it, without
     /// holding the batch across a wait: whenever `future` is pending, the
     /// wake-ups deferred so far on this thread are made and the batch is
@@ -71,12 +96,14 @@ impl WakeBatch {
                 DEFERRED_WAKES.with(|d| {
                     d.borrow_mut().get_or_insert_with(Vec::new);
                 });
+                number_batch();
             }
             let poll = future.as_mut().poll(cx);
             if poll.is_pending() {
                 let deferred = DEFERRED_WAKES.with(|d| d.borrow_mut().take());
                 if let Some(wakers) = deferred {
                     paused = true;
+                    OPEN_BATCH.with(|b| b.set(0));
                     for waker in wakers {
                         waker.wake();
                     }
