@@ -19,13 +19,28 @@ thread_local! {
     static DEFERRED_WAKES: RefCell<Option<Vec<Waker>>> = const { RefCell::new(None) };
     /// The number of the [`WakeBatch`] open on this thread (0: none).
     static OPEN_BATCH: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The last number this thread gave a batch (0: none yet).
+    static LAST_BATCH: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Numbers for [`WakeBatch::open`], unique in the process.
-static BATCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+/// Threads that have numbered a batch: a thread's numbers are its own in
+/// the high 32 bits, so numbering takes no shared atomic per batch (a
+/// publish opens one on every engine). After 2^32 batches on one thread a
+/// number may repeat another thread's; [`WakeBatch::open`]'s one user, the
+/// cluster's outbox, then queues a message it could have sent at once.
+static THREADS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 fn number_batch() {
-    OPEN_BATCH.with(|b| b.set(BATCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let number = LAST_BATCH.with(|last| {
+        let mut n = last.get();
+        if n == 0 {
+            n = THREADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32;
+        }
+        n = n.wrapping_add(1);
+        last.set(n);
+        n
+    });
+    OPEN_BATCH.with(|b| b.set(number));
 }
 
 /// Holds back the wake-ups of streams that [`Queue::push`] fills while it is
@@ -627,5 +642,36 @@ mod tests {
             "{}",
             std::mem::size_of::<super::Queue>()
         );
+    }
+
+    /// The cluster's outbox tells a publisher's burst from the next one by
+    /// these numbers: none outside a batch, a new one for every batch, on
+    /// this thread and on others, and the nested batch keeps its outer one's.
+    #[test]
+    fn each_open_batch_has_its_own_number() {
+        assert_eq!(WakeBatch::open(), None);
+        let first = {
+            let _batch = WakeBatch::begin();
+            let n = WakeBatch::open().expect("a batch is open");
+            {
+                let _inner = WakeBatch::begin();
+                assert_eq!(WakeBatch::open(), Some(n), "the nested batch is the outer one's");
+            }
+            n
+        };
+        assert_eq!(WakeBatch::open(), None);
+        let second = {
+            let _batch = WakeBatch::begin();
+            WakeBatch::open().unwrap()
+        };
+        let other = std::thread::spawn(|| {
+            let _batch = WakeBatch::begin();
+            WakeBatch::open().unwrap()
+        })
+        .join()
+        .unwrap();
+        assert_ne!(first, second);
+        assert_ne!(other, first);
+        assert_ne!(other, second);
     }
 }
