@@ -314,9 +314,7 @@ impl Engine for ClusterEngine {
         }
         let _ = tokio::time::timeout(LEAVE_TIMEOUT, async {
             // What the sender has not handed to the client yet first.
-            while !self.inner.outbox.emptied() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            self.inner.outbox.emptied().await;
             self.inner.client.flush().await
         })
         .await;

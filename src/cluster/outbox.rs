@@ -42,6 +42,9 @@ pub(super) struct Outbox {
     /// Room for messages: taken by a publish, given back as the sender
     /// hands them to the NATS client.
     room: tokio::sync::Semaphore,
+    /// Told when the sender has handed everything to the client (leaving
+    /// waits for it before the client's flush).
+    emptied: tokio::sync::Notify,
 }
 
 impl Default for Outbox {
@@ -49,6 +52,7 @@ impl Default for Outbox {
         Self {
             state: Mutex::new(State::default()),
             room: tokio::sync::Semaphore::new(ROOM),
+            emptied: tokio::sync::Notify::new(),
         }
     }
 }
@@ -79,9 +83,22 @@ struct Pending {
 
 impl Outbox {
     /// Whether everything queued was handed to the NATS client.
-    pub(super) fn emptied(&self) -> bool {
+    fn is_emptied(&self) -> bool {
         let state = self.state.lock();
         state.queue.is_empty() && !state.sending
+    }
+
+    /// Resolves once everything queued was handed to the NATS client.
+    pub(super) async fn emptied(&self) {
+        loop {
+            let told = self.emptied.notified();
+            let mut told = std::pin::pin!(told);
+            told.as_mut().enable();
+            if self.is_emptied() {
+                return;
+            }
+            told.await;
+        }
     }
 
     /// Takes everything queued into `taken` (empty), or registers the
@@ -91,6 +108,8 @@ impl Outbox {
         if state.queue.is_empty() {
             state.sending = false;
             state.waker = Some(cx.waker().clone());
+            drop(state);
+            self.emptied.notify_waiters();
             return Poll::Pending;
         }
         state.sending = true;

@@ -538,8 +538,6 @@ mod tests {
         }
     }
 
-    /// A batch's envelopes come back whole and in order, as slices of the
-    /// payload; a truncated one is an error that ends them.
     /// The hand decoder reads what replicas write as prost does, and
     /// leaves anything else to prost.
     #[test]
@@ -584,6 +582,8 @@ mod tests {
         assert!(decode(cut).is_err());
     }
 
+    /// A batch's envelopes come back whole and in order, as slices of the
+    /// payload; a truncated one is an error that ends them.
     #[test]
     fn a_batch_of_envelopes_splits_back_into_them() {
         let envelopes: Vec<Vec<u8>> = vec![vec![1; 3], vec![], vec![7; 300]];
