@@ -18,9 +18,10 @@
 //!
 //! - **Wake-ups.** Each subscription's stream is polled with a waker of its
 //!   own ([`SubWake`]), which pushes the subscription's key onto the
-//!   session's ready list and wakes the body (once: a flag keeps a key on the
-//!   list at most once). A publish reaching 50 of a session's subscriptions
-//!   wakes the connection's task once and leaves 50 keys; the body polls
+//!   session's ready list (once: a flag keeps a key on the list at most
+//!   once) and wakes the body if the list was empty. A publish reaching 50
+//!   of a session's subscriptions wakes the connection's task once and
+//!   leaves 50 keys; the body polls
 //!   those 50 streams and no other, however many the session holds.
 //! - **Rounds.** The body takes the ready keys and polls each stream once: a
 //!   round gives at most one delivery per subscription. Deliveries of one
@@ -126,8 +127,12 @@ pub struct SessionBody<E: Engine, R> {
     max_subscriptions: usize,
     metrics: Metrics,
     _gauge: SessionGauge,
-    /// Every handle in use, opening or open.
-    handles: HashMap<u32, Handle>,
+    /// Every handle in use: its subscription's key in `subs`, or
+    /// [`OPENING`] (8 bytes a handle; see [`SessionBody::handle`]).
+    handles: HashMap<u32, u32, foldhash::fast::RandomState>,
+    /// The handles the engine is opening, with what was asked of them
+    /// meanwhile (empty unless the engine waits, as the cluster's may).
+    openings: HashMap<u32, Opening>,
     subs: Slab<Sub<E::Stream>>,
     /// Opens the engine has not answered yet (the cluster engine may wait
     /// for NATS); the in-memory engine answers at once and never lands here.
@@ -183,11 +188,17 @@ struct Settle {
     sequences: Vec<u64>,
 }
 
-/// What a handle names (16 bytes: the state of an open is boxed).
+/// What a handle names.
 enum Handle {
-    Opening(Box<Opening>),
+    /// Being opened: its state is in `openings`.
+    Opening,
+    /// Open: its key in `subs`.
     Open(usize),
 }
+
+/// In `handles`: the handle is being opened. (A slab key is never this: a
+/// session holds fewer than 2^32 subscriptions.)
+const OPENING: u32 = u32::MAX;
 
 /// A handle the engine is opening: credit granted and a close asked for
 /// meanwhile are applied when it is open.
@@ -221,25 +232,43 @@ struct Ready {
     body: AtomicWaker,
 }
 
-/// One subscription's waker: puts its key on the ready list.
+/// One subscription's waker: puts its key on the ready list (32 bytes
+/// with the `Arc`'s counts: the slab's key is a `u32`, since a session
+/// holds fewer than 2^32 subscriptions).
 struct SubWake {
-    key: usize,
-    queued: AtomicBool,
     ready: Arc<Ready>,
+    key: u32,
+    queued: AtomicBool,
 }
 
 impl ArcWake for SubWake {
     fn wake_by_ref(arc_self: &Arc<Self>) {
         if !arc_self.queued.swap(true, Ordering::AcqRel) {
-            arc_self.ready.keys.lock().push(arc_self.key);
-            arc_self.ready.body.wake();
+            let mut keys = arc_self.ready.keys.lock();
+            let first = keys.is_empty();
+            keys.push(arc_self.key as usize);
+            drop(keys);
+            // A list that was not empty has woken the body already, and
+            // the body takes the whole list after registering its waker
+            // (`poll_frame`, `deliver`): a publish reaching 50 of the
+            // session's subscriptions wakes it once, not 50 times.
+            if first {
+                arc_self.ready.body.wake();
+            }
         }
     }
 }
 
 /// What is encoded and not yet handed to h2, and the round being merged.
 struct Out {
+    /// The encode buffer. Until the session's first delivery it holds
+    /// events only, each frame in an allocation of its own that goes with
+    /// it to h2 (an idle session keeps no buffer); from then on, a chunk
+    /// of [`crate::pb::codec::ENCODE_CHUNK`] at a time, reused
+    /// ([`reserve_frame`]).
     buf: BytesMut,
+    /// A delivery has been encoded.
+    delivering: bool,
     lag_multi: LocalObserver,
     lag_single: LocalObserver,
     /// The fields of a delivery naming several handles: no id, no group.
@@ -283,6 +312,7 @@ where
             _gauge: metrics.session_opened(),
             out: Out {
                 buf: BytesMut::new(),
+                delivering: false,
                 lag_multi: metrics.delivery_lag(false),
                 lag_single: metrics.delivery_lag(true),
                 shared_fields: SubscriberFields::new("", ""),
@@ -306,7 +336,8 @@ where
             peer,
             max_subscriptions,
             metrics,
-            handles: HashMap::new(),
+            handles: HashMap::default(),
+            openings: HashMap::new(),
             subs: Slab::new(),
             opening: FuturesUnordered::new(),
             acking: FuturesUnordered::new(),
@@ -542,13 +573,14 @@ where
         let credit = (open.credit > 0).then_some(u64::from(open.credit));
         // A group hands a member no more than its credit lets it send.
         request.credit = credit;
-        self.handles.insert(
+        self.handles.insert(handle, OPENING);
+        self.openings.insert(
             handle,
-            Handle::Opening(Box::new(Opening {
+            Opening {
                 credit,
                 added: 0,
                 close: false,
-            })),
+            },
         );
         let engine = self.engine.clone();
         let mut subscribing: BoxFuture<'static, _> = Box::pin(async move { (handle, engine.subscribe(request).await) });
@@ -560,11 +592,11 @@ where
 
     /// The engine answered an open.
     fn opened(&mut self, handle: u32, result: Result<E::Stream, BrokerError>) {
-        let Some(Handle::Opening(opening)) = self.handles.remove(&handle) else {
-            // Only opens insert Opening, and only this removes it.
+        let Some(Opening { credit, added, close }) = self.openings.remove(&handle) else {
+            // Only opens insert an Opening, and only this removes it.
             return;
         };
-        let Opening { credit, added, close } = *opening;
+        self.handles.remove(&handle);
         let mut stream = match result {
             Ok(stream) => stream,
             Err(error) => {
@@ -586,11 +618,12 @@ where
         }
         let entry = self.subs.vacant_entry();
         let wake = Arc::new(SubWake {
-            key: entry.key(),
+            key: u32::try_from(entry.key()).expect("a session holds fewer than 2^32 subscriptions"),
             queued: AtomicBool::new(false),
             ready: self.ready.clone(),
         });
         let key = entry.key();
+        let slot = wake.key;
         entry.insert(Sub {
             handle,
             fields: None,
@@ -600,9 +633,18 @@ where
             wake,
             round: 0,
         });
-        self.handles.insert(handle, Handle::Open(key));
+        self.handles.insert(handle, slot);
         // Polled in the next round: what was published since it registered.
         self.again.push(key);
+    }
+
+    /// What `handle` names, if it is in use.
+    #[inline]
+    fn handle(&self, handle: u32) -> Option<Handle> {
+        self.handles.get(&handle).map(|&key| match key {
+            OPENING => Handle::Opening,
+            key => Handle::Open(key as usize),
+        })
     }
 
     fn reject(&mut self, handle: u32, code: Code, message: String) {
@@ -616,11 +658,14 @@ where
     }
 
     fn close(&mut self, handle: u32) {
-        match self.handles.get_mut(&handle) {
+        match self.handle(handle) {
             None => self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening(opening)) => opening.close = true,
+            Some(Handle::Opening) => {
+                if let Some(opening) = self.openings.get_mut(&handle) {
+                    opening.close = true;
+                }
+            }
             Some(Handle::Open(key)) => {
-                let key = *key;
                 self.handles.remove(&handle);
                 let mut sub = self.subs.remove(key);
                 let end = sub.stream.close();
@@ -640,16 +685,18 @@ where
 
     fn credit(&mut self, handle: u32, messages: u32) {
         let added = u64::from(messages);
-        match self.handles.get_mut(&handle) {
+        match self.handle(handle) {
             None => self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening(opening)) => {
-                if let Some(credit) = &mut opening.credit {
+            Some(Handle::Opening) => {
+                if let Some(opening) = self.openings.get_mut(&handle)
+                    && let Some(credit) = &mut opening.credit
+                {
                     *credit = credit.saturating_add(added);
                     opening.added = opening.added.saturating_add(added);
                 }
             }
             Some(Handle::Open(key)) => {
-                let sub = &mut self.subs[*key];
+                let sub = &mut self.subs[key];
                 if let Some(credit) = &mut sub.credit {
                     let was = *credit;
                     *credit = credit.saturating_add(added);
@@ -666,13 +713,13 @@ where
     }
 
     fn ack(&mut self, handle: u32, sequences: Vec<u64>, nack: bool, cx: &mut Context<'_>) {
-        let key = match self.handles.get(&handle) {
+        let key = match self.handle(handle) {
             None => return self.ignored(IgnoredRequest::UnknownHandle, 1),
-            Some(Handle::Opening(_)) => {
+            Some(Handle::Opening) => {
                 // Nothing can be held before it is open.
                 return self.ignored(IgnoredRequest::UnknownSequence, sequences.len() as u64);
             }
-            Some(Handle::Open(key)) => *key,
+            Some(Handle::Open(key)) => key,
         };
         if sequences.is_empty() {
             return self.ignored(IgnoredRequest::NoSequences, 1);
@@ -821,6 +868,7 @@ where
     /// `OpenSubscription` does (dropped).
     fn fail(&mut self, status: Status) {
         self.handles.clear();
+        self.openings.clear();
         self.subs.clear();
         self.opening = FuturesUnordered::new();
         self.publishes.clear();
@@ -842,7 +890,16 @@ impl Out {
     /// `deliveries` event being written (ended first).
     fn put_event(&mut self, event: pb::session_event::Event) {
         self.close_batch();
-        put_event(&mut self.buf, event);
+        put_event(&mut self.buf, event, self.delivering);
+    }
+
+    /// What is encoded, for h2: the buffer's chunk stays for the next
+    /// deliveries; before the first, the whole buffer goes (see `buf`).
+    fn hand_out(&mut self) -> Bytes {
+        match self.delivering {
+            true => self.buf.split().freeze(),
+            false => std::mem::take(&mut self.buf).freeze(),
+        }
     }
 
     /// Appends a delivery to the `deliveries` event being written, or
@@ -941,6 +998,7 @@ impl Out {
         if self.batch.is_empty() {
             return;
         }
+        self.delivering = true;
         let now = SystemTime::now();
         let mut batch = std::mem::take(&mut self.batch);
         for mut b in batch.drain(..) {
@@ -1089,11 +1147,17 @@ fn record_sequences(spans: &[tracing::Span], outcome: &BatchOutcome) {
     }
 }
 
-/// Appends one gRPC frame holding an `opened` or `ended` event.
-fn put_event(buf: &mut BytesMut, event: pb::session_event::Event) {
+/// Appends one gRPC frame holding an `opened`, `ended` or `published`
+/// event; into the delivery chunk once `delivering`, else into no more room
+/// than the events take (see [`Out`]'s `buf`).
+fn put_event(buf: &mut BytesMut, event: pb::session_event::Event, delivering: bool) {
     let event = pb::SessionEvent { event: Some(event) };
     let len = prost::Message::encoded_len(&event);
-    reserve_frame(buf, GRPC_HEADER + len);
+    match delivering {
+        true => reserve_frame(buf, GRPC_HEADER + len),
+        // Many events in one poll grow it as a `Vec` does.
+        false => buf.reserve(GRPC_HEADER + len),
+    }
     buf.put_u8(0);
     buf.put_u32(len as u32);
     prost::Message::encode_raw(&event, buf);
@@ -1125,7 +1189,7 @@ where
         }
         this.out.close_batch();
         if !this.out.buf.is_empty() {
-            return Poll::Ready(Some(Ok(http_body::Frame::data(this.out.buf.split().freeze()))));
+            return Poll::Ready(Some(Ok(http_body::Frame::data(this.out.hand_out()))));
         }
         if let Some(status) = this.finish.take() {
             this.done = true;
@@ -1235,7 +1299,12 @@ mod tests {
         /// Polls the body until it has nothing more to give now: the events
         /// it sent, in order (the trailers, if it ended, in `trailers`).
         fn events(&mut self) -> Vec<Event> {
-            let mut cx = Context::from_waker(std::task::Waker::noop());
+            self.events_waking(std::task::Waker::noop())
+        }
+
+        /// [`Session::events`], polled with `waker`.
+        fn events_waking(&mut self, waker: &std::task::Waker) -> Vec<Event> {
+            let mut cx = Context::from_waker(waker);
             let mut events = Vec::new();
             for _ in 0..1000 {
                 let frame = match Pin::new(&mut self.body).poll_frame(&mut cx) {
@@ -1466,6 +1535,62 @@ mod tests {
         s.credit(1, 2);
         assert_eq!(s.sequences_for(1), sent[1..]);
         assert_eq!(group().backlog, 0);
+    }
+
+    /// An idle session holds no encode buffer: its `opened` events go to h2
+    /// with their allocation (it held 8 KiB, 82 bytes of each of 100 idle
+    /// subscriptions). Once it delivers, the buffer's chunk stays between
+    /// frames, to be encoded into again.
+    #[test]
+    fn an_idle_session_keeps_no_encode_buffer_and_a_delivering_one_keeps_its_chunk() {
+        let mut s = session();
+        for handle in 1..=100 {
+            s.open(handle, subscription(&[&format!("idle.{handle}")]), 0);
+        }
+        assert_eq!(s.events().len(), 100);
+        assert_eq!(s.body.out.buf.capacity(), 0, "an idle session holds a buffer");
+        s.publish("idle.7", "first");
+        assert_eq!(s.deliveries().len(), 1);
+        assert!(s.body.out.buf.capacity() > 0, "the delivery chunk was given back");
+    }
+
+    /// A subscription's waker wakes the body when it puts the first key on
+    /// the ready list, and only then: a publish to three handles wakes the
+    /// idle body once, and once more after the body took the list. (A body
+    /// that missed a wake-up would stall until the next request.)
+    #[test]
+    fn the_first_key_on_the_ready_list_wakes_the_body() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let count = Arc::new(Count(Default::default()));
+        let waker = std::task::Waker::from(count.clone());
+        let woken = || count.0.load(Ordering::SeqCst);
+        let mut s = session();
+        for handle in 1..=3 {
+            s.open(handle, subscription(&["t"]), 0);
+        }
+        s.open(4, subscription(&["u"]), 0);
+        assert_eq!(s.events_waking(&waker).len(), 4);
+        let before = woken();
+        s.publish("t", "one");
+        assert_eq!(woken(), before + 1, "the idle body is woken once");
+        assert_eq!(s.events_waking(&waker).len(), 1);
+        s.publish("t", "two");
+        assert_eq!(woken(), before + 2, "and again once it took the list");
+        // Handle 4's key joins the three on the list, which have woken the
+        // body already.
+        s.publish("u", "three");
+        assert_eq!(woken(), before + 2);
+        let mut got = s.deliveries();
+        got.iter_mut().for_each(|(handles, _)| handles.sort_unstable());
+        assert_eq!(
+            got.iter().map(|(h, _)| h.clone()).collect::<Vec<_>>(),
+            [vec![1, 2, 3], vec![4]]
+        );
     }
 
     /// One published message matched by several handles of the session is
@@ -1882,9 +2007,14 @@ mod tests {
     /// What a session holds per subscription: its slot and its handle
     /// (ARCHITECTURE.md, "What an idle subscription holds").
     #[test]
-    fn a_session_holds_88_bytes_and_a_16_byte_handle_per_subscription() {
+    fn a_session_holds_88_bytes_a_32_byte_waker_and_an_8_byte_handle_per_subscription() {
         use std::mem::size_of;
         assert!(size_of::<super::Sub<crate::broker::SubscriptionStream>>() <= 88);
-        assert_eq!(size_of::<super::Handle>(), 16);
+        // With the Arc's two counts: jemalloc's 32-byte class, not 48.
+        assert_eq!(size_of::<super::SubWake>() + 16, 32);
+        fn entry<K, V, S>(_: &HashMap<K, V, S>) -> usize {
+            size_of::<(K, V)>()
+        }
+        assert_eq!(entry(&session().body.handles), 8);
     }
 }

@@ -9,6 +9,14 @@ use bytes::BufMut;
 /// many deliveries into one allocation.
 pub const ENCODE_CHUNK: usize = 8 * 1024;
 
+/// What a request's decode buffer holds before its first frame (tonic's
+/// default is 8 KiB). The buffer grows to the largest frame the stream
+/// has carried and keeps that, so a busy publisher reallocates a few times
+/// at its start and never again; an idle `Session` stream holds what its
+/// opens took, not 8 KiB (issue 47: 82 bytes of each idle subscription at
+/// 100 a session).
+pub const DECODE_START: usize = 512;
+
 /// tonic's default: a stream hands h2 what it has encoded once this much is
 /// buffered, rather than encoding everything that is ready first.
 const YIELD_THRESHOLD: usize = 32 * 1024;
@@ -21,7 +29,8 @@ const YIELD_THRESHOLD: usize = 32 * 1024;
 /// subscription, BENCHMARKS.md). Subscriptions have their own body now
 /// (`grpc::SubscriptionBody`); the other responses still start empty, and
 /// [`ServerEncoder`] reserves [`ENCODE_CHUNK`] when a message does not fit
-/// what is left. Decoding is prost's own.
+/// what is left. Decoding is prost's own, into a buffer that starts at
+/// [`DECODE_START`].
 #[derive(Debug)]
 pub struct ServerCodec<T, U>(std::marker::PhantomData<(T, U)>);
 
@@ -46,7 +55,7 @@ where
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::default()
+        tonic_prost::ProstDecoder::new(tonic::codec::BufferSettings::new(DECODE_START, YIELD_THRESHOLD))
     }
 }
 
