@@ -156,10 +156,12 @@ pub struct SessionBody<E: Engine, R> {
     publish_duration: LocalObserver,
     publish_batch_size: prometheus::Histogram,
     ready: Arc<Ready>,
-    /// Subscriptions that gave a delivery in the last round.
-    again: Vec<usize>,
+    /// Subscriptions that gave a delivery in the last round. (Keys are
+    /// `u32` in these lists, as in [`SubWake`]: each list is as long as the
+    /// session's subscriptions, at its longest.)
+    again: Vec<u32>,
     /// The keys of the round being polled (kept for its allocation).
-    keys: Vec<usize>,
+    keys: Vec<u32>,
     round: u64,
     out: Out,
     /// Resolves when the broker begins to shut down; None once it has.
@@ -228,7 +230,7 @@ struct Sub<S> {
 /// The subscriptions with something to look at, and the body's waker.
 #[derive(Default)]
 struct Ready {
-    keys: Mutex<Vec<usize>>,
+    keys: Mutex<Vec<u32>>,
     body: AtomicWaker,
 }
 
@@ -246,7 +248,7 @@ impl ArcWake for SubWake {
         if !arc_self.queued.swap(true, Ordering::AcqRel) {
             let mut keys = arc_self.ready.keys.lock();
             let first = keys.is_empty();
-            keys.push(arc_self.key as usize);
+            keys.push(arc_self.key);
             drop(keys);
             // A list that was not empty has woken the body already, and
             // the body takes the whole list after registering its waker
@@ -622,7 +624,6 @@ where
             queued: AtomicBool::new(false),
             ready: self.ready.clone(),
         });
-        let key = entry.key();
         let slot = wake.key;
         entry.insert(Sub {
             handle,
@@ -635,7 +636,7 @@ where
         });
         self.handles.insert(handle, slot);
         // Polled in the next round: what was published since it registered.
-        self.again.push(key);
+        self.again.push(slot);
     }
 
     /// What `handle` names, if it is in use.
@@ -798,7 +799,8 @@ where
                 return;
             }
             self.round += 1;
-            for &key in &keys {
+            for &slot in &keys {
+                let key = slot as usize;
                 let Some(sub) = self.subs.get_mut(key) else { continue };
                 if sub.round == self.round {
                     continue;
@@ -822,7 +824,7 @@ where
                         // Drained: its waker is left, and the next push puts
                         // it on the ready list; else it goes again next round.
                         if !drained {
-                            self.again.push(key);
+                            self.again.push(slot);
                         }
                     }
                     Poll::Ready(None) => ended.push(key),
