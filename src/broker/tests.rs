@@ -55,7 +55,7 @@ fn a_subscriptions_peer_and_opening_time_read_back_as_given() {
             info.opened_at >= before - std::time::Duration::from_millis(1)
                 && info.opened_at <= std::time::SystemTime::now()
         );
-        let _end = stream.close();
+        stream.close();
     }
 }
 
