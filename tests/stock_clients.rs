@@ -5,7 +5,9 @@
 //! and a subscription on the same channel gets every message in order.
 //! And grpcio holds 1,000 subscriptions on one `Session` (issue 26); grpcio
 //! and grpc-js publish a batch on a batched `Session` and read its
-//! `deliveries` events (issue 43).
+//! `deliveries` events (issue 43). And grpcio's `PublishStream` on one
+//! replica of a two-replica cluster reaches a subscriber on the other,
+//! through the replica's outbox, whole and in order.
 //!
 //! The clients are the scripts in tests/clients/. `.ci/run` installs grpcio,
 //! grpcio-tools and (with `npm ci` in tests/clients) @grpc/grpc-js; where
@@ -19,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
+use tinybroker::config::{Config, Limits};
 use tinybroker::pb;
 
 /// How long the broker stays stopped in the middle of a stream.
@@ -290,6 +293,82 @@ async fn grpcio_publish_stream_of_a_million_tiny_messages_survives_a_pause() {
     assert_no_warnings(&broker);
     eprintln!(
         "grpcio 1,000,000 × 10 B with a 2 s pause: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Python grpcio, 100,000 × 10 B through one PublishStream on replica `a`
+/// of a two-replica cluster (one NATS server) while the test's subscriber
+/// on replica `b` reads them: every message crosses NATS through `a`'s
+/// outbox (`src/cluster/outbox.rs`: the first of a burst straight to the
+/// NATS client, the rest queued and sent in runs of one NATS message) and
+/// arrives once, in order, none lost, `b` counting no gap. Catches an
+/// outbox that drops, repeats or reorders messages of a run, or loses what
+/// waits for room, under a stock client's one-frame-per-message stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_publish_stream_on_one_replica_reaches_a_subscriber_on_another_in_order() {
+    require_grpcio();
+    const COUNT: u64 = 100_000;
+    let started = Instant::now();
+    let mut cluster = common::start_cluster(Config {
+        limits: Limits {
+            consumer_capacity: 2 * COUNT as usize,
+            ..Limits::default()
+        },
+        ..common::config()
+    })
+    .await;
+    let (a, b) = (cluster.replica(0), cluster.replica(1));
+    let (stream, _) = common::subscribe(&mut cluster.client_on(1).await, &["stock.grpcio"]).await;
+    let reader = tokio::spawn(receive_in_order(stream, COUNT));
+    let addr = a.grpc_addr.to_string();
+    let (result, stderr) = tokio::task::spawn_blocking(move || {
+        let mut script = Script::spawn(
+            Command::new("python3").args([
+                "grpcio_publish.py",
+                &addr,
+                &proto_dir(),
+                &COUNT.to_string(),
+                "10",
+                "-1",
+                "alive",
+            ]),
+            Duration::from_secs(180),
+        );
+        let result = script.result();
+        (result, script.stderr_tail())
+    })
+    .await
+    .unwrap();
+    eprintln!("grpcio result on replica a: {result}");
+    assert_nothing_lost(&result, COUNT, Some(1), &stderr);
+    let (received, problem) = tokio::time::timeout(Duration::from_secs(60), reader)
+        .await
+        .expect("the subscriber on replica b got everything within 60 s of the stream's end")
+        .unwrap();
+    assert_eq!((received, problem), (COUNT, None), "the subscriber on replica b");
+    assert_eq!(
+        b.dropped_total("nats_slow_consumer").await,
+        0.0,
+        "replica b counted no gap in replica a's messages"
+    );
+    // Fewer NATS messages from replica a than it published: bursts went
+    // through the outbox's sender, in runs.
+    let connz = cluster.nats_mut().unwrap().monitor(0, "/connz").await.expect("/connz");
+    let sent = connz["connections"]
+        .as_array()
+        .expect("/connz lists connections")
+        .iter()
+        .find(|c| c["name"] == "tinybroker a")
+        .expect("replica a's NATS connection")["in_msgs"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        sent < COUNT,
+        "replica a sent {sent} NATS messages for {COUNT}: no run was batched"
+    );
+    eprintln!(
+        "grpcio {COUNT} × 10 B across two replicas, {sent} NATS messages from a: {:.1} s",
         started.elapsed().as_secs_f64()
     );
 }

@@ -2,7 +2,8 @@
 //! its streams and frees their ids; one whose NATS server dies moves to
 //! another and keeps receiving, counting what NATS dropped meanwhile; a
 //! rolling restart moves broadcast subscribers to live replicas; a killed
-//! replica's unacked group messages go to a member on another.
+//! replica's unacked group messages go to a member on another; a replica
+//! SIGTERMed right after a burst sends every broadcast it acknowledged.
 
 use crate::common;
 use crate::common::nats::NatsCluster;
@@ -288,6 +289,109 @@ async fn a_killed_replicas_unacked_group_messages_go_to_another_member() {
             got.insert(m.sequence);
         }
         assert_eq!(got.into_iter().collect::<Vec<_>>(), sent);
+    })
+    .await;
+}
+
+/// A replica SIGTERMed right after its publisher's last acknowledged batch
+/// of broadcasts: a subscriber on another replica (open before the burst)
+/// gets every acknowledged message, in order, with its sequence, none
+/// missing. Catches a shutdown that flushes the NATS client without first
+/// emptying the replica's outbox (`src/cluster/outbox.rs`) into it: what
+/// was still queued there dies with the process. So that plenty is still
+/// queued at the SIGTERM: two session batches of 16,384 (a batch takes at
+/// most the outbox's whole room, 4,096, and goes in whole), their messages
+/// alternating between two topics so that each is a NATS message of its
+/// own (runs of one), which the sender hands to the client more slowly
+/// than the shutdown reaches the flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigtermed_replica_sends_every_acknowledged_broadcast_before_it_exits() {
+    use crate::common::session::TestSession;
+    use tinybroker::pb::session_event::Event;
+    const BATCHES: usize = 2;
+    /// Four times the outbox's room.
+    const BATCH: usize = 16384;
+    const TOTAL: usize = BATCHES * BATCH;
+    let nats = NatsCluster::start(3).await;
+    timeout(async {
+        let prefix = "leaving";
+        let mut leaving = crate::spawn_replica_with(
+            &nats,
+            0,
+            "leaving",
+            prefix,
+            &[("TINYBROKER_MAX_BATCH_MESSAGES", &BATCH.to_string())],
+        )
+        .await;
+        let mut config = replica_config(urls_from(&nats, 1), "staying", prefix);
+        config.limits.consumer_capacity = TOTAL;
+        let staying = start_with(config).await;
+        wait_serving(&staying).await;
+        // Open before the burst: the leaving replica has taken this
+        // replica's "some" when the headers arrive.
+        let (mut stream, _) = subscribe(&mut staying.client().await, &["burst.*"]).await;
+        let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let reader = tokio::spawn({
+            let received = received.clone();
+            async move {
+                let mut got = Vec::with_capacity(TOTAL);
+                // Until everything came, or nothing more did for 10 s.
+                while got.len() < TOTAL {
+                    match tokio::time::timeout(Duration::from_secs(10), stream.message()).await {
+                        Ok(Ok(Some(m))) => got.push((m.sequence, String::from_utf8(m.payload.to_vec()).unwrap())),
+                        _ => break,
+                    }
+                    received.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                got
+            }
+        });
+
+        let channel = tonic::transport::Endpoint::from_shared(leaving.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut session = TestSession::start(&mut pb::broker_client::BrokerClient::new(channel)).await;
+        for b in 0..BATCHES {
+            let messages = (b * BATCH..(b + 1) * BATCH)
+                .map(|i| publish_request(&format!("burst.{}", i % 2), &i.to_string()))
+                .collect();
+            session.publish(b as u64, messages);
+        }
+        let mut acknowledged = Vec::with_capacity(TOTAL);
+        for b in 0..BATCHES {
+            let answer = match session.event().await {
+                Event::Published(p) => p,
+                other => panic!("expected batch {b}'s answer, got {other:?}"),
+            };
+            assert_eq!(
+                (answer.id, answer.accepted as usize, answer.rejected.len()),
+                (b as u64, BATCH, 0),
+                "batch {b} accepted whole: {answer:?}"
+            );
+            let first = answer.first_sequence;
+            acknowledged.extend((0..BATCH).map(|k| (first + k as u64, (b * BATCH + k).to_string())));
+        }
+        // At once: `kill` as a command would give the sender milliseconds.
+        // SAFETY: kill(2) on the pid of a child this test holds (not yet reaped).
+        let killed = unsafe { libc::kill(leaving.guard.pid() as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(killed, 0, "SIGTERM sent");
+        let in_transit = TOTAL - received.load(std::sync::atomic::Ordering::Relaxed);
+        let status = common::process::exit_status(&mut leaving.guard, Duration::from_secs(20)).await;
+        assert!(status.success(), "the SIGTERMed replica exits 0: {status:?}");
+
+        let got = reader.await.unwrap();
+        eprintln!("{in_transit} of {TOTAL} acknowledged messages not yet received at the SIGTERM");
+        let first_wrong = got.iter().zip(&acknowledged).position(|(g, a)| g != a);
+        assert!(
+            got.len() == TOTAL && first_wrong.is_none(),
+            "the other replica's subscriber got {} of {TOTAL} acknowledged messages; first out of place: {:?}, \
+             last received: {:?}",
+            got.len(),
+            first_wrong.map(|i| (i, &got[i], &acknowledged[i])),
+            got.last()
+        );
     })
     .await;
 }

@@ -17,7 +17,8 @@
 //!   attempts counted on, dead letters;
 //! - [`failover`]: a replica or its NATS server going away: streams ended
 //!   and ids freed, another NATS server, rolling restarts under a
-//!   broadcast subscriber, a killed replica's unacked messages;
+//!   broadcast subscriber, a killed replica's unacked messages, a
+//!   SIGTERMed replica's acknowledged broadcasts (its outbox emptied);
 //! - [`under_load`]: failure behaviour under load: a NATS stream leader
 //!   killed and a rolling restart of replica processes, each under steady
 //!   publishers and MANUAL members, no message published OK lost.
@@ -77,6 +78,37 @@ async fn replicas_with(nats: &NatsCluster, n: usize, prefix: &str, tweak: impl F
         wait_serving(broker).await;
     }
     brokers
+}
+
+/// A replica process (`tinybroker serve`, as a pod runs it) named `id`,
+/// connected to server `first` of `nats` first, with a 2 s shutdown grace.
+async fn spawn_replica(nats: &NatsCluster, first: usize, id: &str, prefix: &str) -> common::process::BrokerProcess {
+    spawn_replica_with(nats, first, id, prefix, &[]).await
+}
+
+/// [`spawn_replica`] with the variables of `extra` set too.
+async fn spawn_replica_with(
+    nats: &NatsCluster,
+    first: usize,
+    id: &str,
+    prefix: &str,
+    extra: &[(&str, &str)],
+) -> common::process::BrokerProcess {
+    let mut env = vec![
+        ("TINYBROKER_NATS_URL".to_owned(), urls_from(nats, first).join(",")),
+        ("TINYBROKER_NATS_PREFIX".to_owned(), prefix.to_owned()),
+        ("TINYBROKER_REPLICA_ID".to_owned(), id.to_owned()),
+        ("TINYBROKER_SHUTDOWN_GRACE_SECONDS".to_owned(), "2".to_owned()),
+    ];
+    env.extend(extra.iter().map(|&(k, v)| (k.to_owned(), v.to_owned())));
+    let replica = tokio::task::spawn_blocking(move || common::process::BrokerProcess::spawn(&env))
+        .await
+        .unwrap();
+    wait_until("the replica process to be SERVING", || async {
+        serving_status_at(&replica.url()).await == Some(ServingStatus::Serving)
+    })
+    .await;
+    replica
 }
 
 /// Publishes `n` messages to `topic` through `broker`; their sequences.

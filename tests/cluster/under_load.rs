@@ -8,11 +8,10 @@
 use crate::common;
 use crate::common::nats::NatsCluster;
 use crate::common::*;
-use crate::{publish_n, replicas, service, urls_from, wait_serving};
+use crate::{publish_n, replicas, service, spawn_replica, wait_serving};
 use std::time::Duration;
 use tinybroker::pb;
 use tonic::Code;
-use tonic_health::pb::health_check_response::ServingStatus;
 
 /// What the MANUAL members of a fault test saw and settled, shared by
 /// their tasks.
@@ -462,25 +461,6 @@ async fn sigkill_of_the_group_streams_nats_leader_loses_no_acknowledged_publish(
         }
     })
     .await;
-}
-
-/// A replica process (`tinybroker serve`, as a pod runs it) named `id`,
-/// connected to server `first` of `nats` first, with a 2 s shutdown grace.
-async fn spawn_replica(nats: &NatsCluster, first: usize, id: &str, prefix: &str) -> common::process::BrokerProcess {
-    let env = vec![
-        ("TINYBROKER_NATS_URL", urls_from(nats, first).join(",")),
-        ("TINYBROKER_NATS_PREFIX", prefix.to_owned()),
-        ("TINYBROKER_REPLICA_ID", id.to_owned()),
-        ("TINYBROKER_SHUTDOWN_GRACE_SECONDS", "2".to_owned()),
-    ];
-    let replica = tokio::task::spawn_blocking(move || common::process::BrokerProcess::spawn(&env))
-        .await
-        .unwrap();
-    wait_until("the replica process to be SERVING", || async {
-        serving_status_at(&replica.url()).await == Some(ServingStatus::Serving)
-    })
-    .await;
-    replica
 }
 
 /// A rolling restart of three replica processes (each replaced by a new
