@@ -3,7 +3,8 @@
 //! another and keeps receiving, counting what NATS dropped meanwhile; a
 //! rolling restart moves broadcast subscribers to live replicas; a killed
 //! replica's unacked group messages go to a member on another; a replica
-//! SIGTERMed right after a burst sends every broadcast it acknowledged.
+//! SIGTERMed right after a burst sends every broadcast it acknowledged, or,
+//! cut off from NATS, counts those it could not hand over.
 
 use crate::common;
 use crate::common::nats::NatsCluster;
