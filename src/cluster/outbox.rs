@@ -21,11 +21,13 @@
 //! queued until the sender hands its run to the client; a batch larger
 //! than the whole room takes all of it and queues its first messages
 //! beyond it, holding none (the outbox then holds at most [`ROOM`] plus
-//! that batch's excess). A message queued here goes out: the sender waits for the
-//! client as long as it takes (the client keeps its queue across a
-//! reconnection); one that arrives too late is dropped and counted by its
-//! receiver (`liveness.rs`), one that never arrives is a gap in this
-//! replica's count there (`fanout.rs`).
+//! that batch's excess). A message queued here goes out: the sender waits
+//! for the client as long as it takes (the client keeps its queue across
+//! a reconnection); one that arrives too late is dropped and counted by
+//! its receiver (`liveness.rs`), one that never arrives is a gap in this
+//! replica's count there (`fanout.rs`). At shutdown, what NATS did not
+//! take in time (queued, or taken by the sender: [`Outbox::unsent`]) is
+//! counted as discarded (`engine.rs`, `maintain`).
 
 use super::ClusterEngine;
 use super::wire;
