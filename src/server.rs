@@ -198,8 +198,11 @@ async fn serve<E: Engine>(
     };
     // A loss must be seen: /metrics keeps answering a little longer, so a
     // scrape can read tinybroker_messages_discarded_on_shutdown_total.
+    // (A replica's broadcasts it could not hand to NATS are counted
+    // there too, before: `ClusterEngine::maintain`.)
+    let counted = engine.counters().discarded_on_shutdown;
     let report_loss = async {
-        if discarded > 0 {
+        if discarded > 0 || counted > 0 {
             tokio::time::sleep(LOSS_REPORT_TIME).await;
         }
     };

@@ -87,6 +87,17 @@ impl Broker {
         discarded
     }
 
+    /// Counts `messages` lost at shutdown elsewhere than in this broker's
+    /// queues (a replica's broadcasts for the other replicas that it did
+    /// not hand to NATS before exiting) in
+    /// `tinybroker_messages_discarded_on_shutdown_total`.
+    pub fn count_discarded_on_shutdown(&self, messages: usize) {
+        self.shared
+            .stats
+            .discarded_on_shutdown
+            .fetch_add(messages as u64, Ordering::Relaxed);
+    }
+
     /// Redelivers messages whose ack deadline passed and removes groups idle
     /// for longer than their TTL. Called every [`MAINTENANCE_INTERVAL`].
     pub fn tick(&self, now: tokio::time::Instant) {

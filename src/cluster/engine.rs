@@ -312,11 +312,24 @@ impl Engine for ClusterEngine {
             let id = key(&self.inner.config.replica_id);
             let _ = tokio::time::timeout(LEAVE_TIMEOUT, ready.replicas.delete(id)).await;
         }
-        let _ = tokio::time::timeout(LEAVE_TIMEOUT, async {
+        let flushed = tokio::time::timeout(LEAVE_TIMEOUT, async {
             // What the sender has not handed to the client yet first.
             self.inner.outbox.emptied().await;
             self.inner.client.flush().await
         })
         .await;
+        if flushed.is_err() {
+            // NATS did not take it in time: what is still in the outbox
+            // dies with the process, a gap the other replicas may never
+            // see (nothing after it comes from this replica). Counted;
+            // what the NATS client itself still buffers cannot be.
+            let unsent = self.inner.outbox.unsent();
+            self.inner.local.count_discarded_on_shutdown(unsent);
+            tracing::warn!(
+                unsent_broadcasts = unsent,
+                "NATS did not take this replica's broadcasts within {} s of leaving: {unsent} broadcast messages for the other replicas, accepted and not yet handed to the NATS client, are discarded (counted in tinybroker_messages_discarded_on_shutdown_total); what the NATS client still buffered is lost uncounted",
+                LEAVE_TIMEOUT.as_secs()
+            );
+        }
     }
 }

@@ -17,11 +17,17 @@
 //! The queue is bounded ([`ROOM`] messages): a publish finding no room
 //! waits for it while NATS answers (as it waited for room in the NATS
 //! client's queue before), and is UNAVAILABLE once NATS is found
-//! unreachable. A message queued here goes out: the sender waits for the
-//! client as long as it takes (the client keeps its queue across a
-//! reconnection); one that arrives too late is dropped and counted by its
-//! receiver (`liveness.rs`), one that never arrives is a gap in this
-//! replica's count there (`fanout.rs`).
+//! unreachable. Each message holds one unit of room from when it is
+//! queued until the sender hands its run to the client; a batch larger
+//! than the whole room takes all of it and queues its first messages
+//! beyond it, holding none (the outbox then holds at most [`ROOM`] plus
+//! that batch's excess). A message queued here goes out: the sender waits
+//! for the client as long as it takes (the client keeps its queue across
+//! a reconnection); one that arrives too late is dropped and counted by
+//! its receiver (`liveness.rs`), one that never arrives is a gap in this
+//! replica's count there (`fanout.rs`). At shutdown, what NATS did not
+//! take in time (queued, or taken by the sender: [`Outbox::unsent`]) is
+//! counted as discarded (`engine.rs`, `maintain`).
 
 use super::ClusterEngine;
 use super::wire;
@@ -29,6 +35,7 @@ use crate::engine::{BrokerError, WakeBatch};
 use bytes::{Bytes, BytesMut};
 use futures::FutureExt;
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
 /// Most messages queued here at once.
@@ -45,6 +52,10 @@ pub(super) struct Outbox {
     /// Told when the sender has handed everything to the client (leaving
     /// waits for it before the client's flush).
     emptied: tokio::sync::Notify,
+    /// Messages the sender took and has not handed to the client yet: set
+    /// as it takes them (under the state's lock), lowered by each run it
+    /// hands over. What shutdown counts as lost with the queue.
+    unsent: AtomicUsize,
 }
 
 impl Default for Outbox {
@@ -53,6 +64,7 @@ impl Default for Outbox {
             state: Mutex::new(State::default()),
             room: tokio::sync::Semaphore::new(ROOM),
             emptied: tokio::sync::Notify::new(),
+            unsent: AtomicUsize::new(0),
         }
     }
 }
@@ -76,8 +88,9 @@ struct State {
 struct Pending {
     subject: async_nats::Subject,
     body: Bytes,
-    /// The room it holds (a batch takes its room at once, on its first
-    /// message).
+    /// The room it holds: 1, or 0 beyond the room (the first part of a
+    /// batch larger than [`ROOM`], a message the client had no room for
+    /// at once).
     room: u32,
 }
 
@@ -101,6 +114,38 @@ impl Outbox {
         }
     }
 
+    /// Messages not yet handed to the NATS client: queued, or taken by the
+    /// sender and not handed over. What the client itself buffers is not
+    /// known here.
+    pub(super) fn unsent(&self) -> usize {
+        let state = self.state.lock();
+        state.queue.len() + self.unsent.load(Ordering::Acquire)
+    }
+
+    /// Queues a batch's messages (numbered, in order) holding `room`: one
+    /// each for the last `room`, none for those before (a batch larger
+    /// than [`ROOM`]). Its room comes back as its runs are handed to the
+    /// client, and only once no more than [`ROOM`] of it is left: what
+    /// waits for room then finds the outbox holding at most [`ROOM`] plus
+    /// one batch's excess.
+    fn queue_batch(state: &mut State, out: Vec<(async_nats::Subject, Bytes)>, room: u32) {
+        let beyond = out.len().saturating_sub(room as usize);
+        state.queue.reserve(out.len());
+        for (i, (subject, body)) in out.into_iter().enumerate() {
+            state.queue.push(Pending {
+                subject,
+                body,
+                room: u32::from(i >= beyond),
+            });
+        }
+    }
+
+    /// The sender handed `run` to the client: its room comes back.
+    fn handed_over(&self, run: &[Pending]) {
+        self.unsent.fetch_sub(run.len(), Ordering::Release);
+        self.room.add_permits(run.iter().map(|p| p.room as usize).sum());
+    }
+
     /// Takes everything queued into `taken` (empty), or registers the
     /// sender to be woken.
     fn poll_take(&self, taken: &mut Vec<Pending>, cx: &mut Context<'_>) -> Poll<()> {
@@ -114,6 +159,7 @@ impl Outbox {
         }
         state.sending = true;
         std::mem::swap(&mut state.queue, taken);
+        self.unsent.store(taken.len(), Ordering::Release);
         Poll::Ready(())
     }
 }
@@ -276,14 +322,7 @@ impl ClusterEngine {
                 }
             }
             // Queued under the same lock as numbered: in order.
-            let mut room = Some(room);
-            for (subject, body) in out {
-                state.queue.push(Pending {
-                    subject,
-                    body,
-                    room: room.take().unwrap_or(0),
-                });
-            }
+            Outbox::queue_batch(&mut state, out, room);
             if let Some(waker) = state.waker.take() {
                 drop(state);
                 WakeBatch::wake(waker);
@@ -341,12 +380,76 @@ impl ClusterEngine {
                     tracing::warn!(%error, messages = end - i, "messages for the other replicas not sent on core NATS");
                 }
                 // Room given back as soon as it is in the client's queue.
-                outbox
-                    .room
-                    .add_permits(taken[i..end].iter().map(|p| p.room as usize).sum());
+                outbox.handed_over(&taken[i..end]);
                 i = end;
             }
             taken.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` messages to two subjects in turn (runs of one message, as the
+    /// sender hands them over when the subjects alternate).
+    fn batch(n: usize) -> Vec<(async_nats::Subject, Bytes)> {
+        (0..n)
+            .map(|i| {
+                (
+                    async_nats::Subject::from(format!("s.{}", i % 2)),
+                    Bytes::from(i.to_string()),
+                )
+            })
+            .collect()
+    }
+
+    /// Takes what is queued as the sender does, and hands it over `run`
+    /// messages at a time, checking after each run that the room free and
+    /// the room held by what is not handed over yet add up to [`ROOM`].
+    fn hand_over_by(outbox: &Outbox, run: usize) {
+        let mut taken = Vec::new();
+        let waker = Waker::noop();
+        assert!(outbox.poll_take(&mut taken, &mut Context::from_waker(waker)).is_ready());
+        let mut left = taken.len();
+        assert_eq!(outbox.unsent(), left);
+        for run in taken.chunks(run) {
+            outbox.handed_over(run);
+            left -= run.len();
+            assert_eq!(outbox.unsent(), left);
+            assert_eq!(
+                outbox.room.available_permits(),
+                ROOM - left.min(ROOM),
+                "room free with {left} messages not handed over yet"
+            );
+        }
+        assert!(
+            outbox
+                .poll_take(&mut taken, &mut Context::from_waker(waker))
+                .is_pending()
+        );
+        assert_eq!(outbox.unsent(), 0);
+    }
+
+    /// A batch's room (all of it for a batch larger than the room) comes
+    /// back one unit per message handed to the client, never the whole
+    /// batch's with its first run: a publish waiting for room finds the
+    /// outbox holding at most ROOM plus one batch's excess.
+    #[test]
+    fn a_batchs_room_comes_back_as_its_messages_are_handed_over() {
+        let outbox = Outbox::default();
+        for n in [1, 10, ROOM, ROOM + 1, 3 * ROOM] {
+            // As send_core_batched takes it (`outbox_room`).
+            let room = n.clamp(1, ROOM) as u32;
+            outbox.room.try_acquire_many(room).unwrap().forget();
+            Outbox::queue_batch(&mut outbox.state.lock(), batch(n), room);
+            hand_over_by(&outbox, 7);
+            assert_eq!(
+                outbox.room.available_permits(),
+                ROOM,
+                "a batch of {n}: all its room back"
+            );
         }
     }
 }

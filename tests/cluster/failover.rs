@@ -3,7 +3,8 @@
 //! another and keeps receiving, counting what NATS dropped meanwhile; a
 //! rolling restart moves broadcast subscribers to live replicas; a killed
 //! replica's unacked group messages go to a member on another; a replica
-//! SIGTERMed right after a burst sends every broadcast it acknowledged.
+//! SIGTERMed right after a burst sends every broadcast it acknowledged, or,
+//! cut off from NATS, counts those it could not hand over.
 
 use crate::common;
 use crate::common::nats::NatsCluster;
@@ -392,6 +393,111 @@ async fn a_sigtermed_replica_sends_every_acknowledged_broadcast_before_it_exits(
             first_wrong.map(|i| (i, &got[i], &acknowledged[i])),
             got.last()
         );
+    })
+    .await;
+}
+
+/// A replica cut off from NATS (its connection blackholed) and SIGTERMed
+/// with its outbox full of acknowledged broadcasts cannot hand them to
+/// NATS: it says how many it lost, counts them in
+/// `tinybroker_messages_discarded_on_shutdown_total`, and exits within its
+/// grace period and a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sigtermed_replica_cut_off_from_nats_counts_the_broadcasts_it_could_not_send() {
+    use crate::common::process::field;
+    use crate::common::proxy::{Proxy, addr_of};
+    use crate::common::session::TestSession;
+    use tinybroker::pb::session_event::Event;
+    /// Batches of the largest size sent at once, more than the client's
+    /// queue (2,048 NATS messages, here one a message: the subjects
+    /// alternate), its socket and the outbox (4,096) take together.
+    const BATCHES: u64 = 64;
+    const BATCH: usize = 1024;
+    const GRACE: Duration = Duration::from_secs(2);
+    let nats = NatsCluster::start(3).await;
+    timeout(async {
+        let prefix = "cutoff";
+        let proxy = Proxy::start(addr_of(&nats.url(0))).await;
+        let mut leaving =
+            crate::spawn_replica_with(&nats, 0, "leaving", prefix, &[("TINYBROKER_NATS_URL", &proxy.url())]).await;
+        let staying = start_with(replica_config(urls_from(&nats, 1), "staying", prefix)).await;
+        wait_serving(&staying).await;
+        let (mut stream, _) = subscribe(&mut staying.client().await, &["burst.*"]).await;
+        // The leaving replica sends broadcasts on core NATS: it knows the
+        // staying one listens.
+        let mut client = tinybroker::pb::broker_client::BrokerClient::new(
+            tonic::transport::Endpoint::from_shared(leaving.url())
+                .unwrap()
+                .connect()
+                .await
+                .unwrap(),
+        );
+        client.publish(publish_request("burst.0", "first")).await.unwrap();
+        assert_eq!(
+            next_message(&mut stream, "the first broadcast").await.payload,
+            "first".as_bytes()
+        );
+
+        proxy.blackhole();
+        let mut session = TestSession::start(&mut client).await;
+        let payload = "x".repeat(512);
+        for b in 0..BATCHES {
+            let messages = (0..BATCH)
+                .map(|i| publish_request(&format!("burst.{}", i % 2), &payload))
+                .collect();
+            session.publish(b, messages);
+        }
+        // Every batch answered: accepted while the outbox had room, then
+        // UNAVAILABLE once the replica found NATS unreachable.
+        let (mut accepted, mut refused) = (0, 0);
+        for b in 0..BATCHES {
+            let answer = match session.event().await {
+                Event::Published(p) => p,
+                other => panic!("expected batch {b}'s answer, got {other:?}"),
+            };
+            accepted += answer.accepted as usize;
+            refused += answer.rejected.len();
+            assert!(
+                answer.rejected.iter().all(|r| r.code == Code::Unavailable as u32),
+                "refused only as NATS is unreachable: {:?}",
+                answer.rejected.first()
+            );
+        }
+        assert!(
+            refused > 0,
+            "the outbox filled up: {accepted} accepted, none refused (more batches needed)"
+        );
+
+        let sigterm = std::time::Instant::now();
+        leaving.guard.signal("TERM");
+        let (warn, _) = common::process::line_containing(
+            &leaving.log,
+            "broadcast messages for the other replicas",
+            GRACE + Duration::from_secs(10),
+        )
+        .await;
+        let unsent: u64 = field(&warn, "unsent_broadcasts").parse().unwrap();
+        assert!(warn.contains("WARN"), "{warn}");
+        // A batch waited for room (1,024 of 4,096) until it was refused:
+        // more than the rest of the room was held, by messages queued or
+        // taken by the sender, and nothing reached NATS since. And no more
+        // than the room (each batch fits in it): a message holds its room
+        // until its run is handed to the client.
+        assert!(
+            unsent > (4096 - BATCH) as u64 && unsent <= 4096,
+            "{unsent} of {accepted} accepted messages counted as not handed to NATS: {warn}"
+        );
+        // /metrics answers a little longer when something was discarded.
+        let text = scrape(leaving.metrics_addr).await;
+        assert_eq!(
+            metric_sum(&text, "tinybroker_messages_discarded_on_shutdown_total"),
+            unsent as f64,
+            "the counter holds what the WARN said"
+        );
+        let status = common::process::exit_status(&mut leaving.guard, GRACE + Duration::from_secs(10)).await;
+        let took = sigterm.elapsed();
+        assert!(status.success(), "the SIGTERMed replica exits 0: {status:?}");
+        eprintln!("{accepted} accepted, {refused} refused, {unsent} not handed to NATS; exited {took:?} after SIGTERM");
     })
     .await;
 }

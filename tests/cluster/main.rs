@@ -18,7 +18,8 @@
 //! - [`failover`]: a replica or its NATS server going away: streams ended
 //!   and ids freed, another NATS server, rolling restarts under a
 //!   broadcast subscriber, a killed replica's unacked messages, a
-//!   SIGTERMed replica's acknowledged broadcasts (its outbox emptied);
+//!   SIGTERMed replica's acknowledged broadcasts (its outbox emptied, or
+//!   what it could not hand to NATS counted);
 //! - [`under_load`]: failure behaviour under load: a NATS stream leader
 //!   killed and a rolling restart of replica processes, each under steady
 //!   publishers and MANUAL members, no message published OK lost.
