@@ -28,22 +28,22 @@ pub struct Sublist<T> {
 }
 
 /// One token's node. Small, because a trie of distinct literal topics (a
-/// subscription per user or key space) is mostly leaves: a leaf's node is 40
-/// bytes in its parent's map, and its first entry takes 24 more.
+/// subscription per user or key space) is mostly leaves: a leaf's node is 48
+/// bytes in its parent's map, its first entry in it.
 struct Node<T> {
     /// The children by literal token; None when there are none (every leaf).
     literals: Option<Box<Children<T>>>,
     /// What wildcards reach from here; None for most nodes.
     wild: Option<Box<Wild<T>>>,
     /// Entries whose pattern ends exactly at this node.
-    here: Vec<Entry<T>>,
+    here: Entries<T>,
 }
 
 /// A node's `*` child and its `>` entries.
 struct Wild<T> {
     star: Option<Node<T>>,
     /// Entries whose pattern ends in `>` right after this node.
-    rest: Vec<Entry<T>>,
+    rest: Entries<T>,
 }
 
 impl<T> Wild<T> {
@@ -81,7 +81,7 @@ impl<T> Default for Node<T> {
         Self {
             literals: None,
             wild: None,
-            here: Vec::new(),
+            here: Entries::default(),
         }
     }
 }
@@ -99,19 +99,70 @@ impl<T> Node<T> {
         self.wild.get_or_insert_with(|| {
             Box::new(Wild {
                 star: None,
-                rest: Vec::new(),
+                rest: Entries::default(),
             })
         })
     }
 }
 
-/// Adds `entry`, the first one without room to spare: most lists hold one
-/// entry (a subscription per topic), and a `Vec` would make room for four.
-fn push<T>(entries: &mut Vec<Entry<T>>, entry: Entry<T>) {
-    if entries.capacity() == 0 {
-        entries.reserve_exact(1);
+/// The entries of one place in the trie (a pattern ending at a node, or
+/// its `>` after it). Most places hold one (a subscription per topic): it
+/// is kept in the node itself, where a `Vec` would take an allocation of
+/// its own for it (32 bytes); the second makes a `Vec` of both.
+enum Entries<T> {
+    One(Entry<T>),
+    Many(Vec<Entry<T>>),
+}
+
+impl<T> Default for Entries<T> {
+    fn default() -> Self {
+        Self::Many(Vec::new())
     }
-    entries.push(entry);
+}
+
+impl<T> Entries<T> {
+    fn as_slice(&self) -> &[Entry<T>] {
+        match self {
+            Self::One(entry) => std::slice::from_ref(entry),
+            Self::Many(entries) => entries,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        matches!(self, Self::Many(entries) if entries.is_empty())
+    }
+
+    fn push(&mut self, entry: Entry<T>) {
+        match self {
+            Self::Many(entries) if entries.is_empty() => *self = Self::One(entry),
+            Self::Many(entries) => entries.push(entry),
+            Self::One(_) => {
+                let Self::One(first) = std::mem::take(self) else {
+                    unreachable!("matched One above")
+                };
+                *self = Self::Many(vec![first, entry]);
+            }
+        }
+    }
+
+    /// Removes the entry `id`; false when there was none. The last one
+    /// leaves nothing allocated behind.
+    fn take(&mut self, id: u64) -> bool {
+        match self {
+            Self::One(entry) if entry.id == id => *self = Self::default(),
+            Self::One(_) => return false,
+            Self::Many(entries) => {
+                let Some(i) = entries.iter().position(|e| e.id == id) else {
+                    return false;
+                };
+                entries.swap_remove(i);
+                if entries.is_empty() {
+                    *self = Self::default();
+                }
+            }
+        }
+        true
+    }
 }
 
 impl<T: Clone> Default for Sublist<T> {
@@ -142,7 +193,7 @@ impl<T: Clone> Sublist<T> {
         let mut tokens = pattern.tokens().peekable();
         while let Some(token) = tokens.next() {
             if token == ">" && tokens.peek().is_none() {
-                push(&mut node.wild().rest, Entry { id, value });
+                node.wild().rest.push(Entry { id, value });
                 self.entries += 1;
                 self.invalidate(pattern);
                 return;
@@ -156,7 +207,7 @@ impl<T: Clone> Sublist<T> {
                     .or_default()
             };
         }
-        push(&mut node.here, Entry { id, value });
+        node.here.push(Entry { id, value });
         self.entries += 1;
         self.invalidate(pattern);
     }
@@ -228,7 +279,7 @@ impl<T: Clone> Sublist<T> {
 
 fn collect<'a, T>(node: &'a Node<T>, tokens: &[&str], found: &mut Vec<(u64, &'a T)>) {
     let Some((first, rest)) = tokens.split_first() else {
-        found.extend(node.here.iter().map(|e| (e.id, &e.value)));
+        found.extend(node.here.as_slice().iter().map(|e| (e.id, &e.value)));
         return;
     };
     // `>` after this node takes one or more tokens: at least `first` remains.
@@ -238,7 +289,7 @@ fn collect<'a, T>(node: &'a Node<T>, tokens: &[&str], found: &mut Vec<(u64, &'a 
         }
         return;
     };
-    found.extend(wild.rest.iter().map(|e| (e.id, &e.value)));
+    found.extend(wild.rest.as_slice().iter().map(|e| (e.id, &e.value)));
     if let Some(child) = node.child(first) {
         collect(child, rest, found);
     }
@@ -248,23 +299,14 @@ fn collect<'a, T>(node: &'a Node<T>, tokens: &[&str], found: &mut Vec<(u64, &'a 
 }
 
 fn remove_at<T>(node: &mut Node<T>, tokens: &[&str], id: u64) -> bool {
-    fn take<T>(entries: &mut Vec<Entry<T>>, id: u64) -> bool {
-        match entries.iter().position(|e| e.id == id) {
-            Some(i) => {
-                entries.swap_remove(i);
-                true
-            }
-            None => false,
-        }
-    }
     match tokens {
-        [] => take(&mut node.here, id),
+        [] => node.here.take(id),
         [">"] | ["*", ..] => {
             let Some(wild) = node.wild.as_deref_mut() else {
                 return false;
             };
             let removed = match tokens {
-                [">"] => take(&mut wild.rest, id),
+                [">"] => wild.rest.take(id),
                 [_, rest @ ..] => {
                     let Some(star) = wild.star.as_mut() else {
                         return false;
@@ -455,11 +497,42 @@ mod tests {
         }
     }
 
-    /// A trie of distinct literal topics is mostly leaves: a leaf stays 40
-    /// bytes in its parent's map (ARCHITECTURE.md, "What an idle
-    /// subscription holds"; the guard's `idle-session` measures the whole).
+    /// A trie of distinct literal topics is mostly leaves: a leaf is 48
+    /// bytes in its parent's map, its one entry in it (ARCHITECTURE.md,
+    /// "What an idle subscription holds"; the guard's `idle-session`
+    /// measures the whole).
     #[test]
-    fn a_node_is_40_bytes() {
-        assert_eq!(std::mem::size_of::<Node<[usize; 2]>>(), 40);
+    fn a_node_is_48_bytes_with_its_first_entry() {
+        assert_eq!(std::mem::size_of::<Node<[usize; 2]>>(), 48);
+    }
+
+    /// One entry is kept in its node, a second makes a list of both, and
+    /// removing them in either order leaves the place empty (nothing
+    /// allocated) and each removal finds only its own entry.
+    #[test]
+    fn entries_hold_one_in_place_and_more_in_a_list() {
+        let entry = |id| Entry { id, value: id * 10 };
+        for order in [[1, 2], [2, 1]] {
+            let mut entries = Entries::default();
+            assert!(entries.is_empty());
+            entries.push(entry(1));
+            assert!(matches!(entries, Entries::One(_)));
+            entries.push(entry(2));
+            let ids: Vec<u64> = entries.as_slice().iter().map(|e| e.id).collect();
+            assert_eq!(ids, [1, 2]);
+            assert!(!entries.take(3));
+            assert!(entries.take(order[0]));
+            assert_eq!(entries.as_slice().len(), 1);
+            assert_eq!(entries.as_slice()[0].value, order[1] * 10);
+            assert!(!entries.take(order[0]));
+            assert!(entries.take(order[1]));
+            assert!(entries.is_empty());
+            assert!(matches!(&entries, Entries::Many(v) if v.capacity() == 0));
+        }
+        let mut one = Entries::default();
+        one.push(entry(7));
+        assert!(!one.take(8));
+        assert!(one.take(7));
+        assert!(one.is_empty());
     }
 }
