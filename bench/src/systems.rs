@@ -86,8 +86,30 @@ pub struct Server {
     log: PathBuf,
 }
 
+/// How many times [`Server::start`] tries fresh ports when the server finds
+/// one taken: a port found free is released for the server to bind, and in
+/// between an outgoing connection of this machine may get it as its
+/// source port (seen once in a CI guard run: the metrics port).
+const START_ATTEMPTS: usize = 3;
+
 impl Server {
+    /// Starts `kind` on ports found free, and waits until it is ready. A
+    /// server that exits because a port was taken meanwhile is started
+    /// again on others ([`START_ATTEMPTS`] in all).
     pub async fn start(kind: Kind, bins: &Binaries, tb: &TinybrokerEnv) -> Result<Server> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(kind, bins, tb).await {
+                Err(error) if attempt < START_ATTEMPTS && port_taken(&error) => {
+                    eprintln!("{kind}: a port was taken before it bound it; starting again on others ({error:#})");
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn start_once(kind: Kind, bins: &Binaries, tb: &TinybrokerEnv) -> Result<Server> {
         let addr = free_port()?;
         let http = if kind == Kind::Redis { None } else { Some(free_port()?) };
         let log = bins.log_dir.join(format!("{}-{}.log", kind, addr.port()));
@@ -277,6 +299,13 @@ pub fn tail_of(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Whether a start-up failure says a port was taken (tinybroker's "Address
+/// already in use", nats-server's and Redis's "address already in use").
+fn port_taken(error: &anyhow::Error) -> bool {
+    let text = format!("{error:#}").to_lowercase();
+    text.contains("exited during start-up") && text.contains("address already in use")
 }
 
 /// A free port on 127.0.0.1 (bound, then released for the server to take).
@@ -471,6 +500,28 @@ pub fn version_of(program: &Path, arg: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A start-up that lost its port is told from any other failure, in
+    /// the words tinybroker and nats-server use (the first is from a CI
+    /// guard run that failed on it).
+    #[test]
+    fn a_port_taken_at_start_up_is_told_apart() {
+        let taken = anyhow!(
+            "tinybroker exited during start-up with exit status: 2; its log /tmp/x.log:\ntinybroker: cannot listen on TINYBROKER_METRICS_ADDR=127.0.0.1:33227: Address already in use (os error 98)"
+        );
+        assert!(port_taken(&taken));
+        let nats = anyhow!(
+            "nats exited during start-up with exit status: 1; its log /tmp/y.log:\n[FTL] Error listening on port: 127.0.0.1:4222, \"listen tcp 127.0.0.1:4222: bind: address already in use\""
+        );
+        assert!(port_taken(&nats));
+        let other = anyhow!(
+            "tinybroker exited during start-up with exit status: 2; its log /tmp/z.log:\ntinybroker: TINYBROKER_MAX_MESSAGE_BYTES=x is not a number"
+        );
+        assert!(!port_taken(&other));
+        let not_ready =
+            anyhow!("tinybroker did not become ready within 10s; address already in use appears in a client's log");
+        assert!(!port_taken(&not_ready));
+    }
 
     #[test]
     fn prometheus_sum_over_labels() {
