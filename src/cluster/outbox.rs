@@ -34,7 +34,7 @@ use super::wire;
 use crate::engine::{BrokerError, WakeBatch};
 use bytes::{Bytes, BytesMut};
 use futures::FutureExt;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
@@ -164,6 +164,15 @@ impl Outbox {
     }
 }
 
+/// Wakes the sender if it waits for something queued (at the end of the
+/// publisher's burst), after letting go of the lock it was queued under.
+fn wake_sender(mut state: MutexGuard<'_, State>) {
+    if let Some(waker) = state.waker.take() {
+        drop(state);
+        WakeBatch::wake(waker);
+    }
+}
+
 impl ClusterEngine {
     /// Room in the outbox for `n` messages (at most all of it), taken at
     /// once if there is; else waited for while NATS answers.
@@ -209,11 +218,7 @@ impl ClusterEngine {
             body: body.clone(),
             room,
         });
-        let waker = state.waker.take();
-        drop(state);
-        if let Some(waker) = waker {
-            WakeBatch::wake(waker);
-        }
+        wake_sender(state);
         Ok(body)
     }
 
@@ -273,11 +278,7 @@ impl ClusterEngine {
             body: sent.clone(),
             room,
         });
-        let waker = state.waker.take();
-        drop(state);
-        if let Some(waker) = waker {
-            WakeBatch::wake(waker);
-        }
+        wake_sender(state);
         Ok(Some(sent))
     }
 
@@ -323,10 +324,7 @@ impl ClusterEngine {
             }
             // Queued under the same lock as numbered: in order.
             Outbox::queue_batch(&mut state, out, room);
-            if let Some(waker) = state.waker.take() {
-                drop(state);
-                WakeBatch::wake(waker);
-            }
+            wake_sender(state);
         }
         results
     }
