@@ -159,6 +159,16 @@ async fn process_metrics_agree_with_proc() {
         let reading = tokio::spawn(async move { while let Ok(Some(_)) = reader.message().await {} });
 
         let ticks = clock_ticks();
+        // The kernel charges CPU time by ticks it samples: a short burst can
+        // be charged nothing yet (CI read 0 ticks after 3,000 messages once).
+        // Burn until it has charged some, so the comparisons below compare
+        // something (at most 20 bursts; the assertion below says if not).
+        for _ in 0..20 {
+            if read_proc(pid).cpu_ticks > 0 {
+                break;
+            }
+            publish(&mut client, "burn.cpu", 3000).await;
+        }
         let mut fractional_checked = false;
         for round in 0..6 {
             // Burn CPU: a few thousand published and delivered messages.
