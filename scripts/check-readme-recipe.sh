@@ -115,6 +115,41 @@ user-with-sudo)
     "${run_as[@]}" sudo -n true || { echo "$user has no passwordless sudo" >&2; exit 1; }
     ;;
 esac
+# The recipe's fixed ports (the addresses it names, and the broker's
+# defaults set below) must be free when it starts. An outgoing connection
+# the kernel gives one of them as its source port (the ephemeral range is
+# 32768-60999, which holds 50051 and 50052) takes it from the recipe: CI
+# failed once with r2's "cannot listen on TINYBROKER_GRPC_ADDR=
+# 127.0.0.1:50052", most likely r1's own connection to NATS. As root the
+# ports are reserved (net.ipv4.ip_local_reserved_ports) for the run, and the
+# old value put back after; in any case a port still held by a socket that
+# is not in TIME-WAIT is waited for (10 s), then named with its holder.
+ports=$( (printf '%s\n' "$recipe" | grep -oE '(127\.0\.0\.1|localhost)?:[0-9]{4,5}\b' | grep -oE '[0-9]+$'
+    echo 50051; echo 9090) | sort -un | paste -sd, -)
+reserved_before=""
+reserved_file=/proc/sys/net/ipv4/ip_local_reserved_ports
+if [ "$(id -u)" = 0 ] && [ -w "$reserved_file" ]; then
+    reserved_before=$(cat "$reserved_file")
+    if echo "${reserved_before:+$reserved_before,}$ports" > "$reserved_file" 2> /dev/null; then
+        trap 'echo "$reserved_before" > "$reserved_file"' EXIT
+    else
+        reserved_before=""
+    fi
+fi
+port_holder() { # port_holder PORT: the sockets (not in TIME-WAIT) whose local port is PORT
+    ss -Htanp state all "( sport = :$1 )" 2> /dev/null | grep -v '^TIME-WAIT' || true
+}
+for port in ${ports//,/ }; do
+    for _ in $(seq 50); do
+        [ -n "$(port_holder "$port")" ] || break
+        sleep 0.2
+    done
+    if [ -n "$(port_holder "$port")" ]; then
+        echo "README's recipe $name needs port $port on 127.0.0.1, and it is held:" >&2
+        port_holder "$port" >&2
+        exit 1
+    fi
+done
 who=${as:-$(id -un)}
 echo "--- README's recipe $name, as $who:"; cat "$work/recipe.sh"; echo "---"
 status=0
