@@ -308,10 +308,20 @@ fn port_taken(error: &anyhow::Error) -> bool {
     text.contains("exited during start-up") && text.contains("address already in use")
 }
 
-/// A free port on 127.0.0.1 (bound, then released for the server to take).
+/// A free port on 127.0.0.1 (bound, then released for the server to take),
+/// below the kernel's ephemeral range (32768-60999 by default), as the
+/// tests' `free_port`: a `:0` port is one an outgoing connection can be
+/// given as its source port before the server binds it (a CI guard run lost
+/// tinybroker's metrics port that way; the NATS cluster's ports had the
+/// same race). [`Server::start`]'s retries stay for what is left.
 pub fn free_port() -> Result<SocketAddr> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0 to find a free port")?;
-    listener.local_addr().context("reading the free port")
+    use std::hash::{BuildHasher, RandomState};
+    (0u64..1_000)
+        .map(|attempt| 20_000 + (RandomState::new().hash_one(attempt) % 12_000) as u16)
+        .find_map(|port| TcpListener::bind(("127.0.0.1", port)).ok())
+        .context("no free port in 127.0.0.1:20000-31999 after 1,000 tries")?
+        .local_addr()
+        .context("reading the free port")
 }
 
 /// Memory and CPU counters of a process, from `/proc/<pid>/{status,stat}`.
@@ -521,6 +531,17 @@ mod tests {
         let not_ready =
             anyhow!("tinybroker did not become ready within 10s; address already in use appears in a client's log");
         assert!(!port_taken(&not_ready));
+    }
+
+    /// The ports servers are given are outside the kernel's ephemeral range,
+    /// where no outgoing connection can take them, and free.
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range() {
+        for _ in 0..20 {
+            let addr = free_port().unwrap();
+            assert!((20_000..32_000).contains(&addr.port()), "{addr}");
+            TcpListener::bind(addr).unwrap();
+        }
     }
 
     #[test]
