@@ -9,6 +9,7 @@ use crate::group::MemberSettings;
 use crate::topic::TopicPattern;
 use futures::Stream;
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -267,14 +268,14 @@ pub struct SubscriptionStream {
     subscription: Arc<Subscription>,
     /// Deliveries not yet added to the broker-wide counter; flushed when the
     /// queue runs dry and on drop, so busy streams don't contend on it.
-    unflushed: u64,
+    unflushed: u32,
     /// Auto-ack group members: messages streamed but not yet reported to
     /// the group (which then counts the member as having room for them).
     /// Reported every `report_every` and whenever the queue runs dry, so the
     /// group's lock is taken once per run, not per message.
     unreported: u32,
     /// `Some` for auto-ack group members only.
-    report_every: Option<u32>,
+    report_every: Option<NonZeroU32>,
     /// Deliveries handed out since the queue last ran dry or the stream
     /// last yielded (see [`TURN`]).
     turn: u32,
@@ -295,7 +296,7 @@ impl SubscriptionStream {
         let report_every = subscription
             .membership()
             .filter(|m| m.settings.ack_mode == AckMode::Auto)
-            .map(|m| (m.settings.max_in_flight / 4).clamp(1, 64));
+            .and_then(|m| NonZeroU32::new((m.settings.max_in_flight / 4).clamp(1, 64)));
         Self {
             broker,
             subscription,
@@ -342,9 +343,9 @@ impl SubscriptionStream {
             } else {
                 &stats.delivered_multi
             };
-            counter.fetch_add(self.unflushed, Ordering::Relaxed);
+            counter.fetch_add(u64::from(self.unflushed), Ordering::Relaxed);
             if let Some(m) = self.subscription.membership() {
-                m.group.add_delivered(self.unflushed);
+                m.group.add_delivered(u64::from(self.unflushed));
             }
             self.unflushed = 0;
         }
@@ -382,7 +383,7 @@ impl SubscriptionStream {
     /// The next delivery. `drained`: ask the queue whether it was the last
     /// one queued, and if so do now what finding it empty would do.
     pub(crate) fn poll_delivery(&mut self, cx: &mut Context<'_>, drained: bool) -> Poll<Option<(Delivery, bool)>> {
-        const FLUSH_EVERY: u64 = 256;
+        const FLUSH_EVERY: u32 = 256;
         if self.turn >= TURN {
             self.turn = 0;
             cx.waker().wake_by_ref();
@@ -403,7 +404,7 @@ impl SubscriptionStream {
                     .store(delivery.message.sequence, Ordering::Relaxed);
                 if let Some(every) = self.report_every {
                     self.unreported += 1;
-                    if self.unreported >= every {
+                    if self.unreported >= every.get() {
                         self.report_streamed();
                     }
                 }

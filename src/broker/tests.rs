@@ -26,6 +26,15 @@ fn a_subscription_is_104_bytes() {
     assert!(size <= 104, "{size}");
 }
 
+/// A subscription's stream, held by its session slot or its response body:
+/// its counters in 4 bytes each (32 in all, 40 with a `u64` and an
+/// `Option<u32>`).
+#[test]
+fn a_subscription_stream_is_32_bytes() {
+    let size = std::mem::size_of::<SubscriptionStream>();
+    assert!(size <= 32, "{size}");
+}
+
 /// The packed peer gives back what it was given: IPv4, IPv6 and none.
 #[test]
 fn a_subscriptions_peer_and_opening_time_read_back_as_given() {

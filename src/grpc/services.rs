@@ -290,7 +290,13 @@ impl<E: Engine> pb::broker_server::Broker for BrokerService<E> {
             .extensions_mut()
             .insert(PendingBody(Arc::new(Mutex::new(Some(tonic::body::Body::new(body))))));
         // Ids are printable ASCII (validated or generated), so this holds.
-        if let Ok(value) = MetadataValue::try_from(id.as_str()) {
+        // Sensitive: HPACK sends it as a literal "never indexed" instead of
+        // adding it to the connection's table, where a value no later
+        // response repeats would only push out ones that are repeated, and
+        // keep up to 4 KiB of ids alive per connection (about 60 bytes per
+        // idle subscription at 100 a connection).
+        if let Ok(mut value) = MetadataValue::try_from(id.as_str()) {
+            value.set_sensitive(true);
             response.metadata_mut().insert(SUBSCRIPTION_ID_METADATA, value);
         }
         self.name_instance(&mut response);

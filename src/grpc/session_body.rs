@@ -219,12 +219,49 @@ struct Sub<S> {
     /// alone: an idle subscription holds none).
     fields: Option<Box<SubscriberFields>>,
     group: bool,
-    /// Deliveries it may still be sent; None: no limit.
-    credit: Option<u64>,
+    /// Deliveries it may still be sent.
+    credit: Credit,
     /// Its waker, made from this when polled (`waker_ref`, no count taken).
     wake: Arc<SubWake>,
     /// The last round it was polled in.
     round: u64,
+}
+
+/// Deliveries a subscription may still be sent, in 8 bytes where an
+/// `Option<u64>` takes 16: `u64::MAX` is no limit (credit topped up that
+/// far saturates there, which is as good as none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Credit(u64);
+
+impl Credit {
+    const UNLIMITED: u64 = u64::MAX;
+
+    fn new(credit: Option<u64>) -> Self {
+        Self(credit.unwrap_or(Self::UNLIMITED))
+    }
+
+    /// None left (never true without a limit).
+    #[inline]
+    fn spent(self) -> bool {
+        self.0 == 0
+    }
+
+    /// One delivery sent.
+    #[inline]
+    fn take_one(&mut self) {
+        if self.0 != Self::UNLIMITED {
+            self.0 -= 1;
+        }
+    }
+
+    /// Adds `n`; what there was before, or None without a limit.
+    fn add(&mut self, n: u64) -> Option<u64> {
+        let was = self.0;
+        (was != Self::UNLIMITED).then(|| {
+            self.0 = was.saturating_add(n);
+            was
+        })
+    }
 }
 
 /// The subscriptions with something to look at, and the body's waker.
@@ -630,7 +667,7 @@ where
             fields: None,
             stream,
             group,
-            credit,
+            credit: Credit::new(credit),
             wake,
             round: 0,
         });
@@ -698,9 +735,7 @@ where
             }
             Some(Handle::Open(key)) => {
                 let sub = &mut self.subs[key];
-                if let Some(credit) = &mut sub.credit {
-                    let was = *credit;
-                    *credit = credit.saturating_add(added);
+                if let Some(was) = sub.credit.add(added) {
                     if was == 0 && added > 0 {
                         ArcWake::wake_by_ref(&sub.wake);
                     }
@@ -809,7 +844,7 @@ where
                 sub.wake.queued.store(false, Ordering::Release);
                 let waker = waker_ref(&sub.wake);
                 let mut sub_cx = Context::from_waker(&waker);
-                if sub.credit == Some(0) {
+                if sub.credit.spent() {
                     if sub.stream.poll_ended(&mut sub_cx).is_ready() {
                         ended.push(key);
                     }
@@ -817,9 +852,7 @@ where
                 }
                 match sub.stream.poll_next_drained(&mut sub_cx) {
                     Poll::Ready(Some((delivery, drained))) => {
-                        if let Some(credit) = &mut sub.credit {
-                            *credit -= 1;
-                        }
+                        sub.credit.take_one();
                         self.out.take(key, sub.handle, sub.group, delivery);
                         // Drained: its waker is left, and the next push puts
                         // it on the ready list; else it goes again next round.
@@ -2009,9 +2042,9 @@ mod tests {
     /// What a session holds per subscription: its slot and its handle
     /// (ARCHITECTURE.md, "What an idle subscription holds").
     #[test]
-    fn a_session_holds_88_bytes_a_32_byte_waker_and_an_8_byte_handle_per_subscription() {
+    fn a_session_holds_72_bytes_a_32_byte_waker_and_an_8_byte_handle_per_subscription() {
         use std::mem::size_of;
-        assert!(size_of::<super::Sub<crate::broker::SubscriptionStream>>() <= 88);
+        assert!(size_of::<super::Sub<crate::broker::SubscriptionStream>>() <= 72);
         // With the Arc's two counts: jemalloc's 32-byte class, not 48.
         assert_eq!(size_of::<super::SubWake>() + 16, 32);
         fn entry<K, V, S>(_: &HashMap<K, V, S>) -> usize {
