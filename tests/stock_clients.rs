@@ -537,6 +537,53 @@ async fn grpcio_holds_a_thousand_subscriptions_on_one_session() {
     );
 }
 
+/// Python grpcio, 60 `OpenSubscription` streams on one channel: each
+/// stream's initial metadata names its subscription (the given id, or a
+/// generated UUID of its own), and its first message carries the same id.
+/// The broker sends the id header as an HPACK literal that is never indexed
+/// (ARCHITECTURE.md, "What an idle subscription holds"); 60 ids are more
+/// than a 4 KiB table holds, so a header encoded against the table wrongly
+/// would show on a later stream of the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_reads_each_subscriptions_id_from_its_headers_on_one_channel() {
+    require_grpcio();
+    const COUNT: u64 = 60;
+    let broker = BrokerProcess::spawn(&[] as &[(&str, &str)]);
+    let addr = broker.grpc_addr.clone();
+    let (mut script, line) = tokio::task::spawn_blocking(move || {
+        let mut script = Script::spawn(
+            Command::new("python3").args(["grpcio_subscription_ids.py", &addr, &proto_dir(), &COUNT.to_string()]),
+            Duration::from_secs(90),
+        );
+        let line = script.line_starting(&["opened ", "result "]);
+        (script, line)
+    })
+    .await
+    .unwrap();
+    assert_eq!(line, format!("opened {COUNT}"), "stderr:\n{}", script.stderr_tail());
+    let mut publisher = pb::broker_client::BrokerClient::connect(broker.url()).await.unwrap();
+    for i in 1..=COUNT {
+        let published = publisher
+            .publish(pb::PublishRequest {
+                topic: format!("ids.{i}"),
+                payload: format!("{i}").into(),
+                headers: Default::default(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(published.matched_subscriptions, 1, "ids.{i}");
+    }
+    let (result, stderr) = tokio::task::spawn_blocking(move || (script.result(), script.stderr_tail()))
+        .await
+        .unwrap();
+    let context = format!("client result {result}\nclient stderr:\n{stderr}");
+    assert_eq!(result["problems"], serde_json::json!([]), "{context}");
+    assert_eq!(result["opened"], COUNT, "{context}");
+    assert_eq!(result["matched"], COUNT, "{context}");
+    assert_no_warnings(&broker);
+}
+
 /// The messages each batch script publishes in its first batch.
 const BATCH_COUNT: u64 = 500;
 
