@@ -136,13 +136,26 @@ func (b *broker) signal(sig syscall.Signal) {
 	}
 }
 
+// stopped reports whether every thread of pid is stopped (SIGSTOP), as /proc
+// says. Not the main thread's state alone: a thread stops when the group stop
+// reaches it, and on a loaded machine a worker can run on long enough to answer
+// a request written after the signal.
 func stopped(pid int) bool {
-	data, err := readFile("/proc/" + itoa(pid) + "/stat")
-	if err != nil {
+	tasks, err := os.ReadDir("/proc/" + itoa(pid) + "/task")
+	if err != nil || len(tasks) == 0 {
 		return false
 	}
-	i := lastIndex(data, ')')
-	return i >= 0 && i+2 < len(data) && data[i+2] == 'T'
+	for _, task := range tasks {
+		data, err := readFile("/proc/" + itoa(pid) + "/task/" + task.Name() + "/stat")
+		if err != nil {
+			return false
+		}
+		i := lastIndex(data, ')')
+		if i < 0 || i+2 >= len(data) || data[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
 }
 
 func isClosed(err error) bool {

@@ -36,9 +36,19 @@ def metrics(port):
 
 
 def stopped(pid):
-    """Whether the process is stopped (SIGSTOP), as /proc says."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    """Whether every thread of the process is stopped (SIGSTOP), as /proc
+    says. Not the main thread's state alone: a thread stops when the group
+    stop reaches it, and on a loaded machine a worker can run on long enough
+    to answer a request written after the signal."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return bool(states) and all(s == "T" for s in states)
 
 
 def with_metrics(env=None):

@@ -72,7 +72,7 @@ test("publisher waits while the broker is behind; an AbortSignal cancels a call"
   await pub.publish("big.x", "first"); // the stream is open
   // The broker stopped (SIGSTOP) reads nothing: after HTTP/2's windows fill,
   // a publish must wait instead of buffering without bound.
-  broker.proc.kill("SIGSTOP");
+  await broker.pause();
   t.after(() => broker.proc.kill("SIGCONT"));
   const payload = Buffer.alloc(64 * 1024, 120);
   let pending;

@@ -67,7 +67,7 @@ test("publish_returns_at_once_and_flush_reports", { timeout: 30_000 }, async (t)
   await client.publish("warm.up", "x"); // the session opens
   await client.flush({ timeout: 5000 });
   // The broker stopped: publish() still returns at once, every time.
-  broker.proc.kill("SIGSTOP");
+  await broker.pause();
   t.after(() => broker.proc.kill("SIGCONT"));
   // A few checked one by one (each check turns the event loop), the rest in one go.
   for (let i = 0; i < 20; i++) assert.equal(await isPending(client.publish("p.x", String(i))), false, `publish ${i} waited`);
@@ -191,7 +191,7 @@ test("unanswered_batches_are_unconfirmed", { timeout: 60_000 }, async (t) => {
   t.after(() => client.close());
   await client.publish("u.warm", "x");
   await client.flush({ timeout: 5000 });
-  broker.proc.kill("SIGSTOP");
+  await broker.pause();
   for (let i = 0; i < 10; i++) client.publish("u.x", String(i));
   await until(() => client.stats().messagesOut === 11, 5000, "the batch written");
   await broker.kill(); // the connection is cut before any answer
