@@ -21,6 +21,8 @@ pub mod subscription;
 
 pub use publish::{RemoteRoutes, RouteCache};
 pub(crate) use snapshot::set_unacked;
+#[cfg(test)]
+pub(crate) use subscription::QueueSlot;
 pub use subscription::{ExternalMember, Subscription, SubscriptionStream};
 
 use crate::config::Limits;

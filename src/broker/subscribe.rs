@@ -3,7 +3,7 @@
 
 use super::group::{ConsumerGroup, GroupLimits};
 use super::publish::Route;
-use super::subscription::{ExternalMember, Membership, Subscription, SubscriptionStream};
+use super::subscription::{ExternalMember, Membership, QueueSlot, Subscription, SubscriptionStream};
 use super::{Broker, ById};
 use crate::engine::queue::Queue;
 use crate::engine::validate::{self, truncate};
@@ -49,10 +49,10 @@ impl Broker {
             id,
             patterns,
             request.peer,
-            Queue::new(
+            QueueSlot::Own(Queue::new(
                 self.shared.limits.consumer_capacity,
                 self.shared.limits.consumer_max_bytes,
-            ),
+            )),
             None,
         ));
         self.register(&subscription)?;
@@ -82,7 +82,10 @@ impl Broker {
             request.subscription_id.as_str().into(),
             patterns,
             request.peer,
-            Queue::new(max_in_flight as usize, usize::MAX).with_credit(request.credit),
+            // Shared: the cluster engine's group hub holds it too.
+            QueueSlot::Shared(Arc::new(
+                Queue::new(max_in_flight as usize, usize::MAX).with_credit(request.credit),
+            )),
             None,
         );
         subscription.set_external(member);
@@ -164,12 +167,13 @@ impl Broker {
                 tokio::time::Instant::now(),
             ))
         });
+        let queue = Arc::new(Queue::new(settings.max_in_flight as usize, usize::MAX).with_credit(request.credit));
         let subscription = Arc::new(Subscription::new(
             key,
             id,
             patterns,
             request.peer,
-            Queue::new(settings.max_in_flight as usize, usize::MAX).with_credit(request.credit),
+            QueueSlot::Shared(queue.clone()),
             Some(Membership {
                 group: group.clone(),
                 settings,
@@ -184,12 +188,7 @@ impl Broker {
         }
         // Under the registry lock, so the idle sweep cannot remove the group
         // between the lookup and the join.
-        let joined = group.join(
-            subscription.key,
-            subscription.queue.clone(),
-            settings,
-            tokio::time::Instant::now(),
-        );
+        let joined = group.join(subscription.key, queue, settings, tokio::time::Instant::now());
         debug_assert!(joined, "groups are only removed under the registry lock");
         drop(groups);
         Ok(SubscriptionStream::new(self.clone(), subscription))

@@ -16,14 +16,20 @@ fn member(id: &str, group: &str, pattern: &str) -> SubscribeRequest {
 }
 
 /// A broadcast subscription holds what only members need boxed, its peer
-/// packed and its opening time in 8 bytes: 104 bytes, 120 with its `Arc`'s
-/// counts, in jemalloc's 128-byte class (at 136 it took 160).
+/// packed, its opening time in 8 bytes and its queue in place: 208 bytes,
+/// 224 with its `Arc`'s counts, in jemalloc's 224-byte class (with the
+/// queue in an `Arc` of its own: two allocations of 128).
 /// ARCHITECTURE.md, "What an idle subscription holds"; the guard's
 /// `idle-session` measures the whole.
 #[test]
-fn a_subscription_is_104_bytes() {
+fn a_subscription_is_208_bytes_with_its_queue() {
     let size = std::mem::size_of::<Subscription>();
-    assert!(size <= 104, "{size}");
+    assert!(size <= 208, "{size}");
+    assert_eq!(
+        std::mem::size_of::<super::QueueSlot>(),
+        std::mem::size_of::<crate::engine::queue::Queue>(),
+        "the slot's variant fits in the queue's own bytes"
+    );
 }
 
 /// A subscription's stream, held by its session slot or its response body:

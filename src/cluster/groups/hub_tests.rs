@@ -6,7 +6,7 @@
 
 use super::hub::{Backend, HubConfig, HubHandle, LINGER, Pull, Pulling};
 use super::state::{HubCore, Outbound, Pulled, Settings};
-use crate::broker::{ExternalMember, Subscription};
+use crate::broker::{ExternalMember, QueueSlot, Subscription};
 use crate::engine::queue::Queue;
 use crate::engine::{AckMode, Acked, Nacked};
 use crate::engine::{Delivery, Published};
@@ -231,7 +231,7 @@ fn subscription(id: &str, max_in_flight: u32, ack_mode: AckMode) -> Arc<Subscrip
         id.into(),
         vec![TopicPattern::parse("t").unwrap()],
         None,
-        Queue::new(max_in_flight as usize, usize::MAX),
+        QueueSlot::Shared(Arc::new(Queue::new(max_in_flight as usize, usize::MAX))),
         None,
     );
     s.set_external(ExternalMember {

@@ -181,7 +181,14 @@ impl<M: Clone> HubCore<M> {
 
     /// Adds a member and hands it what waits.
     pub(crate) fn join(&mut self, id: Arc<str>, subscription: Arc<Subscription>, settings: Settings, now: Instant) {
-        self.machine.join(id, subscription.queue.clone(), settings, now);
+        // Every external member's queue is shared (`Broker::open_external`);
+        // one that is not could never be handed anything.
+        let Some(queue) = subscription.queue.shared() else {
+            debug_assert!(false, "member {id} has no shared queue");
+            tracing::error!(member = %id, "a group member without a shared queue was not joined");
+            return;
+        };
+        self.machine.join(id, queue.clone(), settings, now);
         self.take_out();
     }
 
