@@ -1057,6 +1057,30 @@ async fn pitfalls_the_engine_must_avoid() {
 /// the key exists), get and watch from other servers, delete frees the key,
 /// update with a stale revision fails, and keys are limited to
 /// `[-/_=.a-zA-Z0-9]`.
+/// The bucket `name` as seen through `js`. A bucket just created on another
+/// server can time its first lookup out while its stream's leader settles
+/// (seen once in CI: `GetBucket` timed out 5 s after an R3 bucket was
+/// created); the engine's set-up retries the same way.
+async fn get_key_value(js: &jetstream::Context, name: &str) -> kv::Store {
+    let started = Instant::now();
+    loop {
+        match js.get_key_value(name).await {
+            Ok(store) => return store,
+            Err(e)
+                if e.kind() == jetstream::context::KeyValueErrorKind::GetBucket
+                    && started.elapsed() < Duration::from_secs(20) =>
+            {
+                eprintln!(
+                    "kv: looking up {name} failed after {:?} ({e}); again",
+                    started.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("get the bucket {name}: {e:?}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_bucket_as_the_cluster_wide_registry() {
     let cluster = NatsCluster::start(3).await;
@@ -1076,8 +1100,8 @@ async fn kv_bucket_as_the_cluster_wide_registry() {
             .await
             .expect("create the bucket");
         eprintln!("kv: created an R3 memory bucket in {:?}", started.elapsed());
-        let kv1 = js1.get_key_value("tbt_subs").await.unwrap();
-        let kv2 = js2.get_key_value("tbt_subs").await.unwrap();
+        let kv1 = get_key_value(&js1, "tbt_subs").await;
+        let kv2 = get_key_value(&js2, "tbt_subs").await;
         let mut watch = kv1.watch_all().await.unwrap();
 
         let started = Instant::now();
